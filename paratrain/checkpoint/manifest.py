@@ -1,0 +1,85 @@
+"""The manifest that marks a checkpoint complete and lets it be verified.
+
+DCP writes ``.metadata`` once every rank's data is written, but a directory can still hold a
+``.metadata`` from an earlier attempt, or files damaged since. So rank 0 writes
+``paratrain-manifest.json`` last, atomically, after every rank finished: it lists every file with its
+size and SHA-256, and carries the resolved config. No manifest, no checkpoint.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+from paratrain.checkpoint.safe_reader import load_metadata_safely
+from paratrain.errors import CheckpointError
+
+MANIFEST_NAME = "paratrain-manifest.json"
+METADATA_NAME = ".metadata"  # DCP's own index of the checkpoint
+_FORMAT_VERSION = 1
+
+
+def write_manifest(directory: Path, *, step: int, config: dict[str, Any], world_size: int) -> None:
+    files = {path.name: _describe_file(path) for path in sorted(directory.iterdir()) if path.name != MANIFEST_NAME}
+    manifest = {"format": _FORMAT_VERSION, "step": step, "world_size": world_size, "files": files, "config": config}
+    tmp = directory / (MANIFEST_NAME + ".tmp")
+    with open(tmp, "w") as handle:
+        json.dump(manifest, handle, indent=1)
+        handle.flush()
+        os.fsync(handle.fileno())
+    os.replace(tmp, directory / MANIFEST_NAME)
+
+
+def is_complete(directory: Path) -> bool:
+    return (directory / MANIFEST_NAME).is_file()
+
+
+def read_manifest(directory: Path) -> dict[str, Any]:
+    path = directory / MANIFEST_NAME
+    if not path.is_file():
+        raise CheckpointError(f"{directory} is not a complete checkpoint: {MANIFEST_NAME} is missing (the save did not finish)")
+    try:
+        return json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        raise CheckpointError(f"checkpoint file {path} is corrupt ({error}); use an earlier checkpoint") from None
+
+
+def verify_checkpoint(directory: Path) -> dict[str, Any]:
+    """Checks every listed file's size and checksum; returns the manifest.
+
+    Raises:
+        CheckpointError: naming the first file that is missing, truncated or altered.
+    """
+    directory = Path(directory)
+    if not directory.is_dir():
+        raise CheckpointError(f"checkpoint {directory} does not exist; pass an existing step-<N> directory or checkpoint.resume=auto")
+    manifest = read_manifest(directory)
+    for name, expected in manifest["files"].items():
+        _verify_file(directory / name, expected)
+    metadata_path = directory / METADATA_NAME
+    if not metadata_path.is_file():
+        raise CheckpointError(f"checkpoint file {metadata_path} is missing; use an earlier checkpoint")
+    load_metadata_safely(metadata_path.read_bytes(), path=str(metadata_path))  # refuses planted pickles
+    return manifest
+
+
+def _verify_file(path: Path, expected: dict[str, Any]) -> None:
+    if not path.is_file():
+        raise CheckpointError(f"checkpoint file {path} is missing; use an earlier checkpoint")
+    size = path.stat().st_size
+    if size != expected["bytes"]:
+        raise CheckpointError(f"checkpoint file {path} is truncated or altered: {size} bytes, expected {expected['bytes']}; use an earlier checkpoint")
+    if _sha256(path) != expected["sha256"]:
+        raise CheckpointError(f"checkpoint file {path} is corrupt: its SHA-256 does not match the manifest; use an earlier checkpoint")
+
+
+def _describe_file(path: Path) -> dict[str, Any]:
+    return {"bytes": path.stat().st_size, "sha256": _sha256(path)}
+
+
+def _sha256(path: Path) -> str:
+    with open(path, "rb") as handle:
+        return hashlib.file_digest(handle, "sha256").hexdigest()

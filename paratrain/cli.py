@@ -1,0 +1,94 @@
+"""``paratrain train | config show | export``: the command line, and how it hands off to workers."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+from paratrain.config import config_to_yaml, load_config
+from paratrain.errors import CheckpointError, ConfigError
+from paratrain.launch import LaunchOptions, launch
+from paratrain.preflight import preflight
+from paratrain.train import EXIT_USER_ERROR, PREFLIGHT_DONE_ENV, configure_logging, run
+
+
+def main(argv: list[str] | None = None) -> int:
+    # Like `python -m`, so factories in the user's project directory import.
+    sys.path.insert(0, os.getcwd())
+    args = parse_args(argv)
+    try:
+        return args.handler(args)
+    except (ConfigError, CheckpointError) as error:
+        print(f"paratrain: error: {error}", file=sys.stderr)
+        return EXIT_USER_ERROR
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    """Parses options and ``key=value`` overrides in any order (argparse alone wants them grouped)."""
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    unknown = [item for item in extra if item.startswith("-") or not hasattr(args, "overrides")]
+    if unknown:
+        parser.error(f"unrecognized arguments: {' '.join(unknown)}")
+    if extra:
+        args.overrides = [*args.overrides, *extra]
+    return args
+
+
+def train_command(args: argparse.Namespace) -> int:
+    options = LaunchOptions(args.nproc_per_node, args.nnodes, args.node_rank, args.rdzv_endpoint, args.max_restarts)
+    options.validate()
+    config = load_config(args.config, args.overrides)
+    preflight(config, world_size=options.world_size, nproc_per_node=options.nproc_per_node)
+    if options.world_size == 1 and options.max_restarts == 0:
+        configure_logging(rank=0)
+        run(config)
+        return 0
+    return launch(options, [args.config, *args.overrides], env={PREFLIGHT_DONE_ENV: "1"})
+
+
+def config_show_command(args: argparse.Namespace) -> int:
+    print(config_to_yaml(load_config(args.config, args.overrides)), end="")
+    return 0
+
+
+def export_command(args: argparse.Namespace) -> int:
+    from paratrain.export import export_safetensors  # keeps safetensors off the training path
+
+    count = export_safetensors(Path(args.checkpoint), Path(args.out))
+    print(f"wrote {count} tensors to {args.out}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="paratrain", description="PyTorch-native distributed training.")
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    train = commands.add_parser("train", help="train from a YAML config")
+    train.add_argument("config", help="YAML config file")
+    train.add_argument("overrides", nargs="*", metavar="key=value", help="dotted config overrides, e.g. train.max_steps=50")
+    train.add_argument("--nproc-per-node", type=int, default=1, help="processes on this node (one per GPU)")
+    train.add_argument("--nnodes", type=int, default=1, help="number of nodes")
+    train.add_argument("--node-rank", type=int, default=0, help="this node's rank, 0..nnodes-1")
+    train.add_argument("--rdzv-endpoint", help="HOST:PORT of node 0, the same on every node (multi-node)")
+    train.add_argument("--max-restarts", type=int, default=0, help="restart the group this often after a failure")
+    train.set_defaults(handler=train_command)
+
+    config = commands.add_parser("config", help="inspect configs")
+    config_commands = config.add_subparsers(dest="config_command", required=True)
+    show = config_commands.add_parser("show", help="print the fully resolved config")
+    show.add_argument("config", help="YAML config file")
+    show.add_argument("overrides", nargs="*", metavar="key=value")
+    show.set_defaults(handler=config_show_command)
+
+    export = commands.add_parser("export", help="write consolidated model weights from a checkpoint")
+    export.add_argument("checkpoint", help="a step-<N> checkpoint directory")
+    export.add_argument("--out", required=True, help="output .safetensors file")
+    export.set_defaults(handler=export_command)
+    return parser
+
+
+if __name__ == "__main__":
+    sys.exit(main())

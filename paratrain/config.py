@@ -1,0 +1,238 @@
+"""The typed config tree and how it is loaded.
+
+One precedence chain: schema defaults < YAML file < ``dotted.key=value`` overrides. Every field has a
+docstring; ``docs/config.md`` is generated from them (and a test keeps it in step). Unknown keys are
+rejected and every error is reported at once, each with its dotted path.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from paratrain.errors import ConfigError
+
+
+class Section(BaseModel):
+    """Base of every config section: unknown keys are errors, field docstrings are descriptions."""
+
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True, validate_default=True)
+
+
+class RunConfig(Section):
+    name: str = "paratrain"
+    """Run name, shown in logs and recorded in the metrics."""
+    output_dir: Path = Path("runs/paratrain")
+    """Directory for config.yaml, metrics.jsonl, checkpoints/ and tensorboard/."""
+
+
+class TrainConfig(Section):
+    max_steps: int = Field(100, gt=0)
+    """Number of optimizer steps to train for."""
+    global_batch_size: int = Field(32, gt=0)
+    """Samples per optimizer step, summed over all data-parallel ranks and micro-batches."""
+    micro_batch_size: int = Field(8, gt=0)
+    """Samples per forward/backward on one rank. Gradient accumulation steps are
+    global_batch_size / (micro_batch_size x data-parallel size)."""
+    seed: int = 0
+    """Seed for model initialisation, data order and every random number generator."""
+    grad_clip: float | None = Field(1.0, gt=0)
+    """Clip the global gradient norm to this value; null disables clipping (the norm is still logged)."""
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    """Device kind: auto picks CUDA (one GPU per process, NCCL) when present, else CPU (gloo)."""
+
+
+class OptimConfig(Section):
+    name: Literal["adamw", "sgd"] = "adamw"
+    """Optimizer."""
+    lr: float = Field(3e-4, gt=0)
+    """Peak learning rate (before optional scaling by data-parallel size)."""
+    weight_decay: float = Field(0.0, ge=0)
+    """Decoupled weight decay (AdamW) or L2 penalty (SGD)."""
+    betas: tuple[float, float] = (0.9, 0.95)
+    """AdamW betas."""
+    eps: float = Field(1e-8, gt=0)
+    """AdamW epsilon."""
+    momentum: float = Field(0.0, ge=0)
+    """SGD momentum."""
+    warmup_steps: int = Field(0, ge=0)
+    """Linear warm-up from 0 to the peak learning rate over this many steps."""
+    schedule: Literal["cosine", "constant"] = "cosine"
+    """Learning-rate shape after warm-up: cosine decay to min_lr_ratio x lr at max_steps, or constant."""
+    min_lr_ratio: float = Field(0.1, ge=0, le=1)
+    """Final learning rate of the cosine schedule, as a fraction of the peak."""
+    lr_scaling: Literal["none", "linear", "sqrt"] = "none"
+    """Scale lr by the data-parallel size (linear) or its square root. Changes the training math:
+    a run scaled this way no longer matches a single-process run."""
+
+
+class DDPConfig(Section):
+    bucket_cap_mb: float = Field(25.0, gt=0)
+    """Gradient bucket size for DistributedDataParallel's all-reduce."""
+    static_graph: bool = False
+    """Tell DDP the graph is the same every iteration (enables extra optimisations)."""
+    find_unused_parameters: bool = False
+    """Let DDP handle parameters that get no gradient in some steps (costs a graph traversal)."""
+    gradient_as_bucket_view: bool = True
+    """Gradients alias DDP's buckets, saving one copy of the gradients."""
+
+
+class ParallelConfig(Section):
+    strategy: Literal["single", "dp", "ddp"] = "single"
+    """single: one process. dp: torch.nn.DataParallel over the local GPUs of one process.
+    ddp: DistributedDataParallel, one process per device (launch with --nproc-per-node / --nnodes)."""
+    ddp: DDPConfig = DDPConfig()
+    """DistributedDataParallel options (strategy ddp only)."""
+
+
+class CheckpointConfig(Section):
+    every_steps: int = Field(0, ge=0)
+    """Save a checkpoint every N steps into output_dir/checkpoints/step-<N>/; 0 saves only at the end."""
+    keep_last: int | None = Field(3, gt=0)
+    """Keep this many complete checkpoints (older ones are deleted); null keeps all."""
+    resume: str = "auto"
+    """auto: continue from the latest complete checkpoint in output_dir, if any. never: start fresh
+    (refused if output_dir already has checkpoints). Anything else: path of a checkpoint to load."""
+    save_final: bool = True
+    """Save a checkpoint after the last step."""
+
+
+class LogConfig(Section):
+    every_steps: int = Field(10, gt=0)
+    """Reduce metrics across ranks and log them every N steps (and at the last step)."""
+    tensorboard: bool = False
+    """Also write TensorBoard event files into output_dir/tensorboard/."""
+    progress_bar: Literal["auto", "on", "off"] = "auto"
+    """auto shows a progress bar when rank 0's stderr is a terminal; otherwise plain lines."""
+
+
+class FactoryConfig(Section):
+    factory: str
+    """Import path 'package.module:callable' of the factory."""
+    args: dict[str, Any] = {}
+    """Keyword arguments for the factory; checked against its signature before training."""
+
+
+class ModelConfig(FactoryConfig):
+    factory: str = "paratrain.models.gpt:build_gpt"
+    """Import path of a callable returning an nn.Module."""
+
+
+class DataConfig(FactoryConfig):
+    factory: str = "paratrain.data.text:build_char_dataset"
+    """Import path of a callable returning a map-style Dataset of (inputs, targets) pairs."""
+    shuffle: bool = True
+    """Shuffle the sample order each epoch (seeded by train.seed and the epoch only)."""
+    num_workers: int = Field(0, ge=0)
+    """DataLoader worker processes per rank."""
+
+
+class LossConfig(FactoryConfig):
+    factory: str = "paratrain.losses:cross_entropy"
+    """Import path of a callable returning loss_fn(outputs, targets) -> scalar mean loss."""
+
+
+class Config(Section):
+    """Root of the config tree. Only the CLI, the worker entry and the Trainer see all of it."""
+
+    run: RunConfig = RunConfig()
+    train: TrainConfig = TrainConfig()
+    optim: OptimConfig = OptimConfig()
+    parallel: ParallelConfig = ParallelConfig()
+    precision: Literal["fp32", "bf16", "fp16"] = "fp32"
+    """Compute precision: bf16/fp16 autocast (fp16 adds a gradient scaler); weights stay fp32."""
+    checkpoint: CheckpointConfig = CheckpointConfig()
+    log: LogConfig = LogConfig()
+    model: ModelConfig = ModelConfig()
+    data: DataConfig = DataConfig()
+    loss: LossConfig = LossConfig()
+
+    @model_validator(mode="after")
+    def _micro_batch_fits_global_batch(self) -> Config:
+        if self.train.global_batch_size % self.train.micro_batch_size:
+            raise ValueError(
+                f"train.global_batch_size={self.train.global_batch_size} is not divisible by "
+                f"train.micro_batch_size={self.train.micro_batch_size}; pick sizes where it is"
+            )
+        return self
+
+
+def load_config(path: str | Path | None, overrides: list[str] = ()) -> Config:
+    """Builds the config from defaults, an optional YAML file and ``key.sub=value`` overrides.
+
+    Raises:
+        ConfigError: the file is missing or not YAML, an override is malformed, or validation fails
+            (all validation errors listed, each with its dotted key).
+    """
+    raw = _read_yaml(Path(path)) if path is not None else {}
+    for override in overrides:
+        key, value = _parse_override(override)
+        _set_dotted(raw, key, value)
+    return validate_config(raw)
+
+
+def validate_config(raw: dict[str, Any]) -> Config:
+    """Validates a plain dict against the schema, reporting every problem at once."""
+    try:
+        return Config.model_validate(raw)
+    except ValidationError as error:
+        raise ConfigError(_format_validation_errors(error)) from None
+
+
+def config_to_yaml(config: Config) -> str:
+    """The fully resolved config as YAML that load_config reads back to the same Config."""
+    return yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False)
+
+
+def _read_yaml(path: Path) -> dict[str, Any]:
+    if not path.is_file():
+        raise ConfigError(f"config file {path} does not exist; pass the path of a YAML config")
+    try:
+        loaded = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as error:
+        raise ConfigError(f"config file {path} is not valid YAML: {error}") from None
+    if loaded is None:
+        return {}
+    if not isinstance(loaded, dict):
+        raise ConfigError(f"config file {path} must hold a mapping of sections, not {type(loaded).__name__}")
+    return loaded
+
+
+def _parse_override(override: str) -> tuple[str, Any]:
+    key, sep, text = override.partition("=")
+    if not sep or not key or any(not part for part in key.split(".")):
+        raise ConfigError(f"override {override!r} must look like section.key=value (e.g. train.max_steps=100)")
+    # YAML parsing gives overrides the same typing as the file: 3 -> int, null -> None, [1,2] -> list.
+    return key, yaml.safe_load(text) if text else ""
+
+
+def _set_dotted(tree: dict[str, Any], dotted_key: str, value: Any) -> None:
+    *parents, leaf = dotted_key.split(".")
+    node = tree
+    for index, part in enumerate(parents):
+        child = node.setdefault(part, {})
+        if not isinstance(child, dict):
+            prefix = ".".join(parents[: index + 1])
+            raise ConfigError(f"override {dotted_key}: {prefix} is a value, not a section")
+        node = child
+    node[leaf] = value
+
+
+def _format_validation_errors(error: ValidationError) -> str:
+    lines = [f"invalid config ({error.error_count()} problem{'s' if error.error_count() > 1 else ''}):"]
+    for item in error.errors():
+        key = ".".join(str(part) for part in item["loc"]) or "(root)"
+        lines.append(f"  {key}: {_describe(item)}")
+    return "\n".join(lines)
+
+
+def _describe(item: dict[str, Any]) -> str:
+    if item["type"] == "extra_forbidden":
+        return "unknown key; remove it or fix its spelling (see docs/config.md for the valid keys)"
+    message = item["msg"].removeprefix("Value error, ")
+    if item["type"] in ("value_error", "assertion_error"):
+        return message
+    return f"{message} (got {item.get('input')!r})"

@@ -1,0 +1,76 @@
+"""A character-level corpus that needs no download: docstrings of the Python standard library.
+
+The vocabulary is fixed (the 128 ASCII code points; anything else maps to '?') so the model's shape
+does not depend on which text was read.
+"""
+
+from __future__ import annotations
+
+import ast
+import sysconfig
+from pathlib import Path
+
+import torch
+from torch.utils.data import Dataset
+
+VOCAB_SIZE = 128
+
+# A fixed list keeps the corpus the same run after run on one Python version.
+STDLIB_MODULES = (
+    "argparse.py", "collections/__init__.py", "dataclasses.py", "functools.py", "inspect.py",
+    "json/__init__.py", "logging/__init__.py", "pathlib.py", "subprocess.py", "threading.py",
+    "typing.py", "unittest/case.py", "textwrap.py", "shutil.py", "tarfile.py", "zipfile.py",
+    "datetime.py", "decimal.py", "fractions.py", "statistics.py", "random.py", "heapq.py",
+    "bisect.py", "enum.py", "abc.py", "contextlib.py", "tempfile.py", "csv.py", "pprint.py",
+)
+
+
+def stdlib_docstrings(max_chars: int) -> str:
+    """Module, class and function docstrings of STDLIB_MODULES, joined, at most max_chars long."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    pieces: list[str] = []
+    for relative in STDLIB_MODULES:
+        path = root / relative
+        if path.is_file():
+            pieces.extend(_docstrings(path.read_text(encoding="utf-8", errors="replace")))
+    return "\n\n".join(pieces)[:max_chars]
+
+
+def _docstrings(source: str) -> list[str]:
+    nodes = [node for node in ast.walk(ast.parse(source)) if isinstance(node, _DOCUMENTED)]
+    return [doc for node in nodes if (doc := ast.get_docstring(node))]
+
+
+_DOCUMENTED = (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)
+
+
+def encode(text: str) -> torch.Tensor:
+    return torch.tensor([ord(c) if ord(c) < VOCAB_SIZE else ord("?") for c in text], dtype=torch.long)
+
+
+def decode(tokens: torch.Tensor) -> str:
+    return "".join(chr(t) for t in tokens.tolist())
+
+
+class CharDataset(Dataset):
+    """Non-overlapping windows of block_size + 1 characters: inputs are the first block_size, targets
+    the same shifted by one."""
+
+    def __init__(self, tokens: torch.Tensor, block_size: int):
+        if len(tokens) <= block_size:
+            raise ValueError(f"data.args: corpus of {len(tokens)} characters is shorter than block_size={block_size}")
+        self.tokens = tokens
+        self.block_size = block_size
+
+    def __len__(self) -> int:
+        return (len(self.tokens) - 1) // self.block_size
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        start = index * self.block_size
+        window = self.tokens[start : start + self.block_size + 1]
+        return window[:-1], window[1:]
+
+
+def build_char_dataset(*, block_size: int = 64, max_chars: int = 1_000_000) -> CharDataset:
+    """Factory for config files: ``data.factory: paratrain.data.text:build_char_dataset``."""
+    return CharDataset(encode(stdlib_docstrings(max_chars)), block_size)

@@ -1,0 +1,85 @@
+"""Process-group set-up and tear-down, and the device and backend each rank uses.
+
+A process started by torchrun (``RANK``/``WORLD_SIZE``/``LOCAL_RANK`` in the environment) joins the
+group through ``env://``. A lone process that still needs a group (``ddp`` on one process) gets a
+one-rank group over an in-memory store, so it opens no port.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+import torch.distributed as dist
+
+from paratrain.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class DistContext:
+    """Where this process stands: its rank, the world and the device it computes on."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+    backend: str | None  # None when no process group exists (a lone process that needs none)
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def launched_by_torchrun() -> bool:
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
+def world_size_from_env() -> int:
+    """Processes in the job: torchrun's WORLD_SIZE, or 1 for a process started on its own."""
+    return int(os.environ.get("WORLD_SIZE", 1))
+
+
+def pick_device(kind: Literal["auto", "cpu", "cuda"], local_rank: int) -> torch.device:
+    """One device per process: ``cuda:LOCAL_RANK`` when CUDA is asked for or available, else CPU.
+
+    Raises:
+        ConfigError: CUDA was asked for but this rank has no GPU of its own.
+    """
+    if kind == "cpu" or (kind == "auto" and not torch.cuda.is_available()):
+        return torch.device("cpu")
+    available = torch.cuda.device_count()
+    if local_rank >= available:
+        raise ConfigError(
+            f"train.device={kind} needs a GPU for local rank {local_rank}, but this machine has "
+            f"{available}; use train.device=cpu or start at most {available} processes per node"
+        )
+    return torch.device("cuda", local_rank)
+
+
+def init_distributed(
+    *, device_kind: Literal["auto", "cpu", "cuda"], needs_group: bool, timeout_s: float = 600.0
+) -> DistContext:
+    """Joins (or creates) the process group and binds this process to its device."""
+    rank = int(os.environ.get("RANK", 0))
+    world_size = world_size_from_env()
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    device = pick_device(device_kind, local_rank)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    timeout = datetime.timedelta(seconds=timeout_s)
+    if launched_by_torchrun():
+        dist.init_process_group(backend, timeout=timeout, device_id=device if device.type == "cuda" else None)
+    elif needs_group:
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+    else:
+        backend = None
+    return DistContext(rank, world_size, local_rank, device, backend)
+
+
+def destroy_distributed() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()

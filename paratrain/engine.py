@@ -1,0 +1,71 @@
+"""Forward and backward over one step's micro-batches.
+
+The trainer's step asks an engine for ``forward_backward(micro_batches)`` and never looks inside, so a
+pipeline schedule (which runs all micro-batches through its stages itself) can take this engine's
+place without the loop changing.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Callable, Protocol
+
+import torch
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from paratrain.precision import MixedPrecision
+
+LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+class Engine(Protocol):
+    def forward_backward(self, micro_batches: list[Any]) -> torch.Tensor:
+        """Accumulates the step's gradients; returns this rank's mean loss (detached)."""
+
+
+class MicroBatchEngine:
+    """Gradient accumulation over micro-batches for layouts where each rank holds whole layers.
+
+    Each micro-batch's loss is divided by their number, so the accumulated gradient is the gradient
+    of the mean loss over the step's samples, as one large batch would give. Gradients are
+    synchronised across data-parallel ranks only on the last micro-batch.
+    """
+
+    def __init__(self, model: nn.Module, loss_fn: LossFn, precision: MixedPrecision, *, device: torch.device):
+        self.model = model
+        self.loss_fn = loss_fn
+        self.precision = precision
+        self.device = device
+
+    def forward_backward(self, micro_batches: list[Any]) -> torch.Tensor:
+        total = torch.zeros((), device=self.device)
+        for index, (inputs, targets) in enumerate(micro_batches):
+            last = index == len(micro_batches) - 1
+            with self._gradient_sync(enabled=last):
+                loss = self._forward_backward_one(inputs, targets, weight=1.0 / len(micro_batches))
+            total += loss
+        return total / len(micro_batches)
+
+    def _forward_backward_one(self, inputs: Any, targets: Any, *, weight: float) -> torch.Tensor:
+        inputs, targets = move_to(inputs, self.device), move_to(targets, self.device)
+        with self.precision.autocast():
+            loss = self.loss_fn(self.model(inputs), targets)
+        self.precision.scale(loss * weight).backward()
+        return loss.detach()
+
+    def _gradient_sync(self, *, enabled: bool) -> contextlib.AbstractContextManager:
+        if not enabled and isinstance(self.model, DistributedDataParallel):
+            return self.model.no_sync()
+        return contextlib.nullcontext()
+
+
+def move_to(batch: Any, device: torch.device) -> Any:
+    """Moves tensors in a (nested) tuple, list or dict to device."""
+    if isinstance(batch, torch.Tensor):
+        return batch.to(device, non_blocking=True)
+    if isinstance(batch, (tuple, list)):
+        return type(batch)(move_to(item, device) for item in batch)
+    if isinstance(batch, dict):
+        return {key: move_to(value, device) for key, value in batch.items()}
+    return batch

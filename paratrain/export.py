@@ -1,0 +1,45 @@
+"""Consolidated model weights from a checkpoint, as safetensors.
+
+Works from any checkpoint whatever layout wrote it: the model's tensors are read by name through
+DCP in this one process (no process group), one tensor at a time.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+import torch.distributed.checkpoint as dcp
+from safetensors.torch import save_file
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+from paratrain.checkpoint.manifest import verify_checkpoint
+from paratrain.checkpoint.safe_reader import SafeFileSystemReader, SafeLoadPlanner
+
+MODEL_PREFIX = "model."
+
+
+def model_tensor_names(checkpoint: Path) -> dict[str, TensorStorageMetadata]:
+    """Checkpoint keys of the model's tensors (without the ``model.`` prefix) and their metadata."""
+    metadata = SafeFileSystemReader(checkpoint).read_metadata()
+    return {
+        key.removeprefix(MODEL_PREFIX): item
+        for key, item in metadata.state_dict_metadata.items()
+        if key.startswith(MODEL_PREFIX) and isinstance(item, TensorStorageMetadata)
+    }
+
+
+def read_model_tensor(checkpoint: Path, name: str, item: TensorStorageMetadata) -> torch.Tensor:
+    tensor = torch.empty(item.size, dtype=item.properties.dtype)
+    dcp.load({"model": {name: tensor}}, storage_reader=SafeFileSystemReader(checkpoint), planner=SafeLoadPlanner(), no_dist=True)
+    return tensor
+
+
+def export_safetensors(checkpoint: Path, out: Path) -> int:
+    """Verifies the checkpoint, then writes its model weights to ``out``; returns the tensor count."""
+    manifest = verify_checkpoint(checkpoint)
+    names = model_tensor_names(checkpoint)
+    tensors = {name: read_model_tensor(checkpoint, name, item) for name, item in sorted(names.items())}
+    out.parent.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(out), metadata={"step": str(manifest["step"]), "source": str(checkpoint)})
+    return len(tensors)

@@ -1,0 +1,30 @@
+"""Fault injection for tests and the chaos benchmark: a real SIGKILL at a named point.
+
+``PARATRAIN_FAULT=<point>:<step>[:<rank>]`` kills the process (rank ``rank``, default every rank) when
+it reaches ``point`` at ``step``. Points: ``after_step`` (the step and any checkpoint of it are done),
+``mid_save`` (this rank's checkpoint data is written, the completion manifest is not). With the
+variable unset, nothing happens. A fault fires in the first attempt only: workers that torchrun
+restarts (``TORCHELASTIC_RESTART_COUNT`` > 0) run through, so a restart can be shown to recover.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+
+ENV_VAR = "PARATRAIN_FAULT"
+
+
+def maybe_kill(point: str, *, step: int, rank: int) -> None:
+    spec = os.environ.get(ENV_VAR)
+    first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
+    if spec and first_attempt and _matches(spec, point=point, step=step, rank=rank):
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _matches(spec: str, *, point: str, step: int, rank: int) -> bool:
+    fields = spec.split(":")
+    if len(fields) not in (2, 3):
+        raise ValueError(f"{ENV_VAR}={spec!r} must look like <point>:<step>[:<rank>]")
+    rank_matches = len(fields) == 2 or int(fields[2]) == rank
+    return fields[0] == point and int(fields[1]) == step and rank_matches

@@ -1,0 +1,131 @@
+"""A small GPT-style decoder (after nanoGPT), used as a character-level language model."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from paratrain.models.plan import ParallelPlan
+
+
+@dataclass(frozen=True)
+class GPTConfig:
+    vocab_size: int = 128
+    block_size: int = 64
+    n_layer: int = 2
+    n_head: int = 4
+    n_embd: int = 64
+    dropout: float = 0.0
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, config: GPTConfig):
+        super().__init__()
+        self.n_head = config.n_head
+        self.q_proj = nn.Linear(config.n_embd, config.n_embd)
+        self.k_proj = nn.Linear(config.n_embd, config.n_embd)
+        self.v_proj = nn.Linear(config.n_embd, config.n_embd)
+        self.out_proj = nn.Linear(config.n_embd, config.n_embd)
+        self.dropout = config.dropout
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        batch, seq, _ = x.shape
+        # -1 rather than n_embd // n_head: under tensor parallel each rank holds a slice of the heads.
+        q, k, v = (proj(x).view(batch, seq, -1, self.head_dim).transpose(1, 2) for proj in self._qkv())
+        dropout = self.dropout if self.training else 0.0
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout)
+        return self.out_proj(y.transpose(1, 2).reshape(batch, seq, -1))
+
+    @property
+    def head_dim(self) -> int:
+        return self.q_proj.in_features // self.n_head
+
+    def _qkv(self) -> tuple[nn.Linear, nn.Linear, nn.Linear]:
+        return self.q_proj, self.k_proj, self.v_proj
+
+
+class FeedForward(nn.Module):
+    def __init__(self, config: GPTConfig):
+        super().__init__()
+        self.up_proj = nn.Linear(config.n_embd, 4 * config.n_embd)
+        self.down_proj = nn.Linear(4 * config.n_embd, config.n_embd)
+        self.dropout = nn.Dropout(config.dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.dropout(self.down_proj(F.gelu(self.up_proj(x))))
+
+
+class Block(nn.Module):
+    def __init__(self, config: GPTConfig):
+        super().__init__()
+        self.attn_norm = nn.LayerNorm(config.n_embd)
+        self.attn = CausalSelfAttention(config)
+        self.mlp_norm = nn.LayerNorm(config.n_embd)
+        self.mlp = FeedForward(config)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.attn_norm(x))
+        return x + self.mlp(self.mlp_norm(x))
+
+
+class GPT(nn.Module):
+    """Token and position embeddings, a stack of pre-norm blocks, and an untied LM head.
+
+    The head is untied from the embedding so each block boundary is a clean cut for pipeline stages.
+    """
+
+    def __init__(self, config: GPTConfig):
+        super().__init__()
+        self.config = config
+        self.tok_emb = nn.Embedding(config.vocab_size, config.n_embd)
+        self.pos_emb = nn.Embedding(config.block_size, config.n_embd)
+        self.blocks = nn.ModuleList(Block(config) for _ in range(config.n_layer))
+        self.final_norm = nn.LayerNorm(config.n_embd)
+        self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
+        self.reset_parameters()
+
+    def parallel_plan(self) -> ParallelPlan:
+        return ParallelPlan(blocks=tuple(f"blocks.{i}" for i in range(len(self.blocks))))
+
+    def reset_parameters(self) -> None:
+        """GPT-2 initialisation; residual projections scaled down by depth."""
+        for name, param in self.named_parameters():
+            if name.endswith("bias"):
+                nn.init.zeros_(param)
+            elif "norm" in name:
+                nn.init.ones_(param)
+            else:
+                std = 0.02 / math.sqrt(2 * self.config.n_layer) if name.endswith(("out_proj.weight", "down_proj.weight")) else 0.02
+                nn.init.normal_(param, mean=0.0, std=std)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        positions = torch.arange(tokens.shape[1], device=tokens.device)
+        x = self.tok_emb(tokens) + self.pos_emb(positions)
+        for block in self.blocks:
+            x = block(x)
+        return self.lm_head(self.final_norm(x))
+
+    def flops_per_token(self) -> int:
+        """Training FLOPs per token: 6 x non-embedding parameters + attention (12 * L * d * S)."""
+        non_embedding = sum(p.numel() for n, p in self.named_parameters() if "emb" not in n)
+        c = self.config
+        return 6 * non_embedding + 12 * c.n_layer * c.n_embd * c.block_size
+
+
+def build_gpt(
+    *,
+    vocab_size: int = 128,
+    block_size: int = 64,
+    n_layer: int = 2,
+    n_head: int = 4,
+    n_embd: int = 64,
+    dropout: float = 0.0,
+) -> GPT:
+    """Factory for config files: ``model.factory: paratrain.models.gpt:build_gpt``."""
+    if n_embd % n_head:
+        raise ValueError(f"model.args.n_embd={n_embd} must be divisible by model.args.n_head={n_head}")
+    return GPT(GPTConfig(vocab_size, block_size, n_layer, n_head, n_embd, dropout))

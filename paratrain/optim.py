@@ -1,0 +1,47 @@
+"""Optimizer and learning-rate schedule from the ``optim`` config section."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+from torch.optim.lr_scheduler import LambdaLR
+
+from paratrain.config import OptimConfig
+
+
+def scaled_lr(options: OptimConfig, *, dp_size: int) -> float:
+    """Peak lr after the optional scaling by data-parallel size."""
+    factor = {"none": 1.0, "linear": float(dp_size), "sqrt": math.sqrt(dp_size)}[options.lr_scaling]
+    return options.lr * factor
+
+
+def build_optimizer(model: nn.Module, options: OptimConfig, *, dp_size: int) -> torch.optim.Optimizer:
+    """AdamW or SGD. Weight decay applies to matrices only (not biases, norms' scales), as in GPT-2."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    groups = [
+        {"params": [p for p in params if p.ndim >= 2], "weight_decay": options.weight_decay},
+        {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0},
+    ]
+    lr = scaled_lr(options, dp_size=dp_size)
+    if options.name == "adamw":
+        return torch.optim.AdamW(groups, lr=lr, betas=options.betas, eps=options.eps, foreach=True)
+    return torch.optim.SGD(groups, lr=lr, momentum=options.momentum, foreach=True)
+
+
+def build_lr_scheduler(optimizer: torch.optim.Optimizer, options: OptimConfig, *, max_steps: int) -> LambdaLR:
+    """Linear warm-up, then cosine decay to ``min_lr_ratio`` at max_steps (or constant)."""
+    return LambdaLR(optimizer, lambda step: lr_multiplier(step, options, max_steps=max_steps))
+
+
+def lr_multiplier(step: int, options: OptimConfig, *, max_steps: int) -> float:
+    """Fraction of the peak lr used by the optimizer step taken after ``step`` completed steps."""
+    if step < options.warmup_steps:
+        return (step + 1) / options.warmup_steps
+    if options.schedule == "constant":
+        return 1.0
+    decay_steps = max(1, max_steps - options.warmup_steps)
+    progress = min(1.0, (step - options.warmup_steps) / decay_steps)
+    cosine = 0.5 * (1.0 + math.cos(math.pi * progress))
+    return options.min_lr_ratio + (1.0 - options.min_lr_ratio) * cosine

@@ -1,0 +1,51 @@
+"""Mixed precision: autocast for the forward pass, and a gradient scaler for fp16.
+
+Weights, gradients and optimizer state stay fp32 in every mode; only the compute is lowered.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+Precision = Literal["fp32", "bf16", "fp16"]
+
+_AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+@dataclass
+class MixedPrecision:
+    """The autocast context for forward passes and, for fp16, the loss scaler."""
+
+    precision: Precision
+    device_type: str
+    scaler: torch.amp.GradScaler | None
+
+    def autocast(self) -> contextlib.AbstractContextManager:
+        if self.precision == "fp32":
+            return contextlib.nullcontext()
+        return torch.autocast(self.device_type, dtype=_AUTOCAST_DTYPES[self.precision])
+
+    def scale(self, loss: torch.Tensor) -> torch.Tensor:
+        return self.scaler.scale(loss) if self.scaler else loss
+
+    def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
+        """Brings gradients back to their true size before they are clipped or logged."""
+        if self.scaler:
+            self.scaler.unscale_(optimizer)
+
+    def step(self, optimizer: torch.optim.Optimizer) -> None:
+        """Steps the optimizer; under fp16 the scaler skips steps whose gradients overflowed."""
+        if self.scaler:
+            self.scaler.step(optimizer)
+            self.scaler.update()
+        else:
+            optimizer.step()
+
+
+def build_mixed_precision(precision: Precision, *, device: torch.device) -> MixedPrecision:
+    scaler = torch.amp.GradScaler(device.type) if precision == "fp16" else None
+    return MixedPrecision(precision, device.type, scaler)

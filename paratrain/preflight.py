@@ -1,0 +1,91 @@
+"""Checks that run before any process starts training, so bad input fails fast and leaves
+``output_dir`` untouched. Every problem found is reported at once."""
+
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from paratrain.checkpoint import find_checkpoints, verify_checkpoint
+from paratrain.config import Config
+from paratrain.errors import CheckpointError, ConfigError
+from paratrain.factories import check_factory_args
+from paratrain.parallel.dims import ParallelDims
+
+
+def preflight(config: Config, *, world_size: int, nproc_per_node: int) -> None:
+    """Raises one ConfigError listing every problem with running ``config`` on this many processes."""
+    checks: list[Callable[[], None]] = [
+        lambda: _check_layout(config, world_size),
+        lambda: _check_devices(config, nproc_per_node),
+        lambda: check_factory_args(config.model, key="model"),
+        lambda: check_factory_args(config.data, key="data"),
+        lambda: check_factory_args(config.loss, key="loss"),
+        lambda: _check_writable(config.run.output_dir),
+        lambda: _check_resume(config),
+    ]
+    problems = []
+    for check in checks:
+        try:
+            check()
+        except (ConfigError, CheckpointError) as error:
+            problems.append(str(error))
+    if problems:
+        raise ConfigError("\n".join(problems))
+
+
+def _check_layout(config: Config, world_size: int) -> None:
+    dims = ParallelDims.from_strategy(config.parallel.strategy, world_size)
+    step_unit = config.train.micro_batch_size * dims.dp
+    if config.train.global_batch_size % step_unit:
+        raise ConfigError(
+            f"train.global_batch_size={config.train.global_batch_size} is not divisible by "
+            f"train.micro_batch_size={config.train.micro_batch_size} x data-parallel size {dims.dp}; "
+            f"use a multiple of {step_unit}"
+        )
+
+
+def _check_devices(config: Config, nproc_per_node: int) -> None:
+    if config.train.device != "cuda":
+        return
+    available = torch.cuda.device_count()
+    if available < nproc_per_node:
+        raise ConfigError(
+            f"train.device=cuda with {nproc_per_node} process(es) per node needs {nproc_per_node} GPU(s), "
+            f"but this machine has {available}; use train.device=cpu or fewer processes per node"
+        )
+
+
+def _check_writable(output_dir: Path) -> None:
+    existing = output_dir
+    while not existing.exists():
+        existing = existing.parent
+    if not existing.is_dir():
+        raise ConfigError(f"run.output_dir={output_dir}: {existing} is a file, not a directory; choose another output_dir")
+    try:
+        with tempfile.TemporaryFile(dir=existing):
+            pass
+    except OSError as error:
+        raise ConfigError(f"run.output_dir={output_dir} is not writable ({error.strerror} in {existing}); choose a writable directory") from None
+
+
+def _check_resume(config: Config) -> None:
+    resume = config.checkpoint.resume
+    if resume == "auto":
+        return
+    if resume == "never":
+        if find_checkpoints(config.run.output_dir / "checkpoints"):
+            raise ConfigError(
+                f"checkpoint.resume=never but {config.run.output_dir}/checkpoints already holds checkpoints; "
+                f"use checkpoint.resume=auto to continue, or a new run.output_dir to start over"
+            )
+        return
+    if not Path(resume).exists():
+        raise ConfigError(f"checkpoint.resume={resume}: no such checkpoint; use auto, never, or an existing step-<N> directory")
+    try:
+        verify_checkpoint(Path(resume))
+    except CheckpointError as error:
+        raise ConfigError(f"checkpoint.resume={resume}: {error}") from None

@@ -1,0 +1,75 @@
+"""Per-rank entry point: config -> checks -> Trainer(...).train().
+
+``paratrain train`` runs it in-process for one process and through torchrun for more; users may also
+start it under torchrun themselves: ``torchrun --nproc-per-node 2 -m paratrain.train CONFIG [k=v ...]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+
+from paratrain.config import Config, load_config
+from paratrain.distributed import world_size_from_env
+from paratrain.errors import CheckpointError, ConfigError
+from paratrain.preflight import preflight
+from paratrain.trainer import Trainer, TrainResult
+
+# Set by the CLI once it has run the checks, so workers it launches do not repeat them.
+PREFLIGHT_DONE_ENV = "PARATRAIN_PREFLIGHT_DONE"
+
+EXIT_USER_ERROR = 2
+
+
+def run(config: Config) -> TrainResult:
+    """Trains the config's model, data and loss in this process (one rank of the job)."""
+    trainer = Trainer(config)
+    try:
+        return trainer.train()
+    finally:
+        trainer.close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parse_args(argv)
+    rank = int(os.environ.get("RANK", 0))
+    configure_logging(rank)
+    try:
+        config = load_config(args.config, args.overrides)
+        if rank == 0 and not os.environ.get(PREFLIGHT_DONE_ENV):
+            local = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+            preflight(config, world_size=world_size_from_env(), nproc_per_node=local)
+        run(config)
+    except (ConfigError, CheckpointError) as error:
+        report_user_error(error, rank=rank)
+        return EXIT_USER_ERROR
+    return 0
+
+
+def report_user_error(error: Exception, *, rank: int) -> None:
+    """The message alone, on rank 0's stderr: it already names the key and the fix."""
+    if rank == 0:
+        print(f"paratrain: error: {error}", file=sys.stderr, flush=True)
+
+
+def configure_logging(rank: int) -> None:
+    """Rank 0 logs progress; other ranks only warnings, so the terminal shows one voice."""
+    logging.basicConfig(
+        level=logging.INFO if rank == 0 else logging.WARNING,
+        format="%(asctime)s paratrain: %(message)s" if rank == 0 else f"%(asctime)s paratrain[rank {rank}]: %(message)s",
+        datefmt="%H:%M:%S",
+        stream=sys.stderr,
+    )
+
+
+def _parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m paratrain.train", description="One rank of a paratrain job.")
+    parser.add_argument("config", help="YAML config file")
+    parser.add_argument("overrides", nargs="*", help="dotted.key=value overrides")
+    return parser.parse_args(argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

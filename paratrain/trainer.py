@@ -1,0 +1,213 @@
+"""The training loop: ``train()`` (loop, checkpoints), ``train_step()`` (one optimizer step) and the
+engine's ``forward_backward()`` (the step's micro-batches). The loop never asks which layout runs
+underneath: the layout is applied once, in ``build_parallel_model``.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.data import Dataset
+
+from paratrain import faults
+from paratrain.builders import build_parallel_model, build_sampler, tokens_per_sample
+from paratrain.checkpoint import Checkpointer
+from paratrain.checkpoint.state import ModelState, OptimizerState, Progress, RNGState
+from paratrain.collectives import all_reduce_mean
+from paratrain.config import Config, config_to_yaml
+from paratrain.data.loader import StepBatches
+from paratrain.data.sampler import DataPosition
+from paratrain.distributed import DistContext, destroy_distributed, init_distributed, world_size_from_env
+from paratrain.engine import LossFn, MicroBatchEngine
+from paratrain.factories import call_factory
+from paratrain.metrics import MetricsLogger
+from paratrain.optim import build_lr_scheduler, build_optimizer
+from paratrain.parallel.dims import ParallelDims, data_parallel_coordinates
+from paratrain.precision import build_mixed_precision
+
+logger = logging.getLogger("paratrain")
+
+
+@dataclass(frozen=True)
+class TrainResult:
+    """What a finished run leaves behind."""
+
+    steps: int
+    final_loss: float | None
+    output_dir: Path
+    last_checkpoint: Path | None
+
+
+@dataclass
+class _LogWindow:
+    """Per-step values kept on device between log steps, so steps in between never synchronise."""
+
+    loss_sum: torch.Tensor
+    steps: int = 0
+    started: float = 0.0
+
+
+class Trainer:
+    """Trains a model under the layout the config names.
+
+    Args:
+        config: The resolved config (``paratrain.load_config``).
+        model_factory: Builds the model; defaults to ``model.factory`` of the config.
+        dataset: A map-style dataset of (inputs, targets); defaults to ``data.factory``.
+        loss_fn: ``loss_fn(outputs, targets) -> mean loss``; defaults to ``loss.factory``.
+    """
+
+    def __init__(self, config: Config, *, model_factory: Callable[[], nn.Module] | None = None,
+                 dataset: Dataset | None = None, loss_fn: LossFn | None = None):
+        self.config = config
+        self.dims = ParallelDims.from_strategy(config.parallel.strategy, world_size_from_env())
+        self.ctx: DistContext = init_distributed(device_kind=config.train.device, needs_group=self.dims.needs_process_group)
+        self.mesh = self.dims.build_mesh(self.ctx.device.type)
+        self.dp_rank, self.dp_size = data_parallel_coordinates(self.mesh)
+        torch.manual_seed(config.train.seed)  # same initial weights on every rank and every layout
+        self.bare_model = (model_factory or (lambda: call_factory(config.model, key="model")))()
+        self.model = build_parallel_model(self.bare_model, config.parallel, mesh=self.mesh, device=self.ctx.device)
+        self.optimizer = build_optimizer(self.bare_model, config.optim, dp_size=self.dp_size)
+        self.lr_scheduler = build_lr_scheduler(self.optimizer, config.optim, max_steps=config.train.max_steps)
+        self.precision = build_mixed_precision(config.precision, device=self.ctx.device)
+        loss_fn = loss_fn or call_factory(config.loss, key="loss")
+        self.engine = MicroBatchEngine(self.model, loss_fn, self.precision, device=self.ctx.device)
+        self.dataset = dataset if dataset is not None else call_factory(config.data, key="data")
+        self.sampler = build_sampler(len(self.dataset), config, dp_rank=self.dp_rank, dp_size=self.dp_size)
+        self.tokens_per_sample = tokens_per_sample(self.dataset)
+        self.progress, self.position = Progress(), DataPosition()
+        self.checkpointer = self._build_checkpointer()
+        self._prepare_output_dir()
+        self._maybe_resume()
+
+    def train(self) -> TrainResult:
+        """Runs from the current step to ``train.max_steps``, logging and checkpointing on the way."""
+        max_steps, last_loss = self.config.train.max_steps, None
+        metrics = self._open_metrics()
+        batches = self._batches()
+        window = self._new_window()
+        last_checkpoint = None
+        try:
+            while self.progress.step < max_steps:
+                loss, grad_norm, lr = self.train_step(next(batches))
+                self.progress.step += 1
+                self.position.advance(self.sampler.batches_per_epoch)
+                window.loss_sum += loss
+                window.steps += 1
+                metrics.step_done()
+                if self._should_log():
+                    last_loss = self._log(metrics, window, grad_norm, lr)
+                    window = self._new_window()
+                last_checkpoint = self._maybe_checkpoint() or last_checkpoint
+                faults.maybe_kill("after_step", step=self.progress.step, rank=self.ctx.rank)
+        finally:
+            metrics.close()
+        return TrainResult(self.progress.step, last_loss, self.config.run.output_dir, last_checkpoint)
+
+    def train_step(self, micro_batches: list[Any]) -> tuple[torch.Tensor, torch.Tensor, float]:
+        """One optimizer step over a global batch; returns (this rank's loss, grad norm, lr used)."""
+        self.optimizer.zero_grad(set_to_none=True)
+        loss = self.engine.forward_backward(micro_batches)
+        self.precision.unscale_(self.optimizer)
+        grad_norm = self._clip_gradients()
+        lr = self.optimizer.param_groups[0]["lr"]
+        self.precision.step(self.optimizer)
+        self.lr_scheduler.step()
+        return loss, grad_norm, lr
+
+    def close(self) -> None:
+        destroy_distributed()
+
+    def checkpoint_state(self) -> dict[str, Any]:
+        """Every Stateful that a resume needs, under the names checkpoints store them by."""
+        state = {
+            "model": ModelState(self.bare_model),
+            "optimizer": OptimizerState(self.bare_model, self.optimizer),
+            "lr_scheduler": self.lr_scheduler,
+            "data": self.position,
+            "progress": self.progress,
+            "rng": RNGState(self.ctx.rank, self.ctx.device),
+        }
+        if self.precision.scaler is not None:
+            state["grad_scaler"] = self.precision.scaler
+        return state
+
+    def _clip_gradients(self) -> torch.Tensor:
+        params = [p for p in self.bare_model.parameters() if p.grad is not None]
+        if self.config.train.grad_clip is None:
+            return torch.nn.utils.get_total_norm([p.grad for p in params])
+        return torch.nn.utils.clip_grad_norm_(params, self.config.train.grad_clip)
+
+    def _batches(self) -> Iterator[list[Any]]:
+        return StepBatches(self.dataset, self.sampler, start=self.position, num_workers=self.config.data.num_workers,
+                           pin_memory=self.ctx.device.type == "cuda")
+
+    def _should_log(self) -> bool:
+        step = self.progress.step
+        return step % self.config.log.every_steps == 0 or step == self.config.train.max_steps
+
+    def _new_window(self) -> _LogWindow:
+        return _LogWindow(torch.zeros((), device=self.ctx.device), started=time.perf_counter())
+
+    def _log(self, metrics: MetricsLogger, window: _LogWindow, grad_norm: torch.Tensor, lr: float) -> float:
+        loss = all_reduce_mean(window.loss_sum / window.steps).item()  # also waits for the window's work
+        step_time = (time.perf_counter() - window.started) / window.steps
+        samples_per_s = self.config.train.global_batch_size / step_time
+        record = {"step": self.progress.step, "loss": loss, "lr": lr, "grad_norm": grad_norm.item(),
+                  "step_time_s": step_time, "samples_per_s": samples_per_s, "epoch": self.position.epoch,
+                  "world_size": self.ctx.world_size}
+        if self.tokens_per_sample:
+            record["tokens_per_s"] = samples_per_s * self.tokens_per_sample
+        if self.ctx.is_main:
+            metrics.log(record)
+        return loss
+
+    def _maybe_checkpoint(self) -> Path | None:
+        step, options = self.progress.step, self.config.checkpoint
+        periodic = options.every_steps and step % options.every_steps == 0
+        final = options.save_final and step == self.config.train.max_steps
+        if not (periodic or final):
+            return None
+        path = self.checkpointer.save(step, self.checkpoint_state())
+        logger.info("saved checkpoint %s", path)
+        return path
+
+    def _maybe_resume(self) -> None:
+        path = self.checkpointer.choose_resume(self.config.checkpoint.resume)
+        if path is None:
+            return
+        self.checkpointer.load(path, self.checkpoint_state())
+        logger.info("resumed from %s at step %d (epoch %d)", path, self.progress.step, self.position.epoch)
+
+    def _build_checkpointer(self) -> Checkpointer:
+        return Checkpointer(self.config.run.output_dir / "checkpoints", keep_last=self.config.checkpoint.keep_last,
+                            rank=self.ctx.rank, world_size=self.ctx.world_size,
+                            config=self.config.model_dump(mode="json"))
+
+    def _prepare_output_dir(self) -> None:
+        if self.ctx.is_main:
+            self.config.run.output_dir.mkdir(parents=True, exist_ok=True)
+            (self.config.run.output_dir / "config.yaml").write_text(config_to_yaml(self.config))
+
+    def _open_metrics(self) -> MetricsLogger | _NoMetrics:
+        if not self.ctx.is_main:
+            return _NoMetrics()
+        return MetricsLogger(self.config.run.output_dir, tensorboard=self.config.log.tensorboard,
+                             progress_bar=self.config.log.progress_bar, start_step=self.progress.step,
+                             max_steps=self.config.train.max_steps)
+
+
+class _NoMetrics:
+    """Ranks other than 0 reduce metrics with everyone but write nothing."""
+
+    def step_done(self) -> None: ...
+
+    def close(self) -> None: ...
+
