@@ -13,6 +13,7 @@ import torch.distributed.checkpoint as dcp
 from safetensors.torch import save_file
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
+from paratrain.checkpoint.checkpointer import quiet_single_process
 from paratrain.checkpoint.manifest import verify_checkpoint
 from paratrain.checkpoint.safe_reader import SafeFileSystemReader, SafeLoadPlanner
 
@@ -31,7 +32,8 @@ def model_tensor_names(checkpoint: Path) -> dict[str, TensorStorageMetadata]:
 
 def read_model_tensor(checkpoint: Path, name: str, item: TensorStorageMetadata) -> torch.Tensor:
     tensor = torch.empty(item.size, dtype=item.properties.dtype)
-    dcp.load({"model": {name: tensor}}, storage_reader=SafeFileSystemReader(checkpoint), planner=SafeLoadPlanner(), no_dist=True)
+    with quiet_single_process():
+        dcp.load({"model": {name: tensor}}, storage_reader=SafeFileSystemReader(checkpoint), planner=SafeLoadPlanner(), no_dist=True)
     return tensor
 
 

@@ -150,8 +150,9 @@ class Trainer:
                            pin_memory=self.ctx.device.type == "cuda")
 
     def _should_log(self) -> bool:
+        # The first step is always logged: it shows the job is running and when training began.
         step = self.progress.step
-        return step % self.config.log.every_steps == 0 or step == self.config.train.max_steps
+        return step % self.config.log.every_steps == 0 or step in (1, self.config.train.max_steps)
 
     def _new_window(self) -> _LogWindow:
         return _LogWindow(torch.zeros((), device=self.ctx.device), started=time.perf_counter())
@@ -162,7 +163,7 @@ class Trainer:
         samples_per_s = self.config.train.global_batch_size / step_time
         record = {"step": self.progress.step, "loss": loss, "lr": lr, "grad_norm": grad_norm.item(),
                   "step_time_s": step_time, "samples_per_s": samples_per_s, "epoch": self.position.epoch,
-                  "world_size": self.ctx.world_size}
+                  "world_size": self.ctx.world_size, "time": time.time()}
         if self.tokens_per_sample:
             record["tokens_per_s"] = samples_per_s * self.tokens_per_sample
         if self.ctx.is_main:

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import re
 import shutil
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -56,7 +58,8 @@ class Checkpointer:
             shutil.rmtree(path, ignore_errors=True)
             path.mkdir(parents=True)
         barrier()
-        dcp.save(state, storage_writer=FileSystemWriter(path), no_dist=not is_distributed())
+        with quiet_single_process():
+            dcp.save(state, storage_writer=FileSystemWriter(path), no_dist=not is_distributed())
         faults.maybe_kill("mid_save", step=step, rank=self.rank)
         barrier()  # every rank's data is on disk before rank 0 declares the checkpoint complete
         if self.rank == 0:
@@ -66,12 +69,8 @@ class Checkpointer:
         return path
 
     def load(self, path: Path, state: dict[str, Stateful]) -> None:
-        dcp.load(
-            state,
-            storage_reader=SafeFileSystemReader(path),
-            planner=SafeLoadPlanner(),
-            no_dist=not is_distributed(),
-        )
+        with quiet_single_process():
+            dcp.load(state, storage_reader=SafeFileSystemReader(path), planner=SafeLoadPlanner(), no_dist=not is_distributed())
 
     def choose_resume(self, resume: str) -> Path | None:
         """The verified checkpoint to resume from (decided on rank 0, agreed by all ranks)."""
@@ -125,3 +124,11 @@ class Checkpointer:
         doomed += [(step, path) for step, path in all_found if step < newest_step and not is_complete(path)]
         for _, path in doomed:
             shutil.rmtree(path, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def quiet_single_process():
+    """DCP warns on every call without a process group; a lone process has none on purpose."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield
