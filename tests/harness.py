@@ -1,0 +1,87 @@
+"""The in-house harness: run the real ``paratrain`` CLI on tiny configs and read back what it wrote.
+
+Commands are argv lists, never shell strings. Multi-process runs go through the CLI's own torchrun
+launch, on CPU with gloo.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+import yaml
+
+from paratrain.export import model_tensor_names, read_model_tensor
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+TINY_GPT = {"factory": "paratrain.models.gpt:build_gpt", "args": {"block_size": 16, "n_layer": 2, "n_head": 2, "n_embd": 32}}
+TINY_TEXT = {"factory": "paratrain.data.text:build_char_dataset", "args": {"block_size": 16, "max_chars": 40_000}}
+
+
+def tiny_config(output_dir: Path, **sections: Any) -> dict[str, Any]:
+    """A config that trains in well under a second per step on one CPU core."""
+    config: dict[str, Any] = {
+        "run": {"name": "test", "output_dir": str(output_dir)},
+        "train": {"max_steps": 20, "global_batch_size": 8, "micro_batch_size": 2, "seed": 0},
+        "optim": {"lr": 1e-3, "warmup_steps": 2},
+        "log": {"every_steps": 1},
+        "checkpoint": {"every_steps": 0},
+        "model": TINY_GPT,
+        "data": TINY_TEXT,
+    }
+    for name, values in sections.items():
+        config[name] = {**config.get(name, {}), **values}
+    return config
+
+
+def write_config(path: Path, config: dict[str, Any]) -> Path:
+    path.write_text(yaml.safe_dump(config))
+    return path
+
+
+def run_cli(args: list[str], *, env: dict[str, str] | None = None, timeout: float = 240, cwd: Path | None = None) -> subprocess.CompletedProcess:
+    """Runs ``python -m paratrain.cli ARGS`` and returns it finished, output captured."""
+    full_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
+    return subprocess.run([sys.executable, "-m", "paratrain.cli", *args], capture_output=True, text=True,
+                          timeout=timeout, env=full_env, cwd=cwd or REPO_ROOT)
+
+
+def train(config_path: Path, *extra: str, nproc: int = 1, env: dict[str, str] | None = None, check: bool = True) -> subprocess.CompletedProcess:
+    args = ["train", str(config_path), *extra]
+    if nproc > 1:
+        args += ["--nproc-per-node", str(nproc)]
+    result = run_cli(args, env=env)
+    if check and result.returncode != 0:
+        raise AssertionError(f"paratrain train failed ({result.returncode}):\n{result.stderr[-4000:]}")
+    return result
+
+
+def read_metrics(output_dir: Path) -> list[dict[str, Any]]:
+    lines = (output_dir / "metrics.jsonl").read_text().splitlines()
+    return [json.loads(line) for line in lines]
+
+
+def losses_by_step(output_dir: Path) -> dict[int, float]:
+    return {record["step"]: record["loss"] for record in read_metrics(output_dir)}
+
+
+def checkpoint_weights(checkpoint_dir: Path) -> dict[str, torch.Tensor]:
+    """The model tensors of a checkpoint, by parameter name."""
+    names = model_tensor_names(checkpoint_dir)
+    return {name: read_model_tensor(checkpoint_dir, name, item) for name, item in names.items()}
+
+
+def max_relative_difference(a: dict[int, float], b: dict[int, float]) -> float:
+    assert a.keys() == b.keys(), f"different steps logged: {sorted(a)} vs {sorted(b)}"
+    return max(abs(a[k] - b[k]) / abs(b[k]) for k in a)
+
+
+def max_weight_difference(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    assert a.keys() == b.keys()
+    return max((a[k] - b[k]).abs().max().item() for k in a)

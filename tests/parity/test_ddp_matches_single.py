@@ -1,0 +1,53 @@
+"""Parity: every layout, on the same seed and global batch, trains like a single process."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tests.harness import (checkpoint_weights, losses_by_step, max_relative_difference, max_weight_difference,
+                           tiny_config, train, write_config)
+
+STEPS = 50
+LOSS_RTOL = 1e-5
+WEIGHT_ATOL = 1e-5
+
+
+def run_layout(tmp_path: Path, name: str, *, nproc: int = 1, **sections) -> Path:
+    output_dir = tmp_path / name
+    config = tiny_config(output_dir, train={"max_steps": STEPS, **sections.pop("train", {})}, **sections)
+    train(write_config(tmp_path / f"{name}.yaml", config), nproc=nproc)
+    return output_dir
+
+
+@pytest.fixture(scope="module")
+def single_run(tmp_path_factory) -> Path:
+    return run_layout(tmp_path_factory.mktemp("single"), "single", parallel={"strategy": "single"})
+
+
+def test_ddp_on_two_processes_matches_single_process_losses_and_weights(tmp_path, single_run):
+    ddp_run = run_layout(tmp_path, "ddp", nproc=2, parallel={"strategy": "ddp"})
+
+    single_losses, ddp_losses = losses_by_step(single_run), losses_by_step(ddp_run)
+    assert len(single_losses) == STEPS
+    assert max_relative_difference(ddp_losses, single_losses) <= LOSS_RTOL
+    final = f"checkpoints/step-{STEPS}"
+    assert max_weight_difference(checkpoint_weights(ddp_run / final), checkpoint_weights(single_run / final)) <= WEIGHT_ATOL
+    assert single_losses[STEPS] < single_losses[1] - 0.5, "the reference run should actually learn"
+
+
+def test_gradient_accumulation_of_four_micro_batches_matches_one_batch_of_four_times_the_size(tmp_path, single_run):
+    # single_run: global batch 8 in micro-batches of 2 (4 accumulation steps); here: one batch of 8.
+    whole = run_layout(tmp_path, "whole", parallel={"strategy": "single"}, train={"micro_batch_size": 8})
+
+    assert max_relative_difference(losses_by_step(whole), losses_by_step(single_run)) <= LOSS_RTOL
+    final = f"checkpoints/step-{STEPS}"
+    assert max_weight_difference(checkpoint_weights(whole / final), checkpoint_weights(single_run / final)) <= WEIGHT_ATOL
+
+
+def test_ddp_with_accumulation_on_two_processes_matches_single_process(tmp_path, single_run):
+    # 2 ranks x micro-batch 1 x 4 accumulation steps: sync must happen only on the last micro-batch.
+    ddp_run = run_layout(tmp_path, "ddp_accum", nproc=2, parallel={"strategy": "ddp"}, train={"micro_batch_size": 1})
+
+    assert max_relative_difference(losses_by_step(ddp_run), losses_by_step(single_run)) <= LOSS_RTOL
