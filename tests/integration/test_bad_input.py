@@ -1,0 +1,154 @@
+"""Bad input fails before training: on stderr, naming the key and the fix, exit code 2, no torch
+traceback, and nothing already in output_dir lost."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tests.harness import run_cli, tiny_config, train, write_config
+
+SENTINEL = "earlier results\n"
+
+
+@pytest.fixture
+def output_dir(tmp_path) -> Path:
+    """An output dir holding an earlier run's files, which a failed start must not touch."""
+    directory = tmp_path / "run"
+    directory.mkdir()
+    (directory / "metrics.jsonl").write_text(SENTINEL)
+    return directory
+
+
+def fails_cleanly(args: list[str], *expected: str, output_dir: Path | None = None) -> str:
+    result = run_cli(args)
+    assert result.returncode == 2, f"exit {result.returncode}; stderr:\n{result.stderr}"
+    assert "Traceback" not in result.stderr, result.stderr
+    for text in expected:
+        assert text in result.stderr, f"{text!r} not in:\n{result.stderr}"
+    if output_dir is not None:
+        assert (output_dir / "metrics.jsonl").read_text() == SENTINEL
+        assert not (output_dir / "config.yaml").exists()
+    return result.stderr
+
+
+def config_file(tmp_path: Path, output_dir: Path, **sections) -> str:
+    return str(write_config(tmp_path / "config.yaml", tiny_config(output_dir, **sections)))
+
+
+CASES = {
+    "unknown key": (["train.max_stepz=5"], ["train.max_stepz", "unknown key"]),
+    "wrong type": (["train.max_steps=many"], ["train.max_steps", "valid integer", "'many'"]),
+    "batch not divisible by micro batch x data-parallel size": (
+        ["parallel.strategy=ddp", "train.global_batch_size=6", "--nproc-per-node", "2"],
+        ["train.global_batch_size=6", "micro_batch_size=2 x data-parallel size 2", "multiple of 4"]),
+    "cuda asked for on a machine without": (["train.device=cuda"], ["train.device=cuda", "train.device=cpu"]),
+    "one-process strategy on two processes": (["parallel.strategy=single", "--nproc-per-node", "2"],
+                                              ["parallel.strategy=single", "use parallel.strategy=ddp"]),
+    "model factory that does not import": (["model.factory=no_such_package.models:build"],
+                                           ["model.factory", "no_such_package", "does not import"]),
+    "factory argument it does not take": (["model.args.n_layers=3"], ["model.args", "n_layers", "it accepts: vocab_size"]),
+    "resume path that does not exist": (["checkpoint.resume=/nonexistent/step-5"],
+                                        ["checkpoint.resume=/nonexistent/step-5", "no such checkpoint"]),
+}
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_bad_input_fails_before_training_with_a_message_naming_the_key(tmp_path, output_dir, case):
+    extra, expected = CASES[case]
+    fails_cleanly(["train", config_file(tmp_path, output_dir), *extra], *expected, output_dir=output_dir)
+
+
+def test_every_config_error_is_reported_at_once(tmp_path, output_dir):
+    fails_cleanly(["train", config_file(tmp_path, output_dir), "train.max_stepz=5", "optim.lr=-1", "precision=fp8"],
+                  "3 problems", "train.max_stepz", "optim.lr", "precision", output_dir=output_dir)
+
+
+def test_output_dir_that_is_not_writable_is_refused(tmp_path):
+    blocker = tmp_path / "a_file"
+    blocker.write_text("not a directory")
+    fails_cleanly(["train", config_file(tmp_path, blocker / "run")], "run.output_dir", "is a file, not a directory")
+
+
+def test_resume_never_refuses_to_mix_with_existing_checkpoints(tmp_path, output_dir):
+    (output_dir / "checkpoints/step-10").mkdir(parents=True)
+    fails_cleanly(["train", config_file(tmp_path, output_dir), "checkpoint.resume=never"],
+                  "checkpoint.resume=never", "use checkpoint.resume=auto", output_dir=output_dir)
+
+
+def test_missing_config_file_is_named(tmp_path):
+    fails_cleanly(["train", str(tmp_path / "nope.yaml")], "nope.yaml does not exist")
+
+
+@pytest.fixture(scope="module")
+def finished_run(tmp_path_factory) -> Path:
+    """A short run with checkpoints at steps 2 and 4."""
+    tmp_path = tmp_path_factory.mktemp("finished")
+    config = tiny_config(tmp_path / "run", train={"max_steps": 4}, checkpoint={"every_steps": 2})
+    train(write_config(tmp_path / "config.yaml", config))
+    return tmp_path / "run"
+
+
+def truncate_shard(checkpoint: Path) -> Path:
+    shard = next(checkpoint.glob("*.distcp"))
+    shard.write_bytes(shard.read_bytes()[:-100])
+    return shard
+
+
+def test_truncated_checkpoint_given_as_resume_path_is_refused_naming_the_file(tmp_path, finished_run):
+    run = tmp_path / "copy"
+    copy_tree(finished_run, run)
+    shard = truncate_shard(run / "checkpoints/step-4")
+    fails_cleanly(["train", config_file(tmp_path, tmp_path / "new"), f"checkpoint.resume={run}/checkpoints/step-4"],
+                  "checkpoint.resume=", str(shard), "truncated")
+
+
+def test_corrupt_latest_checkpoint_makes_auto_fall_back_to_the_previous_one(tmp_path, finished_run):
+    run = tmp_path / "copy"
+    copy_tree(finished_run, run)
+    shard = next((run / "checkpoints/step-4").glob("*.distcp"))
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0xFF  # one flipped byte: same size, different checksum
+    shard.write_bytes(bytes(data))
+
+    result = train(Path(config_file(tmp_path, run, train={"max_steps": 6})))
+    assert str(shard) in result.stderr and "corrupt" in result.stderr
+    assert "resumed from" in result.stderr and "step-2 at step 2" in result.stderr
+
+
+def test_planted_pickle_in_checkpoint_metadata_is_refused(tmp_path, finished_run):
+    run = tmp_path / "copy"
+    copy_tree(finished_run, run)
+    checkpoint = run / "checkpoints/step-4"
+    plant_pickle_payload(checkpoint / ".metadata", marker=tmp_path / "pwned")
+
+    fails_cleanly(["train", config_file(tmp_path, tmp_path / "new"), f"checkpoint.resume={checkpoint}"],
+                  "refusing to load", "posix.system")
+    assert not (tmp_path / "pwned").exists()
+
+
+def plant_pickle_payload(metadata: Path, *, marker: Path) -> None:
+    """Replaces DCP's metadata with a pickle that runs a shell command, and fixes up the manifest
+    so the checksums agree: an attacker who can write the directory can write both."""
+    import hashlib
+    import json
+    import os
+    import pickle
+
+    class Payload:
+        def __reduce__(self):
+            return os.system, (f"touch {marker}",)
+
+    metadata.write_bytes(pickle.dumps(Payload()))
+    manifest_path = metadata.parent / "paratrain-manifest.json"
+    manifest = json.loads(manifest_path.read_text())
+    manifest["files"][metadata.name] = {"bytes": metadata.stat().st_size,
+                                        "sha256": hashlib.sha256(metadata.read_bytes()).hexdigest()}
+    manifest_path.write_text(json.dumps(manifest))
+
+
+def copy_tree(source: Path, destination: Path) -> None:
+    import shutil
+
+    shutil.copytree(source, destination)
