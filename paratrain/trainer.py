@@ -5,6 +5,7 @@ underneath: the layout is applied once, in ``build_parallel_model``.
 
 from __future__ import annotations
 
+import gc
 import logging
 import time
 from collections.abc import Callable, Iterator
@@ -123,6 +124,12 @@ class Trainer:
         return loss, grad_norm, lr
 
     def close(self) -> None:
+        """Releases the layout, then the process group. Call once training is over."""
+        # DDP's reducer must be freed while the group is still registered: a reducer that outlives
+        # it destroys the gloo group while holding the GIL, and gloo's worker threads, which need the
+        # GIL to free tensors, then deadlock with it (pytorch#56297).
+        self.model = self.engine = None
+        gc.collect()
         destroy_distributed()
 
     def checkpoint_state(self) -> dict[str, Any]:

@@ -1,0 +1,53 @@
+from __future__ import annotations
+
+import pytest
+
+from paratrain.config import Config, config_to_yaml, load_config
+from paratrain.errors import ConfigError
+
+
+def test_overrides_beat_the_file_which_beats_defaults(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("train:\n  max_steps: 7\n  seed: 3\n")
+    config = load_config(path, ["train.seed=11", "optim.betas=[0.8, 0.9]"])
+    assert config.train.max_steps == 7
+    assert config.train.seed == 11
+    assert config.optim.betas == (0.8, 0.9)
+    assert config.optim.lr == Config().optim.lr
+
+
+def test_resolved_yaml_reads_back_to_the_same_config(tmp_path):
+    config = load_config(None, ["model.args.n_layer=3", "checkpoint.keep_last=null", "precision=bf16"])
+    path = tmp_path / "resolved.yaml"
+    path.write_text(config_to_yaml(config))
+    assert load_config(path) == config
+
+
+def test_unknown_nested_key_is_reported_with_its_dotted_path():
+    with pytest.raises(ConfigError, match=r"parallel\.ddp\.bucket_size: unknown key"):
+        load_config(None, ["parallel.ddp.bucket_size=10"])
+
+
+def test_global_batch_must_divide_by_micro_batch():
+    with pytest.raises(ConfigError, match="train.global_batch_size=10 is not divisible by train.micro_batch_size=4"):
+        load_config(None, ["train.global_batch_size=10", "train.micro_batch_size=4"])
+
+
+@pytest.mark.parametrize("override", ["train.max_steps", "=3", "train..seed=1"])
+def test_malformed_override_is_explained(override):
+    with pytest.raises(ConfigError, match="must look like section.key=value"):
+        load_config(None, [override])
+
+
+def test_override_cannot_descend_into_a_value(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("precision: bf16\n")
+    with pytest.raises(ConfigError, match="precision is a value, not a section"):
+        load_config(path, ["precision.dtype=bf16"])
+
+
+def test_top_level_yaml_must_be_a_mapping(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("- a\n- b\n")
+    with pytest.raises(ConfigError, match="must hold a mapping"):
+        load_config(path)
