@@ -102,7 +102,7 @@ class CheckpointConfig(Section):
 
 class LogConfig(Section):
     every_steps: int = Field(10, gt=0)
-    """Reduce metrics across ranks and log them every N steps (and at the last step)."""
+    """Reduce metrics across ranks and log them every N steps (and at the first and last step)."""
     tensorboard: bool = False
     """Also write TensorBoard event files into output_dir/tensorboard/."""
     progress_bar: Literal["auto", "on", "off"] = "auto"
