@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.harness import (checkpoint_weights, losses_by_step, max_relative_difference, max_weight_difference,
-                           tiny_config, train, write_config)
+from tests.harness import (checkpoint_weights, free_loopback_port, losses_by_step, max_relative_difference,
+                           max_weight_difference, read_metrics, start_cli, tiny_config, train, write_config)
 
 STEPS = 50
 LOSS_RTOL = 1e-5
@@ -51,3 +51,18 @@ def test_ddp_with_accumulation_on_two_processes_matches_single_process(tmp_path,
     ddp_run = run_layout(tmp_path, "ddp_accum", nproc=2, parallel={"strategy": "ddp"}, train={"micro_batch_size": 1})
 
     assert max_relative_difference(losses_by_step(ddp_run), losses_by_step(single_run)) <= LOSS_RTOL
+
+
+def test_ddp_across_two_nodes_on_loopback_matches_single_process(tmp_path, single_run):
+    output_dir = tmp_path / "two_nodes"
+    config = write_config(tmp_path / "two_nodes.yaml", tiny_config(
+        output_dir, train={"max_steps": STEPS}, parallel={"strategy": "ddp"}))
+    endpoint = f"127.0.0.1:{free_loopback_port()}"
+    nodes = [start_cli(["train", str(config), "--nnodes", "2", "--nproc-per-node", "1", "--node-rank", str(rank),
+                        "--rdzv-endpoint", endpoint]) for rank in (0, 1)]
+    for node in nodes:
+        _, stderr = node.communicate(timeout=240)
+        assert node.returncode == 0, stderr[-3000:]
+
+    assert max_relative_difference(losses_by_step(output_dir), losses_by_step(single_run)) <= LOSS_RTOL
+    assert read_metrics(output_dir)[-1]["world_size"] == 2
