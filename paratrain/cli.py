@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 from paratrain.config import config_to_yaml, load_config
+from paratrain.config_warnings import ineffective_options
 from paratrain.errors import CheckpointError, ConfigError
 from paratrain.launch import LaunchOptions, launch
 from paratrain.preflight import preflight
@@ -42,6 +43,8 @@ def train_command(args: argparse.Namespace) -> int:
     options.validate()
     config = load_config(args.config, args.overrides)
     preflight(config, world_size=options.world_size, nproc_per_node=options.nproc_per_node)
+    for warning in ineffective_options(config):
+        print(f"paratrain: warning: {warning}", file=sys.stderr)
     if options.world_size == 1 and options.max_restarts == 0:
         configure_logging(rank=0)
         run(config)

@@ -12,6 +12,7 @@ import os
 import sys
 
 from paratrain.config import Config, load_config
+from paratrain.config_warnings import ineffective_options
 from paratrain.distributed import world_size_from_env
 from paratrain.errors import CheckpointError, ConfigError
 from paratrain.preflight import preflight
@@ -41,6 +42,8 @@ def main(argv: list[str] | None = None) -> int:
         if rank == 0 and not os.environ.get(PREFLIGHT_DONE_ENV):
             local = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
             preflight(config, world_size=world_size_from_env(), nproc_per_node=local)
+            for warning in ineffective_options(config):
+                logging.getLogger("paratrain").warning("warning: %s", warning)
         run(config)
     except (ConfigError, CheckpointError) as error:
         report_user_error(error, rank=rank)

@@ -95,6 +95,8 @@ class Trainer:
         batches = self._batches()
         window = self._new_window()
         last_checkpoint = None
+        if self.progress.step >= max_steps:
+            logger.info("already at step %d of train.max_steps=%d: nothing to train", self.progress.step, max_steps)
         try:
             while self.progress.step < max_steps:
                 loss, grad_norm, lr = self.train_step(next(batches))

@@ -51,3 +51,12 @@ def test_top_level_yaml_must_be_a_mapping(tmp_path):
     path.write_text("- a\n- b\n")
     with pytest.raises(ConfigError, match="must hold a mapping"):
         load_config(path)
+
+
+def test_options_without_effect_are_warned_about_only_when_set():
+    from paratrain.config_warnings import ineffective_options
+
+    assert ineffective_options(load_config(None)) == []
+    warnings = ineffective_options(load_config(None, ["parallel.ddp.static_graph=true", "optim.momentum=0.9"]))
+    assert warnings == ["parallel.ddp.static_graph has no effect with parallel.strategy=single",
+                        "optim.momentum has no effect with optim.name=adamw (it is an SGD option)"]

@@ -1,0 +1,23 @@
+"""Options a user set that do nothing in the layout or optimizer they chose: worth a warning."""
+
+from __future__ import annotations
+
+from paratrain.config import Config
+
+
+def ineffective_options(config: Config) -> list[str]:
+    """One message per explicitly set option that the rest of the config makes irrelevant."""
+    warnings = []
+    if config.parallel.strategy != "ddp" and config.parallel.ddp.model_fields_set:
+        keys = ", ".join(f"parallel.ddp.{name}" for name in sorted(config.parallel.ddp.model_fields_set))
+        warnings.append(f"{keys} has no effect with parallel.strategy={config.parallel.strategy}")
+    optim = config.optim
+    if optim.name == "adamw" and "momentum" in optim.model_fields_set:
+        warnings.append("optim.momentum has no effect with optim.name=adamw (it is an SGD option)")
+    if optim.name == "sgd" and optim.model_fields_set & {"betas", "eps"}:
+        warnings.append("optim.betas and optim.eps have no effect with optim.name=sgd (they are AdamW options)")
+    if optim.schedule == "constant" and "min_lr_ratio" in optim.model_fields_set:
+        warnings.append("optim.min_lr_ratio has no effect with optim.schedule=constant")
+    if config.checkpoint.every_steps == 0 and not config.checkpoint.save_final:
+        warnings.append("checkpoint.every_steps=0 with checkpoint.save_final=false: this run saves no checkpoint")
+    return warnings
