@@ -46,6 +46,15 @@ class TrainResult:
     last_checkpoint: Path | None
 
 
+@dataclass(frozen=True)
+class StepOutput:
+    """What one optimizer step reports, kept on device until a log step reads it."""
+
+    loss: torch.Tensor  # this rank's mean loss over the step's micro-batches
+    grad_norm: torch.Tensor  # global gradient norm before clipping
+    lr: float  # learning rate the step used
+
+
 @dataclass
 class _LogWindow:
     """Per-step values kept on device between log steps, so steps in between never synchronise."""
@@ -90,23 +99,16 @@ class Trainer:
 
     def train(self) -> TrainResult:
         """Runs from the current step to ``train.max_steps``, logging and checkpointing on the way."""
-        max_steps, last_loss = self.config.train.max_steps, None
-        metrics = self._open_metrics()
-        batches = self._batches()
-        window = self._new_window()
-        last_checkpoint = None
-        if self.progress.step >= max_steps:
-            logger.info("already at step %d of train.max_steps=%d: nothing to train", self.progress.step, max_steps)
+        metrics, batches = self._open_metrics(), self._batches()
+        window, last_loss, last_checkpoint = self._new_window(), None, None
+        self._say_if_nothing_to_train()
         try:
-            while self.progress.step < max_steps:
-                loss, grad_norm, lr = self.train_step(next(batches))
-                self.progress.step += 1
-                self.position.advance(self.sampler.batches_per_epoch)
-                window.loss_sum += loss
-                window.steps += 1
+            while self.progress.step < self.config.train.max_steps:
+                step = self.train_step(next(batches))
+                self._advance(window, step.loss)
                 metrics.step_done()
                 if self._should_log():
-                    last_loss = self._log(metrics, window, grad_norm, lr)
+                    last_loss = self._log(metrics, window, step)
                     window = self._new_window()
                 last_checkpoint = self._maybe_checkpoint() or last_checkpoint
                 faults.maybe_kill("after_step", step=self.progress.step, rank=self.ctx.rank)
@@ -114,8 +116,8 @@ class Trainer:
             metrics.close()
         return TrainResult(self.progress.step, last_loss, self.config.run.output_dir, last_checkpoint)
 
-    def train_step(self, micro_batches: list[Any]) -> tuple[torch.Tensor, torch.Tensor, float]:
-        """One optimizer step over a global batch; returns (this rank's loss, grad norm, lr used)."""
+    def train_step(self, micro_batches: list[Any]) -> StepOutput:
+        """One optimizer step over a global batch."""
         self.optimizer.zero_grad(set_to_none=True)
         loss = self.engine.forward_backward(micro_batches)
         self.precision.unscale_(self.optimizer)
@@ -123,7 +125,7 @@ class Trainer:
         lr = self.optimizer.param_groups[0]["lr"]
         self.precision.step(self.optimizer)
         self.lr_scheduler.step()
-        return loss, grad_norm, lr
+        return StepOutput(loss, grad_norm, lr)
 
     def close(self) -> None:
         """Releases the layout, then the process group. Call once training is over."""
@@ -158,6 +160,17 @@ class Trainer:
         return StepBatches(self.dataset, self.sampler, start=self.position, num_workers=self.config.data.num_workers,
                            pin_memory=self.ctx.device.type == "cuda")
 
+    def _advance(self, window: _LogWindow, loss: torch.Tensor) -> None:
+        self.progress.step += 1
+        self.position.advance(self.sampler.batches_per_epoch)
+        window.loss_sum += loss
+        window.steps += 1
+
+    def _say_if_nothing_to_train(self) -> None:
+        if self.progress.step >= self.config.train.max_steps:
+            logger.info("already at step %d of train.max_steps=%d: nothing to train",
+                        self.progress.step, self.config.train.max_steps)
+
     def _should_log(self) -> bool:
         # The first step is always logged: it shows the job is running and when training began.
         step = self.progress.step
@@ -166,11 +179,11 @@ class Trainer:
     def _new_window(self) -> _LogWindow:
         return _LogWindow(torch.zeros((), device=self.ctx.device), started=time.perf_counter())
 
-    def _log(self, metrics: MetricsLogger, window: _LogWindow, grad_norm: torch.Tensor, lr: float) -> float:
+    def _log(self, metrics: MetricsLogger, window: _LogWindow, step: StepOutput) -> float:
         loss = all_reduce_mean(window.loss_sum / window.steps).item()  # also waits for the window's work
         step_time = (time.perf_counter() - window.started) / window.steps
         samples_per_s = self.config.train.global_batch_size / step_time
-        record = {"step": self.progress.step, "loss": loss, "lr": lr, "grad_norm": grad_norm.item(),
+        record = {"step": self.progress.step, "loss": loss, "lr": step.lr, "grad_norm": step.grad_norm.item(),
                   "step_time_s": step_time, "samples_per_s": samples_per_s, "epoch": self.position.epoch,
                   "world_size": self.ctx.world_size, "time": time.time()}
         if self.tokens_per_sample:
