@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
@@ -9,14 +13,66 @@ from torch.utils.data import Dataset
 
 from paratrain.config import Config, ParallelConfig
 from paratrain.data.sampler import GlobalBatchSampler
+from paratrain.models.init import declares_init, materialize
+from paratrain.models.plan import plan_of
+from paratrain.parallel.activation import apply_activation_checkpointing, apply_compile
 from paratrain.parallel.data_parallel import apply_data_parallel
 from paratrain.parallel.ddp import apply_ddp
+from paratrain.parallel.dims import ParallelDims
+from paratrain.parallel.fsdp import apply_fsdp
+from paratrain.parallel.tensor import apply_tensor_parallel, check_tensor_parallel_plan
+
+logger = logging.getLogger("paratrain")
 
 
-def build_parallel_model(model: nn.Module, options: ParallelConfig, *, mesh: DeviceMesh | None, device: torch.device) -> nn.Module:
-    """Moves the model to its device and applies the layout. The returned module is what forward
-    runs through; ``model`` itself keeps the parameters and their plain names."""
-    model.to(device)
+@dataclass(frozen=True)
+class BuiltModel:
+    """The model as its parameters are named (``bare``) and as forward runs through (``runnable``:
+    the same module for fsdp/tp, a DDP or DataParallel wrapper otherwise)."""
+
+    bare: nn.Module
+    runnable: nn.Module
+
+
+def build_model(factory: Callable[[], nn.Module], options: ParallelConfig, *, dims: ParallelDims,
+                mesh: DeviceMesh | None, device: torch.device, seed: int) -> BuiltModel:
+    """Builds the model on the meta device and applies the layout in one fixed order: tensor
+    parallel, activation checkpointing, compile, FSDP; then materialises; then DDP or DataParallel.
+
+    A model without ``init_parameter`` in an unsharded layout is instead built directly on its
+    device, so whatever its constructor initialises stays as the user wrote it.
+    """
+    sharded = dims.tp > 1 or options.strategy in ("fsdp", "hsdp")
+    with torch.device("meta"):
+        model = factory()
+    if not (sharded or declares_init(model)):
+        torch.manual_seed(seed)
+        model = factory().to(device)
+    _apply_sharding_and_wrappers(model, options, dims=dims, mesh=mesh, sharded=sharded)
+    if _is_on_meta(model):
+        offload = options.strategy in ("fsdp", "hsdp") and options.fsdp.cpu_offload
+        materialize(model, device=torch.device("cpu") if offload else device, seed=seed)
+    return BuiltModel(model, _wrap_replicas(model, options, mesh=mesh, device=device))
+
+
+def _apply_sharding_and_wrappers(model: nn.Module, options: ParallelConfig, *, dims: ParallelDims,
+                                 mesh: DeviceMesh | None, sharded: bool) -> None:
+    plan = plan_of(model)
+    if dims.tp > 1:
+        check_tensor_parallel_plan(plan, dims.tp)
+        apply_tensor_parallel(model, mesh["tp"], plan=plan, sequence_parallel=options.sequence_parallel)
+    if options.activation_checkpointing:
+        apply_activation_checkpointing(model, plan=plan)
+    if options.compile:
+        apply_compile(model, plan=plan)
+    if options.strategy in ("fsdp", "hsdp"):
+        fsdp_mesh = mesh["dp_shard"] if options.strategy == "fsdp" else mesh["dp_replicate", "dp_shard"]
+        apply_fsdp(model, fsdp_mesh, plan=plan, options=options.fsdp)
+    elif options.strategy == "tp" and not sharded:
+        logger.warning("parallel.strategy=tp with parallel.tp=1 shards nothing")
+
+
+def _wrap_replicas(model: nn.Module, options: ParallelConfig, *, mesh: DeviceMesh | None, device: torch.device) -> nn.Module:
     if options.strategy == "ddp":
         ddp = options.ddp
         return apply_ddp(model, mesh, device=device, bucket_cap_mb=ddp.bucket_cap_mb, static_graph=ddp.static_graph,
@@ -25,6 +81,10 @@ def build_parallel_model(model: nn.Module, options: ParallelConfig, *, mesh: Dev
     if options.strategy == "dp":
         return apply_data_parallel(model, device=device)
     return model
+
+
+def _is_on_meta(model: nn.Module) -> bool:
+    return any(t.is_meta for t in [*model.parameters(), *model.buffers()])
 
 
 def build_sampler(dataset_size: int, config: Config, *, dp_rank: int, dp_size: int) -> GlobalBatchSampler:

@@ -80,12 +80,53 @@ class DDPConfig(Section):
     """Gradients alias DDP's buckets, saving one copy of the gradients."""
 
 
+class FSDPConfig(Section):
+    reshard_after_forward: bool = True
+    """Free each block's gathered parameters after its forward (full shard, ZeRO-3-like) or keep them
+    until backward (ZeRO-2-like: less communication, more memory)."""
+    param_dtype: Literal["fp32", "bf16", "fp16"] | None = None
+    """Dtype parameters are gathered and computed in (FSDP mixed precision); null keeps fp32 and lets
+    ``precision`` autocast the compute."""
+    reduce_dtype: Literal["fp32", "bf16", "fp16"] | None = None
+    """Dtype gradients are reduce-scattered in; null uses param_dtype (fp32 when that is null)."""
+    cpu_offload: bool = False
+    """Keep sharded parameters, gradients and optimizer state in CPU memory (GPU runs only)."""
+    prefetch_blocks: int = Field(0, ge=0)
+    """Explicitly prefetch the next N blocks' parameters in forward and backward; 0 leaves FSDP's
+    implicit one-block prefetch."""
+    grad_sync: Literal["every_micro_batch", "last_micro_batch"] = "last_micro_batch"
+    """Under gradient accumulation: reduce-scatter gradients after every micro-batch (least memory) or
+    only after the last one (least communication; unsharded gradients are kept in between)."""
+
+
 class ParallelConfig(Section):
-    strategy: Literal["single", "dp", "ddp"] = "single"
+    strategy: Literal["single", "dp", "ddp", "fsdp", "hsdp", "tp"] = "single"
     """single: one process. dp: torch.nn.DataParallel over the local GPUs of one process.
-    ddp: DistributedDataParallel, one process per device (launch with --nproc-per-node / --nnodes)."""
+    ddp: DistributedDataParallel. fsdp: FSDP2 fully_shard over all data-parallel ranks. hsdp: shard
+    within parallel.dp_shard ranks, replicate across parallel.dp_replicate groups. tp: tensor
+    parallel over all ranks. Each is a shorthand for the degrees below; tp combines with fsdp/hsdp."""
+    dp_replicate: int | None = None
+    """Data-parallel replicas (ddp, hsdp). null: the strategy's default; -1: fill the world size."""
+    dp_shard: int | None = None
+    """Ranks that shard each replica's parameters (fsdp, hsdp). null: the strategy's default
+    (hsdp: processes per node); -1: fill the world size."""
+    tp: int | None = None
+    """Tensor-parallel degree; must divide the model's attention heads and hidden sizes."""
+    pp: int | None = None
+    """Pipeline-parallel degree (reserved: only 1 for now)."""
+    activation_checkpointing: bool = False
+    """Recompute each block's activations in backward instead of storing them."""
+    compile: bool = False
+    """torch.compile each block (opt-in: compiling takes time up front)."""
+    sequence_parallel: bool = False
+    """With tp: also shard norms and residual activations along the sequence dimension."""
     ddp: DDPConfig = DDPConfig()
     """DistributedDataParallel options (strategy ddp only)."""
+    fsdp: FSDPConfig = FSDPConfig()
+    """fully_shard options (strategies fsdp and hsdp)."""
+
+    def degrees(self) -> dict[str, int | None]:
+        return {"pp": self.pp, "dp_replicate": self.dp_replicate, "dp_shard": self.dp_shard, "tp": self.tp}
 
 
 class CheckpointConfig(Section):

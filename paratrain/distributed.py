@@ -42,6 +42,11 @@ def world_size_from_env() -> int:
     return int(os.environ.get("WORLD_SIZE", 1))
 
 
+def local_world_size_from_env() -> int:
+    """Processes on this node: torchrun's LOCAL_WORLD_SIZE, or 1."""
+    return int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+
+
 def pick_device(kind: Literal["auto", "cpu", "cuda"], local_rank: int) -> torch.device:
     """One device per process: ``cuda:LOCAL_RANK`` when CUDA is asked for or available, else CPU.
 

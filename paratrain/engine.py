@@ -14,6 +14,7 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from paratrain.parallel.fsdp import set_gradient_sync
 from paratrain.precision import MixedPrecision
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -29,14 +30,17 @@ class MicroBatchEngine:
 
     Each micro-batch's loss is divided by their number, so the accumulated gradient is the gradient
     of the mean loss over the step's samples, as one large batch would give. Gradients are
-    synchronised across data-parallel ranks only on the last micro-batch.
+    synchronised across data-parallel ranks only on the last micro-batch, unless
+    sync_every_micro_batch (FSDP's memory-saving policy: reduce-scatter as you go).
     """
 
-    def __init__(self, model: nn.Module, loss_fn: LossFn, precision: MixedPrecision, *, device: torch.device):
+    def __init__(self, model: nn.Module, loss_fn: LossFn, precision: MixedPrecision, *, device: torch.device,
+                 sync_every_micro_batch: bool = False):
         self.model = model
         self.loss_fn = loss_fn
         self.precision = precision
         self.device = device
+        self.sync_every_micro_batch = sync_every_micro_batch
 
     def forward_backward(self, micro_batches: list[Any]) -> torch.Tensor:
         total = torch.zeros((), device=self.device)
@@ -55,6 +59,8 @@ class MicroBatchEngine:
         return loss.detach()
 
     def _gradient_sync(self, *, enabled: bool) -> contextlib.AbstractContextManager:
+        enabled = enabled or self.sync_every_micro_batch
+        set_gradient_sync(self.model, enabled)  # FSDP: a flag read by the next backward
         if not enabled and isinstance(self.model, DistributedDataParallel):
             return self.model.no_sync()
         return contextlib.nullcontext()

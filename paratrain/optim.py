@@ -6,6 +6,7 @@ import math
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 from torch.optim.lr_scheduler import LambdaLR
 
 from paratrain.config import OptimConfig
@@ -18,12 +19,18 @@ def scaled_lr(options: OptimConfig, *, dp_size: int) -> float:
 
 
 def build_optimizer(model: nn.Module, options: OptimConfig, *, dp_size: int) -> torch.optim.Optimizer:
-    """AdamW or SGD. Weight decay applies to matrices only (not biases, norms' scales), as in GPT-2."""
+    """AdamW or SGD. Weight decay applies to matrices only (not biases, norms' scales), as in GPT-2.
+
+    Sharded (DTensor) and plain parameters go in separate groups: the multi-tensor kernels refuse
+    to mix them, which tensor parallel alone would otherwise do.
+    """
     params = [p for p in model.parameters() if p.requires_grad]
-    groups = [
-        {"params": [p for p in params if p.ndim >= 2], "weight_decay": options.weight_decay},
-        {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0},
-    ]
+    groups = []
+    for is_dtensor in (False, True):
+        kind = [p for p in params if isinstance(p, DTensor) == is_dtensor]
+        groups += [{"params": [p for p in kind if p.ndim >= 2], "weight_decay": options.weight_decay},
+                   {"params": [p for p in kind if p.ndim < 2], "weight_decay": 0.0}]
+    groups = [group for group in groups if group["params"]]
     lr = scaled_lr(options, dp_size=dp_size)
     if options.name == "adamw":
         return torch.optim.AdamW(groups, lr=lr, betas=options.betas, eps=options.eps, foreach=True)

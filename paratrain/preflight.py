@@ -8,18 +8,22 @@ from pathlib import Path
 from typing import Callable
 
 import torch
+from torch import nn
 
 from paratrain.checkpoint import find_checkpoints, verify_checkpoint
 from paratrain.config import Config
 from paratrain.errors import CheckpointError, ConfigError
-from paratrain.factories import check_factory_args
+from paratrain.factories import call_factory, check_factory_args
+from paratrain.models.plan import plan_of
 from paratrain.parallel.dims import ParallelDims
+from paratrain.parallel.tensor import check_tensor_parallel_plan
 
 
 def preflight(config: Config, *, world_size: int, nproc_per_node: int) -> None:
     """Raises one ConfigError listing every problem with running ``config`` on this many processes."""
     checks: list[Callable[[], None]] = [
-        lambda: _check_layout(config, world_size),
+        lambda: _check_layout(config, world_size, nproc_per_node),
+        lambda: _check_precision(config),
         lambda: _check_devices(config, nproc_per_node),
         lambda: check_factory_args(config.model, key="model"),
         lambda: check_factory_args(config.data, key="data"),
@@ -37,14 +41,32 @@ def preflight(config: Config, *, world_size: int, nproc_per_node: int) -> None:
         raise ConfigError("\n".join(problems))
 
 
-def _check_layout(config: Config, world_size: int) -> None:
-    dims = ParallelDims.from_strategy(config.parallel.strategy, world_size)
+def _check_layout(config: Config, world_size: int, nproc_per_node: int) -> None:
+    dims = ParallelDims.resolve(config.parallel.strategy, world_size=world_size, local_world_size=nproc_per_node,
+                                degrees=config.parallel.degrees())
     step_unit = config.train.micro_batch_size * dims.dp
     if config.train.global_batch_size % step_unit:
         raise ConfigError(
             f"train.global_batch_size={config.train.global_batch_size} is not divisible by "
             f"train.micro_batch_size={config.train.micro_batch_size} x data-parallel size {dims.dp}; "
             f"use a multiple of {step_unit}"
+        )
+    if dims.tp > 1:
+        check_tensor_parallel_plan(plan_of(_model_on_meta(config)), dims.tp)
+
+
+def _model_on_meta(config: Config) -> nn.Module:
+    """The config's model, built without memory, to read its parallel plan."""
+    with torch.device("meta"):
+        return call_factory(config.model, key="model")
+
+
+def _check_precision(config: Config) -> None:
+    fsdp = config.parallel.fsdp
+    if config.precision == "fp16" and fsdp.cpu_offload and config.parallel.strategy in ("fsdp", "hsdp"):
+        raise ConfigError(
+            "precision=fp16 with parallel.fsdp.cpu_offload=true is not supported: the gradient scaler "
+            "cannot unscale gradients offloaded to the CPU; use precision=bf16, or cpu_offload=false"
         )
 
 

@@ -18,16 +18,18 @@ from torch import nn
 from torch.utils.data import Dataset
 
 from paratrain import faults
-from paratrain.builders import build_parallel_model, build_sampler, tokens_per_sample
+from paratrain.builders import build_model, build_sampler, tokens_per_sample
 from paratrain.checkpoint import Checkpointer
 from paratrain.checkpoint.state import ModelState, OptimizerState, Progress, RNGState
 from paratrain.collectives import all_reduce_mean
 from paratrain.config import Config, config_to_yaml
 from paratrain.data.loader import StepBatches
 from paratrain.data.sampler import DataPosition
-from paratrain.distributed import DistContext, destroy_distributed, init_distributed, world_size_from_env
+from paratrain.distributed import (DistContext, destroy_distributed, init_distributed, local_world_size_from_env,
+                                   world_size_from_env)
 from paratrain.engine import LossFn, MicroBatchEngine
 from paratrain.factories import call_factory
+from paratrain.gradients import clip_grad_norm
 from paratrain.metrics import MetricsLogger
 from paratrain.optim import build_lr_scheduler, build_optimizer
 from paratrain.parallel.dims import ParallelDims, data_parallel_coordinates
@@ -77,18 +79,20 @@ class Trainer:
     def __init__(self, config: Config, *, model_factory: Callable[[], nn.Module] | None = None,
                  dataset: Dataset | None = None, loss_fn: LossFn | None = None):
         self.config = config
-        self.dims = ParallelDims.from_strategy(config.parallel.strategy, world_size_from_env())
+        self.dims = ParallelDims.resolve(config.parallel.strategy, world_size=world_size_from_env(),
+                                         local_world_size=local_world_size_from_env(), degrees=config.parallel.degrees())
         self.ctx: DistContext = init_distributed(device_kind=config.train.device, needs_group=self.dims.needs_process_group)
         self.mesh = self.dims.build_mesh(self.ctx.device.type)
         self.dp_rank, self.dp_size = data_parallel_coordinates(self.mesh)
-        torch.manual_seed(config.train.seed)  # same initial weights on every rank and every layout
-        self.bare_model = (model_factory or (lambda: call_factory(config.model, key="model")))()
-        self.model = build_parallel_model(self.bare_model, config.parallel, mesh=self.mesh, device=self.ctx.device)
+        built = build_model(model_factory or (lambda: call_factory(config.model, key="model")), config.parallel,
+                            dims=self.dims, mesh=self.mesh, device=self.ctx.device, seed=config.train.seed)
+        self.bare_model, self.model = built.bare, built.runnable
         self.optimizer = build_optimizer(self.bare_model, config.optim, dp_size=self.dp_size)
         self.lr_scheduler = build_lr_scheduler(self.optimizer, config.optim, max_steps=config.train.max_steps)
         self.precision = build_mixed_precision(config.precision, device=self.ctx.device)
         loss_fn = loss_fn or call_factory(config.loss, key="loss")
-        self.engine = MicroBatchEngine(self.model, loss_fn, self.precision, device=self.ctx.device)
+        self.engine = MicroBatchEngine(self.model, loss_fn, self.precision, device=self.ctx.device,
+                                       sync_every_micro_batch=config.parallel.fsdp.grad_sync == "every_micro_batch")
         self.dataset = dataset if dataset is not None else call_factory(config.data, key="data")
         self.sampler = build_sampler(len(self.dataset), config, dp_rank=self.dp_rank, dp_size=self.dp_size)
         self.tokens_per_sample = tokens_per_sample(self.dataset)
@@ -151,10 +155,7 @@ class Trainer:
         return state
 
     def _clip_gradients(self) -> torch.Tensor:
-        params = [p for p in self.bare_model.parameters() if p.grad is not None]
-        if self.config.train.grad_clip is None:
-            return torch.nn.utils.get_total_norm([p.grad for p in params])
-        return torch.nn.utils.clip_grad_norm_(params, self.config.train.grad_clip)
+        return clip_grad_norm(list(self.bare_model.parameters()), self.config.train.grad_clip)
 
     def _batches(self) -> Iterator[list[Any]]:
         return StepBatches(self.dataset, self.sampler, start=self.position, num_workers=self.config.data.num_workers,

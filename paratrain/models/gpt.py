@@ -89,18 +89,30 @@ class GPT(nn.Module):
         self.reset_parameters()
 
     def parallel_plan(self) -> ParallelPlan:
-        return ParallelPlan(blocks=tuple(f"blocks.{i}" for i in range(len(self.blocks))))
+        c = self.config
+        return ParallelPlan(
+            blocks=tuple(f"blocks.{i}" for i in range(len(self.blocks))),
+            block_tp_plan={"attn.q_proj": "colwise", "attn.k_proj": "colwise", "attn.v_proj": "colwise",
+                           "attn.out_proj": "rowwise", "mlp.up_proj": "colwise", "mlp.down_proj": "rowwise"},
+            block_norms=("attn_norm", "mlp_norm"),
+            tp_divisible={"model.args.n_head": c.n_head, "model.args.n_embd": c.n_embd},
+        )
 
     def reset_parameters(self) -> None:
-        """GPT-2 initialisation; residual projections scaled down by depth."""
+        """GPT-2 initialisation from the global RNG, for use outside paratrain."""
         for name, param in self.named_parameters():
-            if name.endswith("bias"):
-                nn.init.zeros_(param)
-            elif "norm" in name:
-                nn.init.ones_(param)
-            else:
-                std = 0.02 / math.sqrt(2 * self.config.n_layer) if name.endswith(("out_proj.weight", "down_proj.weight")) else 0.02
-                nn.init.normal_(param, mean=0.0, std=std)
+            self.init_parameter(name, param.data, None)
+
+    def init_parameter(self, name: str, tensor: torch.Tensor, generator: torch.Generator | None) -> None:
+        """GPT-2 initialisation of one full tensor, by name; residual projections scaled by depth."""
+        if name.endswith("bias"):
+            nn.init.zeros_(tensor)
+        elif "norm" in name:
+            nn.init.ones_(tensor)
+        else:
+            residual = name.endswith(("out_proj.weight", "down_proj.weight"))
+            std = 0.02 / math.sqrt(2 * self.config.n_layer) if residual else 0.02
+            nn.init.normal_(tensor, mean=0.0, std=std, generator=generator)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         positions = torch.arange(tokens.shape[1], device=tokens.device)

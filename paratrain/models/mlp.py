@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import math
+
+import torch
 from torch import nn
 
 from paratrain.models.plan import ParallelPlan
@@ -20,6 +23,12 @@ class MLP(nn.Module):
 
     def parallel_plan(self) -> ParallelPlan:
         return ParallelPlan(blocks=tuple(f"layers.{i}" for i in range(len(self.layers))))
+
+    def init_parameter(self, name: str, tensor: torch.Tensor, generator: torch.Generator | None) -> None:
+        """nn.Linear's default range, U(-1/sqrt(fan_in), 1/sqrt(fan_in)), for weights and biases."""
+        layer = self.get_submodule(name.rsplit(".", 1)[0])
+        bound = 1.0 / math.sqrt(layer.in_features)
+        nn.init.uniform_(tensor, -bound, bound, generator=generator)
 
     def forward(self, x):
         for layer in self.layers:

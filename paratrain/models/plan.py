@@ -7,9 +7,14 @@ between). Layouts read the plan; they never guess at a model's structure.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Literal
 
 from torch import nn
+
+
+TensorParallelStyle = Literal["colwise", "rowwise"]
 
 
 @dataclass(frozen=True)
@@ -18,9 +23,19 @@ class ParallelPlan:
 
     Attributes:
         blocks: Module paths (as in ``model.get_submodule``) of the repeated blocks, in forward order.
+        block_tp_plan: Tensor-parallel style of linear layers inside each block, by path relative
+            to the block: "colwise" splits output features, "rowwise" input features (Megatron style:
+            a colwise layer feeds a rowwise one, so each pair needs one all-reduce).
+        block_norms: Paths of each block's norm layers, relative to the block, that sequence
+            parallel shards along the sequence dimension.
+        tp_divisible: Sizes a tensor-parallel degree must divide, by the config key that sets them
+            (e.g. ``{"model.args.n_head": 4}``).
     """
 
     blocks: tuple[str, ...] = ()
+    block_tp_plan: Mapping[str, TensorParallelStyle] = field(default_factory=dict)
+    block_norms: tuple[str, ...] = ()
+    tp_divisible: Mapping[str, int] = field(default_factory=dict)
 
 
 def plan_of(model: nn.Module) -> ParallelPlan:

@@ -18,11 +18,11 @@ def apply_ddp(
     find_unused_parameters: bool,
     gradient_as_bucket_view: bool,
 ) -> DistributedDataParallel:
-    """Wraps a model already on its device; gradients are averaged over ``mesh["dp"]``."""
+    """Wraps a model already on its device; gradients are averaged over ``mesh["dp_replicate"]``."""
     return DistributedDataParallel(
         model,
         device_ids=[device.index] if device.type == "cuda" else None,
-        process_group=mesh["dp"].get_group(),
+        process_group=mesh["dp_replicate"].get_group(),
         bucket_cap_mb=bucket_cap_mb,
         static_graph=static_graph,
         find_unused_parameters=find_unused_parameters,

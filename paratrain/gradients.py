@@ -1,0 +1,48 @@
+"""Global gradient norm and clipping over plain, sharded (DTensor) and mixed gradients.
+
+torch's ``get_total_norm`` handles a list of plain tensors or of DTensors on one mesh, but not a mix
+(tensor parallel leaves embeddings and norms as plain tensors beside sharded linears, and fsdp + tp
+has DTensors on two meshes). So norms are taken per group of like gradients, made global with
+``full_tensor()``, and combined; clipping then uses torch's ``clip_grads_with_norm_``.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+import torch
+from torch.distributed.tensor import DTensor
+
+
+def clip_grad_norm(params: list[torch.nn.Parameter], max_norm: float | None) -> torch.Tensor:
+    """Scales gradients so their global norm is at most max_norm (None: only measure it).
+
+    Returns the 2-norm of all gradients together before clipping: a plain scalar, equal on every rank.
+    """
+    groups = _group_like_gradients(params)
+    norms = [_as_plain(torch.nn.utils.get_total_norm([p.grad for p in group])) for group in groups]
+    if not norms:
+        return torch.zeros(())
+    total = torch.linalg.vector_norm(torch.stack([n.to(norms[0].device) for n in norms]))
+    if max_norm is not None:
+        for group in groups:
+            torch.nn.utils.clip_grads_with_norm_(group, max_norm, total.to(group[0].grad.device))
+    return total
+
+
+def _group_like_gradients(params: list[torch.nn.Parameter]) -> list[list[torch.nn.Parameter]]:
+    groups: dict[object, list[torch.nn.Parameter]] = defaultdict(list)
+    for param in params:
+        if param.grad is not None:
+            groups[_group_key(param.grad)].append(param)
+    return list(groups.values())
+
+
+def _group_key(grad: torch.Tensor) -> object:
+    if isinstance(grad, DTensor):
+        return ("dtensor", id(grad.device_mesh), grad.placements)
+    return ("tensor", grad.device)
+
+
+def _as_plain(norm: torch.Tensor) -> torch.Tensor:
+    return norm.full_tensor() if isinstance(norm, DTensor) else norm

@@ -1,0 +1,26 @@
+"""Per-block activation checkpointing and torch.compile."""
+
+from __future__ import annotations
+
+from torch import nn
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+from paratrain.models.plan import ParallelPlan
+
+
+def apply_activation_checkpointing(model: nn.Module, *, plan: ParallelPlan) -> None:
+    """Wraps each block so its activations are recomputed in backward instead of stored.
+
+    The wrapper adds ``_checkpoint_wrapped_module`` to parameter paths; torch's state-dict helpers
+    remove it again, so checkpoints keep the model's own names.
+    """
+    for path in plan.blocks:
+        parent_path, _, name = path.rpartition(".")
+        parent = model.get_submodule(parent_path)
+        parent.register_module(name, checkpoint_wrapper(parent.get_submodule(name), preserve_rng_state=True))
+
+
+def apply_compile(model: nn.Module, *, plan: ParallelPlan) -> None:
+    """Compiles each block in place (``nn.Module.compile`` keeps parameter names unchanged)."""
+    for path in plan.blocks:
+        model.get_submodule(path).compile()

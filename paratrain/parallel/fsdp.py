@@ -1,0 +1,60 @@
+"""FSDP2: ``fully_shard`` on each block the model declares, then on the root."""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+
+from paratrain.config import FSDPConfig
+from paratrain.models.plan import ParallelPlan
+
+logger = logging.getLogger(__name__)
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def apply_fsdp(model: nn.Module, mesh: DeviceMesh, *, plan: ParallelPlan, options: FSDPConfig) -> None:
+    """Shards the model (in place) over ``mesh``: 1-D shards everywhere (fsdp); 2-D (replicate,
+    shard) shards within and replicates across (hsdp).
+
+    A model that declares no blocks is sharded as one unit, which gathers every parameter at once;
+    it still saves optimizer and gradient memory, and the log says so.
+    """
+    common = {"mesh": mesh, "mp_policy": _mixed_precision(options), "offload_policy": _offload(options)}
+    blocks = [model.get_submodule(path) for path in plan.blocks]
+    if not blocks:
+        logger.warning("parallel.strategy=fsdp: the model declares no blocks (ParallelPlan.blocks); sharding it "
+                       "as one unit, so its whole parameter set is gathered for forward and backward")
+    for index, block in enumerate(blocks):
+        # The last block's parameters are needed again at once by backward: no point freeing them.
+        reshard = options.reshard_after_forward and index < len(blocks) - 1
+        fully_shard(block, reshard_after_forward=reshard, **common)
+    fully_shard(model, reshard_after_forward=options.reshard_after_forward, **common)
+    if options.prefetch_blocks:
+        _prefetch_explicitly(blocks, options.prefetch_blocks)
+
+
+def set_gradient_sync(model: nn.Module, enabled: bool) -> None:
+    """Whether the next backward reduce-scatters gradients (False: keep accumulating unsharded)."""
+    if isinstance(model, FSDPModule):
+        model.set_requires_gradient_sync(enabled)
+
+
+def _mixed_precision(options: FSDPConfig) -> MixedPrecisionPolicy:
+    param = DTYPES[options.param_dtype] if options.param_dtype else None
+    reduce = DTYPES[options.reduce_dtype] if options.reduce_dtype else None
+    return MixedPrecisionPolicy(param_dtype=param, reduce_dtype=reduce)
+
+
+def _offload(options: FSDPConfig) -> OffloadPolicy:
+    return CPUOffloadPolicy() if options.cpu_offload else OffloadPolicy()
+
+
+def _prefetch_explicitly(blocks: list[nn.Module], depth: int) -> None:
+    for index, block in enumerate(blocks):
+        block.set_modules_to_forward_prefetch(blocks[index + 1 : index + 1 + depth])
+        block.set_modules_to_backward_prefetch(list(reversed(blocks[max(0, index - depth) : index])))

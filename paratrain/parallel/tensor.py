@@ -1,0 +1,70 @@
+"""Tensor parallel on DTensor: each block's linear layers split across ``mesh["tp"]`` as the model's
+plan declares (``parallelize_module`` with column-wise and row-wise styles)."""
+
+from __future__ import annotations
+
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
+                                               SequenceParallel, parallelize_module)
+
+from paratrain.errors import ConfigError
+from paratrain.models.plan import ParallelPlan
+
+
+def check_tensor_parallel_plan(plan: ParallelPlan, tp: int) -> None:
+    """Raises ConfigError when the model declares no plan, or tp does not divide its sizes."""
+    if not plan.block_tp_plan:
+        raise ConfigError(
+            f"parallel.tp={tp}: the model declares no tensor-parallel plan; give it a parallel_plan() method "
+            f"returning ParallelPlan(blocks=..., block_tp_plan={{'attn.q_proj': 'colwise', ...}}) "
+            f"(see paratrain/models/gpt.py), or use fsdp/ddp"
+        )
+    for key, size in plan.tp_divisible.items():
+        if size % tp:
+            raise ConfigError(f"parallel.tp={tp} does not divide {key}={size}; use a tp degree that divides it")
+
+
+def apply_tensor_parallel(model: nn.Module, mesh: DeviceMesh, *, plan: ParallelPlan, sequence_parallel: bool) -> None:
+    """Shards each block's planned linear layers over the 1-D ``mesh`` (in place).
+
+    Without sequence parallel, blocks take and return replicated activations. With it, the
+    activations between blocks and the norms are sharded along the sequence dimension (dim 1), and
+    the embedding output and the final norm's input are converted at the edges.
+    """
+    styles = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
+    for block_path in plan.blocks:
+        block = model.get_submodule(block_path)
+        layer_plan = {path: _style(styles[kind], kind, sequence_parallel) for path, kind in plan.block_tp_plan.items()}
+        if sequence_parallel:
+            layer_plan.update({norm: SequenceParallel() for norm in plan.block_norms})
+        parallelize_module(block, mesh, layer_plan)
+    if sequence_parallel:
+        _shard_sequence_at_block_edges(model, mesh, plan)
+
+
+def _style(style_class, kind: str, sequence_parallel: bool):
+    if not sequence_parallel:
+        return style_class()
+    if kind == "colwise":  # gathers the sequence-sharded input that the preceding norm produced
+        return style_class(input_layouts=Shard(1))
+    return style_class(output_layouts=Shard(1))  # reduce-scatters back to sequence shards
+
+
+def _shard_sequence_at_block_edges(model: nn.Module, mesh: DeviceMesh, plan: ParallelPlan) -> None:
+    """The first block receives replicated activations and splits them; after the last block they
+    are gathered again so the rest of the model sees ordinary tensors."""
+    first, last = model.get_submodule(plan.blocks[0]), model.get_submodule(plan.blocks[-1])
+    parallelize_module(first, mesh, PrepareModuleInput(input_layouts=(Replicate(),), desired_input_layouts=(Shard(1),),
+                                                       use_local_output=True))
+    last.register_forward_hook(_gather_sequence(mesh))
+
+
+def _gather_sequence(mesh: DeviceMesh):
+    from torch.distributed.tensor import DTensor
+
+    def hook(module, inputs, output):
+        return DTensor.from_local(output, mesh, (Shard(1),)).full_tensor()
+
+    return hook
