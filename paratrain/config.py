@@ -176,6 +176,12 @@ class LossConfig(FactoryConfig):
     """Import path of a callable returning loss_fn(outputs, targets) -> scalar mean loss."""
 
 
+class DebugConfig(Section):
+    dump_gradients_at_steps: list[int] = []
+    """Write the full gradients (gathered from shards, before clipping) of these steps to
+    output_dir/gradients/step-<N>.safetensors, to compare layouts tensor by tensor."""
+
+
 class Config(Section):
     """Root of the config tree. Only the CLI, the worker entry and the Trainer see all of it."""
 
@@ -190,6 +196,7 @@ class Config(Section):
     model: ModelConfig = ModelConfig()
     data: DataConfig = DataConfig()
     loss: LossConfig = LossConfig()
+    debug: DebugConfig = DebugConfig()
 
     @model_validator(mode="after")
     def _micro_batch_fits_global_batch(self) -> Config:

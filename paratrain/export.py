@@ -20,28 +20,30 @@ from paratrain.checkpoint.safe_reader import SafeFileSystemReader, SafeLoadPlann
 MODEL_PREFIX = "model."
 
 
-def model_tensor_names(checkpoint: Path) -> dict[str, TensorStorageMetadata]:
-    """Checkpoint keys of the model's tensors (without the ``model.`` prefix) and their metadata."""
+def tensor_names(checkpoint: Path, prefix: str = MODEL_PREFIX) -> dict[str, TensorStorageMetadata]:
+    """Checkpoint keys of the tensors under ``prefix`` (returned without it) and their metadata."""
     metadata = SafeFileSystemReader(checkpoint).read_metadata()
     return {
-        key.removeprefix(MODEL_PREFIX): item
+        key.removeprefix(prefix): item
         for key, item in metadata.state_dict_metadata.items()
-        if key.startswith(MODEL_PREFIX) and isinstance(item, TensorStorageMetadata)
+        if key.startswith(prefix) and isinstance(item, TensorStorageMetadata)
     }
 
 
-def read_model_tensor(checkpoint: Path, name: str, item: TensorStorageMetadata) -> torch.Tensor:
+def read_tensor(checkpoint: Path, key: str, item: TensorStorageMetadata) -> torch.Tensor:
+    """One whole tensor, by its full checkpoint key, assembled from however many shards hold it."""
     tensor = torch.empty(item.size, dtype=item.properties.dtype)
     with quiet_single_process():
-        dcp.load({"model": {name: tensor}}, storage_reader=SafeFileSystemReader(checkpoint), planner=SafeLoadPlanner(), no_dist=True)
+        dcp.load({key: tensor}, storage_reader=SafeFileSystemReader(checkpoint), planner=SafeLoadPlanner(),
+                 no_dist=True)
     return tensor
 
 
 def export_safetensors(checkpoint: Path, out: Path) -> int:
     """Verifies the checkpoint, then writes its model weights to ``out``; returns the tensor count."""
     manifest = verify_checkpoint(checkpoint)
-    names = model_tensor_names(checkpoint)
-    tensors = {name: read_model_tensor(checkpoint, name, item) for name, item in sorted(names.items())}
+    names = tensor_names(checkpoint)
+    tensors = {name: read_tensor(checkpoint, MODEL_PREFIX + name, item) for name, item in sorted(names.items())}
     out.parent.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(out), metadata={"step": str(manifest["step"]), "source": str(checkpoint)})
     return len(tensors)

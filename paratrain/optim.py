@@ -21,20 +21,18 @@ def scaled_lr(options: OptimConfig, *, dp_size: int) -> float:
 def build_optimizer(model: nn.Module, options: OptimConfig, *, dp_size: int) -> torch.optim.Optimizer:
     """AdamW or SGD. Weight decay applies to matrices only (not biases, norms' scales), as in GPT-2.
 
-    Sharded (DTensor) and plain parameters go in separate groups: the multi-tensor kernels refuse
-    to mix them, which tensor parallel alone would otherwise do.
+    The two parameter groups are the same in every layout, so optimizer and schedule state move
+    between layouts. Tensor parallel alone leaves some parameters sharded (DTensor) and others
+    plain; torch's multi-tensor kernels refuse that mix, so such a model steps one tensor at a time.
     """
     params = [p for p in model.parameters() if p.requires_grad]
-    groups = []
-    for is_dtensor in (False, True):
-        kind = [p for p in params if isinstance(p, DTensor) == is_dtensor]
-        groups += [{"params": [p for p in kind if p.ndim >= 2], "weight_decay": options.weight_decay},
-                   {"params": [p for p in kind if p.ndim < 2], "weight_decay": 0.0}]
-    groups = [group for group in groups if group["params"]]
+    groups = [{"params": [p for p in params if p.ndim >= 2], "weight_decay": options.weight_decay},
+              {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}]
+    foreach = len({isinstance(p, DTensor) for p in params}) == 1
     lr = scaled_lr(options, dp_size=dp_size)
     if options.name == "adamw":
-        return torch.optim.AdamW(groups, lr=lr, betas=options.betas, eps=options.eps, foreach=True)
-    return torch.optim.SGD(groups, lr=lr, momentum=options.momentum, foreach=True)
+        return torch.optim.AdamW(groups, lr=lr, betas=options.betas, eps=options.eps, foreach=foreach)
+    return torch.optim.SGD(groups, lr=lr, momentum=options.momentum, foreach=foreach)
 
 
 def build_lr_scheduler(optimizer: torch.optim.Optimizer, options: OptimConfig, *, max_steps: int) -> LambdaLR:

@@ -25,6 +25,7 @@ from paratrain.collectives import all_reduce_mean
 from paratrain.config import Config, config_to_yaml
 from paratrain.data.loader import StepBatches
 from paratrain.data.sampler import DataPosition
+from paratrain.debug import dump_gradients
 from paratrain.distributed import (DistContext, destroy_distributed, init_distributed, local_world_size_from_env,
                                    world_size_from_env)
 from paratrain.engine import LossFn, MicroBatchEngine
@@ -87,6 +88,9 @@ class Trainer:
         built = build_model(model_factory or (lambda: call_factory(config.model, key="model")), config.parallel,
                             dims=self.dims, mesh=self.mesh, device=self.ctx.device, seed=config.train.seed)
         self.bare_model, self.model = built.bare, built.runnable
+        # Data-parallel ranks draw different random numbers (e.g. dropout masks); tensor-parallel
+        # ranks of one replica must draw the same, since they compute on the same activations.
+        torch.manual_seed(config.train.seed + self.dp_rank)
         self.optimizer = build_optimizer(self.bare_model, config.optim, dp_size=self.dp_size)
         self.lr_scheduler = build_lr_scheduler(self.optimizer, config.optim, max_steps=config.train.max_steps)
         self.precision = build_mixed_precision(config.precision, device=self.ctx.device)
@@ -103,7 +107,7 @@ class Trainer:
 
     def train(self) -> TrainResult:
         """Runs from the current step to ``train.max_steps``, logging and checkpointing on the way."""
-        metrics, batches = self._open_metrics(), self._batches()
+        metrics, batches = self._open_metrics(), self.step_batches()
         window, last_loss, last_checkpoint = self._new_window(), None, None
         self._say_if_nothing_to_train()
         try:
@@ -125,6 +129,7 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         loss = self.engine.forward_backward(micro_batches)
         self.precision.unscale_(self.optimizer)
+        self._maybe_dump_gradients()
         grad_norm = self._clip_gradients()
         lr = self.optimizer.param_groups[0]["lr"]
         self.precision.step(self.optimizer)
@@ -154,10 +159,17 @@ class Trainer:
             state["grad_scaler"] = self.precision.scaler
         return state
 
+    def _maybe_dump_gradients(self) -> None:
+        step = self.progress.step + 1  # the step being taken
+        if step in self.config.debug.dump_gradients_at_steps:
+            path = self.config.run.output_dir / "gradients" / f"step-{step}.safetensors"
+            dump_gradients(self.bare_model, path, is_main=self.ctx.is_main)
+
     def _clip_gradients(self) -> torch.Tensor:
         return clip_grad_norm(list(self.bare_model.parameters()), self.config.train.grad_clip)
 
-    def _batches(self) -> Iterator[list[Any]]:
+    def step_batches(self) -> Iterator[list[Any]]:
+        """This rank's micro-batches, one list per optimizer step, from the current data position."""
         return StepBatches(self.dataset, self.sampler, start=self.position, num_workers=self.config.data.num_workers,
                            pin_memory=self.ctx.device.type == "cuda")
 
@@ -207,7 +219,7 @@ class Trainer:
         path = self.checkpointer.choose_resume(self.config.checkpoint.resume)
         if path is None:
             return
-        self.checkpointer.load(path, self.checkpoint_state())
+        self.checkpointer.load(path, self.checkpoint_state(), optional=("rng",))
         logger.info("resumed from %s at step %d (epoch %d)", path, self.progress.step, self.position.epoch)
 
     def _build_checkpointer(self) -> Checkpointer:

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 import yaml
 
-from paratrain.export import model_tensor_names, read_model_tensor
+from paratrain.export import read_tensor, tensor_names
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
@@ -85,10 +85,11 @@ def losses_by_step(output_dir: Path) -> dict[int, float]:
     return {record["step"]: record["loss"] for record in read_metrics(output_dir)}
 
 
-def checkpoint_weights(checkpoint_dir: Path) -> dict[str, torch.Tensor]:
-    """The model tensors of a checkpoint, by parameter name."""
-    names = model_tensor_names(checkpoint_dir)
-    return {name: read_model_tensor(checkpoint_dir, name, item) for name, item in names.items()}
+def checkpoint_weights(checkpoint_dir: Path, prefix: str = "model.") -> dict[str, torch.Tensor]:
+    """The full tensors of a checkpoint under prefix ("model." for weights, "optimizer.state." for
+    AdamW's moments), by name."""
+    names = tensor_names(checkpoint_dir, prefix)
+    return {name: read_tensor(checkpoint_dir, prefix + name, item) for name, item in names.items()}
 
 
 def max_relative_difference(a: dict[int, float], b: dict[int, float]) -> float:

@@ -15,7 +15,7 @@ from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.stateful import Stateful
 
 from paratrain import faults
-from paratrain.checkpoint.manifest import is_complete, verify_checkpoint, write_manifest
+from paratrain.checkpoint.manifest import is_complete, read_manifest, verify_checkpoint, write_manifest
 from paratrain.checkpoint.safe_reader import SafeFileSystemReader, SafeLoadPlanner
 from paratrain.collectives import barrier, broadcast_object, is_distributed
 from paratrain.errors import CheckpointError
@@ -68,9 +68,21 @@ class Checkpointer:
         barrier()
         return path
 
-    def load(self, path: Path, state: dict[str, Stateful]) -> None:
+    def load(self, path: Path, state: dict[str, Stateful], *, optional: tuple[str, ...] = ()) -> None:
+        """Loads state saved under any layout and world size into this one (DCP reshards).
+
+        Entries named in ``optional`` are loaded only if the checkpoint has them for this rank (RNG
+        states are saved per rank, so a run resumed on more ranks has none for the new ones).
+        """
+        saved_keys = SafeFileSystemReader(path).read_metadata().state_dict_metadata.keys()
+        missing = [name for name in optional if name in state and not _saved(state[name], name, saved_keys)]
+        for name in missing:
+            logger.warning("%s holds no %r state for rank %d (saved by %s ranks); it starts fresh",
+                           path, name, self.rank, read_manifest(path).get("world_size", "?"))
+        loadable = {name: value for name, value in state.items() if name not in missing}
         with quiet_single_process():
-            dcp.load(state, storage_reader=SafeFileSystemReader(path), planner=SafeLoadPlanner(), no_dist=not is_distributed())
+            dcp.load(loadable, storage_reader=SafeFileSystemReader(path), planner=SafeLoadPlanner(),
+                     no_dist=not is_distributed())
 
     def choose_resume(self, resume: str) -> Path | None:
         """The verified checkpoint to resume from (decided on rank 0, agreed by all ranks)."""
@@ -124,6 +136,12 @@ class Checkpointer:
         doomed += [(step, path) for step, path in all_found if step < newest_step and not is_complete(path)]
         for _, path in doomed:
             shutil.rmtree(path, ignore_errors=True)
+
+
+def _saved(stateful: Stateful, name: str, saved_keys) -> bool:
+    """Whether every top-level entry of the stateful's state is in the checkpoint."""
+    prefixes = [f"{name}.{key}" for key in stateful.state_dict()]
+    return all(any(saved == p or saved.startswith(p + ".") for saved in saved_keys) for p in prefixes)
 
 
 @contextlib.contextmanager
