@@ -1,0 +1,43 @@
+"""Run under torchrun: trains fsdp through the Python API, counting FSDP2's gradient reduce-scatters
+through its public set_custom_reduce_scatter hook. Writes {"reduce_scatters": N, ...} from rank 0."""
+
+import json
+import sys
+
+import torch.distributed as dist
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultReduceScatter
+
+import paratrain
+from tests.harness import TINY_GPT, TINY_TEXT
+
+
+class CountingReduceScatter(DefaultReduceScatter):
+    calls = 0
+
+    def __call__(self, *args, **kwargs):
+        CountingReduceScatter.calls += 1
+        return super().__call__(*args, **kwargs)
+
+
+def main(out_path: str, policy: str, output_dir: str) -> None:
+    config = paratrain.load_config(None, [
+        "parallel.strategy=fsdp", "train.max_steps=3", "train.global_batch_size=16", "train.micro_batch_size=2",
+        f"parallel.fsdp.grad_sync={policy}", f"run.output_dir={output_dir}", "checkpoint.save_final=false",
+        f"model.factory={TINY_GPT['factory']}", f"data.factory={TINY_TEXT['factory']}",
+        "model.args={block_size: 16, n_layer: 2, n_head: 2, n_embd: 32}", "data.args={block_size: 16, max_chars: 40000}",
+    ])
+    trainer = paratrain.Trainer(config)
+    units = [module for module in trainer.bare_model.modules() if isinstance(module, FSDPModule)]
+    for unit in units:
+        unit.set_custom_reduce_scatter(CountingReduceScatter())
+    result = trainer.train()
+    if dist.get_rank() == 0:
+        with open(out_path, "w") as handle:
+            json.dump({"reduce_scatters": CountingReduceScatter.calls, "steps": result.steps,
+                       "units": len(units), "accumulation": trainer.sampler.accumulation_steps}, handle)
+    trainer.close()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2], sys.argv[3])
