@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import torch
+
 from paratrain.config import Config
 
 
@@ -11,6 +13,7 @@ def ineffective_options(config: Config) -> list[str]:
     if config.parallel.strategy != "ddp" and config.parallel.ddp.model_fields_set:
         keys = ", ".join(f"parallel.ddp.{name}" for name in sorted(config.parallel.ddp.model_fields_set))
         warnings.append(f"{keys} has no effect with parallel.strategy={config.parallel.strategy}")
+    warnings += _sharding_warnings(config)
     optim = config.optim
     if optim.name == "adamw" and "momentum" in optim.model_fields_set:
         warnings.append("optim.momentum has no effect with optim.name=adamw (it is an SGD option)")
@@ -20,4 +23,18 @@ def ineffective_options(config: Config) -> list[str]:
         warnings.append("optim.min_lr_ratio has no effect with optim.schedule=constant")
     if config.checkpoint.every_steps == 0 and not config.checkpoint.save_final:
         warnings.append("checkpoint.every_steps=0 with checkpoint.save_final=false: this run saves no checkpoint")
+    return warnings
+
+
+def _sharding_warnings(config: Config) -> list[str]:
+    parallel, warnings = config.parallel, []
+    sharded = parallel.strategy in ("fsdp", "hsdp")
+    if not sharded and parallel.fsdp.model_fields_set:
+        keys = ", ".join(f"parallel.fsdp.{name}" for name in sorted(parallel.fsdp.model_fields_set))
+        warnings.append(f"{keys} has no effect with parallel.strategy={parallel.strategy} (fsdp and hsdp only)")
+    uses_tp = parallel.strategy == "tp" or (parallel.tp or 1) > 1
+    if parallel.sequence_parallel and not uses_tp:
+        warnings.append("parallel.sequence_parallel has no effect without tensor parallel (parallel.tp > 1)")
+    if sharded and parallel.fsdp.cpu_offload and config.train.device != "cuda" and not torch.cuda.is_available():
+        warnings.append("parallel.fsdp.cpu_offload has no effect when training on the CPU already")
     return warnings

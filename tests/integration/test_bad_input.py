@@ -51,6 +51,23 @@ CASES = {
     "factory argument it does not take": (["model.args.n_layers=3"], ["model.args", "n_layers", "it accepts: vocab_size"]),
     "resume path that does not exist": (["checkpoint.resume=/nonexistent/step-5"],
                                         ["checkpoint.resume=/nonexistent/step-5", "no such checkpoint"]),
+    "degrees whose product is not the world size": (
+        ["parallel.strategy=fsdp", "parallel.dp_shard=3", "--nproc-per-node", "2"],
+        ["parallel.dp_shard=3", "does not fit the world size 2", "product is 3"]),
+    "two degrees left to fill": (["parallel.strategy=fsdp", "parallel.tp=-1", "--nproc-per-node", "2"],
+                                 ["only one degree may be -1", "parallel.dp_shard, parallel.tp"]),
+    "tp degree that does not divide the attention heads": (
+        ["parallel.strategy=tp", "model.args.n_head=3", "model.args.n_embd=33", "--nproc-per-node", "2"],
+        ["parallel.tp=2 does not divide model.args.n_head=3"]),
+    "tp on a model that declares no plan": (
+        ["parallel.strategy=tp", "model.factory=paratrain.models.mlp:build_mlp", "model.args={}",
+         "data.factory=paratrain.data.regression:build_regression_dataset", "data.args={}",
+         "loss.factory=paratrain.losses:mse", "--nproc-per-node", "2"],
+        ["parallel.tp=2: the model declares no tensor-parallel plan", "block_tp_plan"]),
+    "ddp combined with tensor parallel": (["parallel.strategy=ddp", "parallel.tp=2", "--nproc-per-node", "2"],
+                                          ["parallel.strategy=ddp replicates whole models", "use parallel.strategy=fsdp"]),
+    "fp16 with fsdp cpu offload": (["parallel.strategy=fsdp", "precision=fp16", "parallel.fsdp.cpu_offload=true",
+                                    "--nproc-per-node", "2"], ["precision=fp16 with parallel.fsdp.cpu_offload=true"]),
 }
 
 
@@ -152,3 +169,19 @@ def copy_tree(source: Path, destination: Path) -> None:
     import shutil
 
     shutil.copytree(source, destination)
+
+
+def test_options_without_effect_in_the_layout_are_warned_about_and_training_goes_on(tmp_path):
+    config = config_file(tmp_path, tmp_path / "run", train={"max_steps": 2})
+    result = train(Path(config), "parallel.fsdp.reshard_after_forward=false", "parallel.sequence_parallel=true")
+    assert "parallel.fsdp.reshard_after_forward has no effect with parallel.strategy=single" in result.stderr
+    assert "parallel.sequence_parallel has no effect without tensor parallel" in result.stderr
+
+
+def test_fsdp_on_a_model_without_blocks_shards_it_as_one_unit_and_says_so(tmp_path):
+    config = config_file(tmp_path, tmp_path / "run", train={"max_steps": 2},
+                         model={"factory": "tests.integration.plain_models:build_sequential", "args": {}},
+                         data={"factory": "paratrain.data.regression:build_regression_dataset", "args": {"in_features": 4}},
+                         loss={"factory": "paratrain.losses:mse"})
+    result = train(Path(config), "parallel.strategy=fsdp", nproc=2)
+    assert "the model declares no blocks" in result.stderr and "sharding it as one unit" in result.stderr
