@@ -9,7 +9,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.harness import checkpoint_weights, losses_by_step, tiny_config, train, write_config
+from tests.harness import checkpoint_weights, losses_by_step, run_cli, tiny_config, train, write_config
 
 STEPS = 20
 FIRST_STEP_RTOL = 1e-6
@@ -117,3 +117,14 @@ def test_fsdp_gradient_accumulation_matches_single_process_under_both_sync_polic
     accumulated = runs.get("fsdp x2", f"parallel.fsdp.grad_sync={policy}", name=name)
     differences = relative_differences(losses_by_step(accumulated), losses_by_step(runs.get("single")))
     assert max(differences.values()) <= LOSS_RTOL
+
+
+def test_export_from_an_fsdp_x4_checkpoint_writes_the_full_weights(runs, tmp_path):
+    checkpoint = runs.get("fsdp x4") / f"checkpoints/step-{STEPS}"
+    out = tmp_path / "model.safetensors"
+    result = run_cli(["export", str(checkpoint), "--out", str(out)])
+    assert result.returncode == 0, result.stderr
+    exported, expected = load_file(str(out)), checkpoint_weights(checkpoint)
+    assert exported.keys() == expected.keys()
+    assert exported["blocks.0.mlp.up_proj.weight"].shape == (128, 32)  # whole, not a quarter
+    assert all(torch.equal(exported[name], expected[name]) for name in expected)
