@@ -42,7 +42,7 @@ def build_model(factory: Callable[[], nn.Module], options: ParallelConfig, *, di
     A model without ``init_parameter`` in an unsharded layout is instead built directly on its
     device, so whatever its constructor initialises stays as the user wrote it.
     """
-    sharded = dims.tp > 1 or options.strategy in ("fsdp", "hsdp")
+    sharded = dims.is_sharded
     with torch.device("meta"):
         model = factory()
     if not (sharded or declares_init(model)):

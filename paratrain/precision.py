@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 import torch
+from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
 Precision = Literal["fp32", "bf16", "fp16"]
 
@@ -46,6 +47,13 @@ class MixedPrecision:
             optimizer.step()
 
 
-def build_mixed_precision(precision: Precision, *, device: torch.device) -> MixedPrecision:
-    scaler = torch.amp.GradScaler(device.type) if precision == "fp16" else None
+def build_mixed_precision(precision: Precision, *, device: torch.device, sharded: bool) -> MixedPrecision:
+    """Autocast settings and, for fp16, the loss scaler.
+
+    With sharded gradients each rank sees only its shard, so one rank may find an overflow that
+    others do not; ShardedGradScaler all-reduces that finding so every rank skips the same steps.
+    """
+    if precision != "fp16":
+        return MixedPrecision(precision, device.type, None)
+    scaler = ShardedGradScaler(device.type) if sharded else torch.amp.GradScaler(device.type)
     return MixedPrecision(precision, device.type, scaler)

@@ -23,7 +23,7 @@ def preflight(config: Config, *, world_size: int, nproc_per_node: int) -> None:
     """Raises one ConfigError listing every problem with running ``config`` on this many processes."""
     checks: list[Callable[[], None]] = [
         lambda: _check_layout(config, world_size, nproc_per_node),
-        lambda: _check_precision(config),
+        lambda: _check_precision(config, _dims(config, world_size, nproc_per_node)),
         lambda: _check_devices(config, nproc_per_node),
         lambda: check_factory_args(config.model, key="model"),
         lambda: check_factory_args(config.data, key="data"),
@@ -36,14 +36,19 @@ def preflight(config: Config, *, world_size: int, nproc_per_node: int) -> None:
         try:
             check()
         except (ConfigError, CheckpointError) as error:
-            problems.append(str(error))
+            if str(error) not in problems:  # checks that share a cause report it once
+                problems.append(str(error))
     if problems:
         raise ConfigError("\n".join(problems))
 
 
-def _check_layout(config: Config, world_size: int, nproc_per_node: int) -> None:
-    dims = ParallelDims.resolve(config.parallel.strategy, world_size=world_size, local_world_size=nproc_per_node,
+def _dims(config: Config, world_size: int, nproc_per_node: int) -> ParallelDims:
+    return ParallelDims.resolve(config.parallel.strategy, world_size=world_size, local_world_size=nproc_per_node,
                                 degrees=config.parallel.degrees())
+
+
+def _check_layout(config: Config, world_size: int, nproc_per_node: int) -> None:
+    dims = _dims(config, world_size, nproc_per_node)
     step_unit = config.train.micro_batch_size * dims.dp
     if config.train.global_batch_size % step_unit:
         raise ConfigError(
@@ -61,8 +66,15 @@ def _model_on_meta(config: Config) -> nn.Module:
         return call_factory(config.model, key="model")
 
 
-def _check_precision(config: Config) -> None:
+def _check_precision(config: Config, dims: ParallelDims) -> None:
     fsdp = config.parallel.fsdp
+    if config.precision == "fp16" and dims.tp > 1 and config.parallel.strategy not in ("fsdp", "hsdp"):
+        # Tensor parallel alone leaves embeddings and norms unsharded beside sharded linears, and the
+        # gradient scaler's unscale kernel refuses that mix; under fsdp every parameter is sharded.
+        raise ConfigError(
+            "precision=fp16 with tensor parallel alone is not supported: the gradient scaler cannot unscale "
+            "a mix of sharded and unsharded gradients; use precision=bf16, or parallel.strategy=fsdp with parallel.tp"
+        )
     if config.precision == "fp16" and fsdp.cpu_offload and config.parallel.strategy in ("fsdp", "hsdp"):
         raise ConfigError(
             "precision=fp16 with parallel.fsdp.cpu_offload=true is not supported: the gradient scaler "

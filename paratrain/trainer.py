@@ -93,7 +93,7 @@ class Trainer:
         torch.manual_seed(config.train.seed + self.dp_rank)
         self.optimizer = build_optimizer(self.bare_model, config.optim, dp_size=self.dp_size)
         self.lr_scheduler = build_lr_scheduler(self.optimizer, config.optim, max_steps=config.train.max_steps)
-        self.precision = build_mixed_precision(config.precision, device=self.ctx.device)
+        self.precision = build_mixed_precision(config.precision, device=self.ctx.device, sharded=self.dims.is_sharded)
         loss_fn = loss_fn or call_factory(config.loss, key="loss")
         self.engine = MicroBatchEngine(self.model, loss_fn, self.precision, device=self.ctx.device,
                                        sync_every_micro_batch=config.parallel.fsdp.grad_sync == "every_micro_batch")

@@ -73,6 +73,11 @@ class ParallelDims:
         return self.pp * self.dp * self.tp
 
     @property
+    def is_sharded(self) -> bool:
+        """Whether parameters (and so gradients) are split across ranks."""
+        return self.tp > 1 or self.strategy in ("fsdp", "hsdp")
+
+    @property
     def needs_process_group(self) -> bool:
         return self.strategy not in _ONE_PROCESS
 

@@ -66,6 +66,8 @@ CASES = {
         ["parallel.tp=2: the model declares no tensor-parallel plan", "block_tp_plan"]),
     "ddp combined with tensor parallel": (["parallel.strategy=ddp", "parallel.tp=2", "--nproc-per-node", "2"],
                                           ["parallel.strategy=ddp replicates whole models", "use parallel.strategy=fsdp"]),
+    "fp16 with tensor parallel alone": (["parallel.strategy=tp", "precision=fp16", "--nproc-per-node", "2"],
+                                        ["precision=fp16 with tensor parallel alone", "parallel.strategy=fsdp with parallel.tp"]),
     "fp16 with fsdp cpu offload": (["parallel.strategy=fsdp", "precision=fp16", "parallel.fsdp.cpu_offload=true",
                                     "--nproc-per-node", "2"], ["precision=fp16 with parallel.fsdp.cpu_offload=true"]),
 }

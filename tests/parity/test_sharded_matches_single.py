@@ -128,3 +128,9 @@ def test_export_from_an_fsdp_x4_checkpoint_writes_the_full_weights(runs, tmp_pat
     assert exported.keys() == expected.keys()
     assert exported["blocks.0.mlp.up_proj.weight"].shape == (128, 32)  # whole, not a quarter
     assert all(torch.equal(exported[name], expected[name]) for name in expected)
+
+
+def test_fp16_with_the_gradient_scaler_on_sharded_gradients_matches_single_process(runs):
+    reference = runs.get("single", "precision=fp16", name="single fp16")
+    sharded = runs.get("fsdp x2", "precision=fp16", name="fsdp x2 fp16")
+    assert max(relative_differences(losses_by_step(sharded), losses_by_step(reference)).values()) <= LOSS_RTOL
