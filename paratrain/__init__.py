@@ -11,6 +11,15 @@ Python API::
 
 from paratrain.config import Config, load_config
 from paratrain.errors import CheckpointError, ConfigError
-from paratrain.trainer import Trainer, TrainResult
 
 __all__ = ["CheckpointError", "Config", "ConfigError", "TrainResult", "Trainer", "load_config"]
+
+
+def __getattr__(name: str):
+    # The trainer pulls in DCP, DTensor and FSDP (a second or more of imports): load it on first
+    # use, so the CLI can reject a bad config, and torchrun start, without paying for it.
+    if name in ("Trainer", "TrainResult"):
+        from paratrain import trainer
+
+        return getattr(trainer, name)
+    raise AttributeError(f"module 'paratrain' has no attribute {name!r}")

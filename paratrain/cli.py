@@ -9,10 +9,8 @@ from pathlib import Path
 
 from paratrain.config import config_to_yaml, load_config
 from paratrain.config_warnings import ineffective_options
-from paratrain.errors import CheckpointError, ConfigError
-from paratrain.launch import LaunchOptions, launch
-from paratrain.preflight import preflight
-from paratrain.train import EXIT_USER_ERROR, PREFLIGHT_DONE_ENV, configure_logging, run
+from paratrain.errors import EXIT_USER_ERROR, CheckpointError, ConfigError
+from paratrain.launch import LaunchOptions
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -42,13 +40,20 @@ def train_command(args: argparse.Namespace) -> int:
     options = LaunchOptions(args.nproc_per_node, args.nnodes, args.node_rank, args.rdzv_endpoint, args.max_restarts)
     options.validate()
     config = load_config(args.config, args.overrides)
+    from paratrain.preflight import preflight  # imported once the config parses: it loads torch.distributed
+
     preflight(config, world_size=options.world_size, nproc_per_node=options.nproc_per_node)
     for warning in ineffective_options(config):
         print(f"paratrain: warning: {warning}", file=sys.stderr)
     if options.world_size == 1 and options.max_restarts == 0:
+        from paratrain.train import configure_logging, run
+
         configure_logging(rank=0)
         run(config)
         return 0
+    from paratrain.launch import launch
+    from paratrain.train import PREFLIGHT_DONE_ENV
+
     return launch(options, [args.config, *args.overrides], env={PREFLIGHT_DONE_ENV: "1"})
 
 

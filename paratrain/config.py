@@ -1,7 +1,7 @@
 """The typed config tree and how it is loaded.
 
 One precedence chain: schema defaults < YAML file < ``dotted.key=value`` overrides. Every field has a
-docstring; ``docs/config.md`` is generated from them (and a test keeps it in step). Unknown keys are
+docstring; README.md's config reference is generated from them (and a test keeps it in step). Unknown keys are
 rejected and every error is reported at once, each with its dotted path.
 """
 
@@ -279,7 +279,7 @@ def _format_validation_errors(error: ValidationError) -> str:
 
 def _describe(item: dict[str, Any]) -> str:
     if item["type"] == "extra_forbidden":
-        return "unknown key; remove it or fix its spelling (see docs/config.md for the valid keys)"
+        return "unknown key; remove it or fix its spelling (valid keys: README.md, Config reference)"
     message = item["msg"].removeprefix("Value error, ")
     if item["type"] in ("value_error", "assertion_error"):
         return message

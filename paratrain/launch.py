@@ -8,9 +8,6 @@ import sys
 import uuid
 from dataclasses import dataclass
 
-from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-from torch.distributed.run import get_args_parser, run
-
 from paratrain.errors import ConfigError
 
 
@@ -52,6 +49,9 @@ def torchrun_argv(options: LaunchOptions, worker_args: list[str]) -> list[str]:
 
 def launch(options: LaunchOptions, worker_args: list[str], *, env: dict[str, str]) -> int:
     """Runs the workers under torchrun in this process; returns an exit code for the CLI."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import get_args_parser, run
+
     os.environ.update(env)
     args = get_args_parser().parse_args(torchrun_argv(options, worker_args))
     try:
@@ -61,7 +61,7 @@ def launch(options: LaunchOptions, worker_args: list[str], *, env: dict[str, str
     return 0
 
 
-def _summarise_failure(error: ChildFailedError) -> int:
+def _summarise_failure(error) -> int:
     """One line per failed rank instead of torchrun's traceback; the workers printed the cause."""
     codes = []
     for rank, failure in sorted(error.failures.items()):

@@ -14,14 +14,12 @@ import sys
 from paratrain.config import Config, load_config
 from paratrain.config_warnings import ineffective_options
 from paratrain.distributed import world_size_from_env
-from paratrain.errors import CheckpointError, ConfigError
+from paratrain.errors import EXIT_USER_ERROR, CheckpointError, ConfigError
 from paratrain.preflight import preflight
 from paratrain.trainer import Trainer, TrainResult
 
 # Set by the CLI once it has run the checks, so workers it launches do not repeat them.
 PREFLIGHT_DONE_ENV = "PARATRAIN_PREFLIGHT_DONE"
-
-EXIT_USER_ERROR = 2
 
 
 def run(config: Config) -> TrainResult:

@@ -17,14 +17,15 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
-from torch.distributed.checkpoint.stateful import Stateful
-
 from paratrain.errors import ConfigError
 
 
 @dataclass
-class DataPosition(Stateful):
-    """How far the run has read: the epoch and the global batches already consumed in it."""
+class DataPosition:
+    """How far the run has read: the epoch and the global batches already consumed in it.
+
+    Stateful by shape (state_dict / load_state_dict), which is all DCP checks for.
+    """
 
     epoch: int = 0
     batch_in_epoch: int = 0
