@@ -70,8 +70,9 @@ class OptimConfig(Section):
 
 
 class DDPConfig(Section):
-    bucket_cap_mb: float = Field(25.0, gt=0)
-    """Gradient bucket size for DistributedDataParallel's all-reduce."""
+    bucket_cap_mb: float | None = Field(None, gt=0)
+    """Gradient bucket size in MiB for DDP's all-reduce; null keeps DDP's default (25 MiB buckets
+    after a 1 MiB first one, so communication starts early in backward)."""
     static_graph: bool = False
     """Tell DDP the graph is the same every iteration (enables extra optimisations)."""
     find_unused_parameters: bool = False

@@ -29,7 +29,7 @@ def ineffective_options(config: Config) -> list[str]:
 def _sharding_warnings(config: Config) -> list[str]:
     parallel, warnings = config.parallel, []
     sharded = parallel.strategy in ("fsdp", "hsdp")
-    if not sharded and parallel.fsdp.model_fields_set:
+    if not sharded and parallel.fsdp.model_fields_set:  # all fsdp options, grad_sync included, are fsdp-only
         keys = ", ".join(f"parallel.fsdp.{name}" for name in sorted(parallel.fsdp.model_fields_set))
         warnings.append(f"{keys} has no effect with parallel.strategy={parallel.strategy} (fsdp and hsdp only)")
     uses_tp = parallel.strategy == "tp" or (parallel.tp or 1) > 1

@@ -22,7 +22,7 @@ from paratrain.builders import build_model, build_sampler, tokens_per_sample
 from paratrain.checkpoint import Checkpointer
 from paratrain.checkpoint.state import ModelState, OptimizerState, Progress, RNGState
 from paratrain.collectives import all_reduce_mean
-from paratrain.config import Config, config_to_yaml
+from paratrain.config import Config, ParallelConfig, config_to_yaml
 from paratrain.data.loader import StepBatches
 from paratrain.data.sampler import DataPosition
 from paratrain.debug import dump_gradients
@@ -96,7 +96,7 @@ class Trainer:
         self.precision = build_mixed_precision(config.precision, device=self.ctx.device, sharded=self.dims.is_sharded)
         loss_fn = loss_fn or call_factory(config.loss, key="loss")
         self.engine = MicroBatchEngine(self.model, loss_fn, self.precision, device=self.ctx.device,
-                                       sync_every_micro_batch=config.parallel.fsdp.grad_sync == "every_micro_batch")
+                                       sync_every_micro_batch=_syncs_every_micro_batch(config.parallel))
         self.dataset = dataset if dataset is not None else call_factory(config.data, key="data")
         self.sampler = build_sampler(len(self.dataset), config, dp_rank=self.dp_rank, dp_size=self.dp_size)
         self.tokens_per_sample = tokens_per_sample(self.dataset)
@@ -247,3 +247,8 @@ class _NoMetrics:
 
     def close(self) -> None: ...
 
+
+
+def _syncs_every_micro_batch(options: ParallelConfig) -> bool:
+    """FSDP's grad_sync policy; other layouts always sync on the last micro-batch only."""
+    return options.strategy in ("fsdp", "hsdp") and options.fsdp.grad_sync == "every_micro_batch"

@@ -140,6 +140,10 @@ def _check_strategy_fits(strategy: Strategy, chosen: dict[str, int], world_size:
             f"parallel.strategy=ddp replicates whole models; {', '.join(f'parallel.{n}' for n in sorted(more_than_one - {'dp_replicate'}))} "
             f"need sharded parameters: use parallel.strategy=fsdp (with parallel.tp for fsdp + tensor parallel)"
         )
+    if strategy == "tp" and (chosen.get("dp_replicate", 1) != 1 or chosen.get("dp_shard", 1) != 1):
+        # Nothing would synchronise the data-parallel replicas' gradients: they would drift apart.
+        raise ConfigError("parallel.strategy=tp is tensor parallel alone; to add data parallel, use "
+                          "parallel.strategy=fsdp (or hsdp) with parallel.tp")
     if strategy == "fsdp" and chosen.get("dp_replicate", 1) != 1:
         raise ConfigError("parallel.strategy=fsdp shards over all data-parallel ranks; to replicate across "
                           "parallel.dp_replicate groups as well, use parallel.strategy=hsdp")

@@ -33,7 +33,9 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, *, plan: ParallelPlan, option
         # The last block's parameters are needed again at once by backward: no point freeing them.
         reshard = options.reshard_after_forward and index < len(blocks) - 1
         fully_shard(block, reshard_after_forward=reshard, **common)
-    fully_shard(model, reshard_after_forward=options.reshard_after_forward, **common)
+    # None lets FSDP keep the root's parameters (embeddings, head) gathered from forward into
+    # backward, which needs them at once; an explicit True would free and gather them again.
+    fully_shard(model, reshard_after_forward=None if options.reshard_after_forward else False, **common)
     if options.prefetch_blocks:
         _prefetch_explicitly(blocks, options.prefetch_blocks)
 

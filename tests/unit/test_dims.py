@@ -39,6 +39,7 @@ def test_data_parallel_size_counts_replicas_and_shards():
     ("single", 2, {}, "runs in one process"),
     ("fsdp", 2, {"pp": 2}, "not available yet"),
     ("fsdp", 2, {"tp": 0}, "a degree is a positive number"),
+    ("tp", 4, {"dp_shard": 2}, "with parallel.tp"),
 ])
 def test_degrees_that_cannot_work_are_refused_with_the_fix(strategy, world, degrees, message):
     with pytest.raises(ConfigError, match=message):
