@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import sys
@@ -9,6 +10,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from tqdm import tqdm
+from tqdm.contrib.logging import logging_redirect_tqdm
 
 logger = logging.getLogger("paratrain")
 
@@ -29,6 +31,10 @@ class MetricsLogger:
         self._tensorboard = _open_tensorboard(output_dir / "tensorboard") if tensorboard else None
         show_bar = progress_bar == "on" or (progress_bar == "auto" and sys.stderr.isatty())
         self._bar = tqdm(total=max_steps, initial=start_step, unit="step", dynamic_ncols=True) if show_bar else None
+        # While the bar is drawn, log lines (checkpoints saved, warnings) go above it, not through it.
+        self._undo = contextlib.ExitStack()
+        if self._bar:
+            self._undo.enter_context(logging_redirect_tqdm())
         self._max_steps = max_steps
 
     def step_done(self) -> None:
@@ -47,6 +53,7 @@ class MetricsLogger:
             logger.info(_format_line(metrics, self._max_steps))
 
     def close(self) -> None:
+        self._undo.close()
         self._jsonl.close()
         if self._tensorboard:
             self._tensorboard.close()
