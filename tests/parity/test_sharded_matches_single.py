@@ -24,6 +24,8 @@ LAYOUTS = {
     "tp x2": (["parallel.strategy=tp"], 2),
     "fsdp+tp 2x2": (["parallel.strategy=fsdp", "parallel.tp=2"], 4),
     "ddp x2": (["parallel.strategy=ddp"], 2),
+    "tp x2 sequence parallel": (["parallel.strategy=tp", "parallel.sequence_parallel=true"], 2),
+    "fsdp x2 activation checkpointing": (["parallel.strategy=fsdp", "parallel.activation_checkpointing=true"], 2),
 }
 
 
@@ -56,7 +58,8 @@ def relative_differences(a: dict[int, float], b: dict[int, float]) -> dict[int, 
     return {step: abs(a[step] - b[step]) / abs(b[step]) for step in a}
 
 
-@pytest.mark.parametrize("layout", ["fsdp x2", "fsdp x4", "hsdp 2x2", "tp x2", "fsdp+tp 2x2"])
+@pytest.mark.parametrize("layout", ["fsdp x2", "fsdp x4", "hsdp 2x2", "tp x2", "fsdp+tp 2x2", "tp x2 sequence parallel",
+                                    "fsdp x2 activation checkpointing"])
 def test_sharded_layout_matches_single_process_losses_and_first_gradients(runs, layout):
     reference, sharded = runs.get("single"), runs.get(layout)
 
