@@ -84,6 +84,7 @@ class Trainer:
                                          local_world_size=local_world_size_from_env(), degrees=config.parallel.degrees())
         self.ctx: DistContext = init_distributed(device_kind=config.train.device, needs_group=self.dims.needs_process_group)
         self.mesh = self.dims.build_mesh(self.ctx.device.type)
+        logger.info("layout %s: %s on %s", config.parallel.strategy, self.dims.describe(), self.ctx.device)
         self.dp_rank, self.dp_size = data_parallel_coordinates(self.mesh)
         built = build_model(model_factory or (lambda: call_factory(config.model, key="model")), config.parallel,
                             dims=self.dims, mesh=self.mesh, device=self.ctx.device, seed=config.train.seed)

@@ -48,10 +48,6 @@ def encode(text: str) -> torch.Tensor:
     return torch.tensor([ord(c) if ord(c) < VOCAB_SIZE else ord("?") for c in text], dtype=torch.long)
 
 
-def decode(tokens: torch.Tensor) -> str:
-    return "".join(chr(t) for t in tokens.tolist())
-
-
 class CharDataset(Dataset):
     """Non-overlapping windows of block_size + 1 characters: inputs are the first block_size, targets
     the same shifted by one."""

@@ -121,12 +121,6 @@ class GPT(nn.Module):
             x = block(x)
         return self.lm_head(self.final_norm(x))
 
-    def flops_per_token(self) -> int:
-        """Training FLOPs per token: 6 x non-embedding parameters + attention (12 * L * d * S)."""
-        non_embedding = sum(p.numel() for n, p in self.named_parameters() if "emb" not in n)
-        c = self.config
-        return 6 * non_embedding + 12 * c.n_layer * c.n_embd * c.block_size
-
 
 def build_gpt(
     *,
