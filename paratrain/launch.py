@@ -36,12 +36,14 @@ class LaunchOptions:
 
 def torchrun_argv(options: LaunchOptions, worker_args: list[str]) -> list[str]:
     """torchrun's arguments for running ``python -m paratrain.train WORKER_ARGS`` on this node."""
+    from paratrain.rendezvous import BACKEND_NAME, LOOPBACK_ADDR  # loads torch.distributed.elastic
+
     argv = ["--nproc-per-node", str(options.nproc_per_node), "--nnodes", str(options.nnodes),
             "--max-restarts", str(options.max_restarts)]
     if options.nnodes == 1:
-        # Like --standalone, but the rendezvous store listens on loopback only.
-        argv += ["--rdzv-backend", "c10d", "--rdzv-endpoint", "127.0.0.1:0", "--rdzv-id", uuid.uuid4().hex,
-                 "--local-addr", "127.0.0.1"]
+        # Like --standalone, but every store listens on loopback only (see paratrain.rendezvous).
+        argv += ["--rdzv-backend", BACKEND_NAME, "--rdzv-endpoint", f"{LOOPBACK_ADDR}:0", "--rdzv-id", uuid.uuid4().hex,
+                 "--local-addr", LOOPBACK_ADDR]
     else:
         argv += ["--rdzv-backend", "static", "--rdzv-endpoint", options.rdzv_endpoint, "--node-rank", str(options.node_rank)]
     return argv + ["-m", "paratrain.train", *worker_args]
@@ -52,7 +54,12 @@ def launch(options: LaunchOptions, worker_args: list[str], *, env: dict[str, str
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import get_args_parser, run
 
+    from paratrain.rendezvous import LOOPBACK_ENV, register_loopback_rendezvous
+
     os.environ.update(env)
+    if options.nnodes == 1:
+        register_loopback_rendezvous()
+        os.environ.update(LOOPBACK_ENV)
     args = get_args_parser().parse_args(torchrun_argv(options, worker_args))
     try:
         run(args)
