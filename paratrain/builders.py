@@ -87,11 +87,20 @@ def _is_on_meta(model: nn.Module) -> bool:
     return any(t.is_meta for t in [*model.parameters(), *model.buffers()])
 
 
-def build_sampler(dataset_size: int, config: Config, *, dp_rank: int, dp_size: int) -> GlobalBatchSampler:
+def micro_batch_size(config: Config, dims: ParallelDims) -> int:
+    """Samples per forward on one rank: train.micro_batch_size, unless a pipeline's micro-batch
+    count (pipeline.microbatches) decides it."""
+    if dims.pp > 1 and config.pipeline.microbatches:
+        return config.train.global_batch_size // (dims.dp * config.pipeline.microbatches)
+    return config.train.micro_batch_size
+
+
+def build_sampler(dataset_size: int, config: Config, *, dp_rank: int, dp_size: int,
+                  micro_batch_size: int) -> GlobalBatchSampler:
     return GlobalBatchSampler(
         dataset_size=dataset_size,
         global_batch_size=config.train.global_batch_size,
-        micro_batch_size=config.train.micro_batch_size,
+        micro_batch_size=micro_batch_size,
         dp_rank=dp_rank,
         dp_size=dp_size,
         seed=config.train.seed,

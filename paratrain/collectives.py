@@ -22,6 +22,13 @@ def all_reduce_mean(tensor: torch.Tensor, group: dist.ProcessGroup | None = None
     return tensor
 
 
+def all_reduce_sum(tensor: torch.Tensor, group: dist.ProcessGroup | None = None) -> torch.Tensor:
+    """Sum of tensor over the group's ranks (in place)."""
+    if is_distributed():
+        dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group)
+    return tensor
+
+
 def broadcast_object(obj: T, *, src: int = 0) -> T:
     """Rank src's obj on every rank (pickled between this job's own processes only)."""
     if not is_distributed():

@@ -101,11 +101,13 @@ class FSDPConfig(Section):
 
 
 class ParallelConfig(Section):
-    strategy: Literal["single", "dp", "ddp", "fsdp", "hsdp", "tp"] = "single"
+    strategy: Literal["single", "dp", "model_parallel", "ddp", "fsdp", "hsdp", "tp", "pp"] = "single"
     """single: one process. dp: torch.nn.DataParallel over the local GPUs of one process.
+    model_parallel: one process, consecutive pipeline stages on the devices in pipeline.devices.
     ddp: DistributedDataParallel. fsdp: FSDP2 fully_shard over all data-parallel ranks. hsdp: shard
     within parallel.dp_shard ranks, replicate across parallel.dp_replicate groups. tp: tensor
-    parallel over all ranks. Each is a shorthand for the degrees below; tp combines with fsdp/hsdp."""
+    parallel over all ranks. pp: pipeline parallel over all ranks. Each is a shorthand for the degrees
+    below; tp combines with fsdp/hsdp, and parallel.pp with ddp, fsdp, hsdp and tp."""
     dp_replicate: int | None = None
     """Data-parallel replicas (ddp, hsdp). null: the strategy's default; -1: fill the world size."""
     dp_shard: int | None = None
@@ -114,7 +116,8 @@ class ParallelConfig(Section):
     tp: int | None = None
     """Tensor-parallel degree; must divide the model's attention heads and hidden sizes."""
     pp: int | None = None
-    """Pipeline-parallel degree (reserved: only 1 for now)."""
+    """Pipeline-parallel degree: ranks that each hold consecutive stages of the model (see pipeline.*).
+    null: the strategy's default (pp: all ranks; others: 1); -1: fill the world size."""
     activation_checkpointing: bool = False
     """Recompute each block's activations in backward instead of storing them."""
     compile: bool = False
@@ -128,6 +131,30 @@ class ParallelConfig(Section):
 
     def degrees(self) -> dict[str, int | None]:
         return {"pp": self.pp, "dp_replicate": self.dp_replicate, "dp_shard": self.dp_shard, "tp": self.tp}
+
+
+class PipelineConfig(Section):
+    schedule: Literal["GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble",
+                      "DualPipeV"] = "1F1B"
+    """torch.distributed.pipelining schedule (torch's names). GPipe and 1F1B run one stage per rank;
+    the others several (ZBVZeroBubble and DualPipeV exactly 2). See `paratrain pipeline show`."""
+    microbatches: int | None = Field(None, gt=0)
+    """Micro-batches per step through the pipeline. null: global_batch_size / (micro_batch_size x
+    data-parallel size). When set, it decides the micro-batch size instead of train.micro_batch_size."""
+    stages_per_rank: int | None = Field(None, gt=0)
+    """Stages each pipeline rank holds. null: 1 for GPipe/1F1B, 2 for the multi-stage schedules."""
+    split_points: list[str] = []
+    """Module paths that end a stage (like split_spec {"blocks.3": "end"}), one fewer than the stages,
+    from the model's pipeline sequence. Empty: cut automatically (pipeline.balance)."""
+    balance: Literal["params", "time"] = "params"
+    """Automatic cuts balance each stage's parameter count, or its forward+backward time measured on
+    one micro-batch before training."""
+    devices: list[str] = []
+    """strategy model_parallel: the device of each stage, in order (e.g. [cuda:0, cuda:1]). Empty:
+    every visible GPU, or the CPU alone (then all stages run there, and the log says so)."""
+    record_timeline: bool = True
+    """Record when each forward and backward ran on each rank into
+    output_dir/pipeline/timeline-rank<R>.json, for the measured bubble in `paratrain pipeline show`."""
 
 
 class CheckpointConfig(Section):
@@ -190,6 +217,8 @@ class Config(Section):
     train: TrainConfig = TrainConfig()
     optim: OptimConfig = OptimConfig()
     parallel: ParallelConfig = ParallelConfig()
+    pipeline: PipelineConfig = PipelineConfig()
+    """Pipeline stages and schedule (strategy pp, parallel.pp > 1, or model_parallel)."""
     precision: Literal["fp32", "bf16", "fp16"] = "fp32"
     """Compute precision: bf16/fp16 autocast (fp16 adds a gradient scaler); weights stay fp32."""
     checkpoint: CheckpointConfig = CheckpointConfig()

@@ -24,6 +24,9 @@ class Engine(Protocol):
     def forward_backward(self, micro_batches: list[Any]) -> torch.Tensor:
         """Accumulates the step's gradients; returns this rank's mean loss (detached)."""
 
+    def flush(self) -> None:
+        """Writes whatever the engine recorded; called when training stops."""
+
 
 class MicroBatchEngine:
     """Gradient accumulation over micro-batches for layouts where each rank holds whole layers.
@@ -50,6 +53,9 @@ class MicroBatchEngine:
                 loss = self._forward_backward_one(inputs, targets, weight=1.0 / len(micro_batches))
             total += loss
         return total / len(micro_batches)
+
+    def flush(self) -> None:
+        """Nothing is recorded here."""
 
     def _forward_backward_one(self, inputs: Any, targets: Any, *, weight: float) -> torch.Tensor:
         inputs, targets = move_to(inputs, self.device), move_to(targets, self.device)

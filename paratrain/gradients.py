@@ -11,19 +11,30 @@ from __future__ import annotations
 from collections import defaultdict
 
 import torch
+import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 
-def clip_grad_norm(params: list[torch.nn.Parameter], max_norm: float | None) -> torch.Tensor:
+def clip_grad_norm(params: list[torch.nn.Parameter], max_norm: float | None, *,
+                   sum_over: dist.ProcessGroup | None = None) -> torch.Tensor:
     """Scales gradients so their global norm is at most max_norm (None: only measure it).
+
+    Args:
+        sum_over: Ranks holding other parameters of the same model (pipeline stages), whose
+            squared norms add to this rank's.
 
     Returns the 2-norm of all gradients together before clipping: a plain scalar, equal on every rank.
     """
     groups = _group_like_gradients(params)
     norms = [_as_plain(torch.nn.utils.get_total_norm([p.grad for p in group])) for group in groups]
-    if not norms:
+    if not norms and sum_over is None:
         return torch.zeros(())
-    total = torch.linalg.vector_norm(torch.stack([n.to(norms[0].device) for n in norms]))
+    device = norms[0].device if norms else params[0].device
+    total = torch.linalg.vector_norm(torch.stack([n.to(device) for n in norms])) if norms else torch.zeros((), device=device)
+    if sum_over is not None:
+        squared = total.square()
+        dist.all_reduce(squared, op=dist.ReduceOp.SUM, group=sum_over)
+        total = squared.sqrt()
     if max_norm is not None:
         for group in groups:
             torch.nn.utils.clip_grads_with_norm_(group, max_norm, total.to(group[0].grad.device))

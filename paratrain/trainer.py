@@ -18,10 +18,10 @@ from torch import nn
 from torch.utils.data import Dataset
 
 from paratrain import faults
-from paratrain.builders import build_model, build_sampler, tokens_per_sample
+from paratrain.builders import build_model, build_sampler, micro_batch_size, tokens_per_sample
 from paratrain.checkpoint import Checkpointer
 from paratrain.checkpoint.state import ModelState, OptimizerState, Progress, RNGState
-from paratrain.collectives import all_reduce_mean
+from paratrain.collectives import all_reduce_sum
 from paratrain.config import Config, ParallelConfig, config_to_yaml
 from paratrain.data.loader import StepBatches
 from paratrain.data.sampler import DataPosition
@@ -34,6 +34,9 @@ from paratrain.gradients import clip_grad_norm
 from paratrain.metrics import MetricsLogger
 from paratrain.optim import build_lr_scheduler, build_optimizer
 from paratrain.parallel.dims import ParallelDims, data_parallel_coordinates
+from paratrain.pipeline.build import PipelineModel, build_pipeline_model
+from paratrain.pipeline.engine import PipelineEngine
+from paratrain.pipeline.recorder import TimelineRecorder
 from paratrain.precision import build_mixed_precision
 
 logger = logging.getLogger("paratrain")
@@ -86,20 +89,17 @@ class Trainer:
         self.mesh = self.dims.build_mesh(self.ctx.device.type)
         logger.info("layout %s: %s on %s", config.parallel.strategy, self.dims.describe(), self.ctx.device)
         self.dp_rank, self.dp_size = data_parallel_coordinates(self.mesh)
-        built = build_model(model_factory or (lambda: call_factory(config.model, key="model")), config.parallel,
-                            dims=self.dims, mesh=self.mesh, device=self.ctx.device, seed=config.train.seed)
-        self.bare_model, self.model = built.bare, built.runnable
+        self.precision = build_mixed_precision(config.precision, device=self.ctx.device, sharded=self.dims.is_sharded)
+        self._build_model_and_engine(model_factory or (lambda: call_factory(config.model, key="model")),
+                                     loss_fn or call_factory(config.loss, key="loss"))
         # Data-parallel ranks draw different random numbers (e.g. dropout masks); tensor-parallel
         # ranks of one replica must draw the same, since they compute on the same activations.
         torch.manual_seed(config.train.seed + self.dp_rank)
         self.optimizer = build_optimizer(self.bare_model, config.optim, dp_size=self.dp_size)
         self.lr_scheduler = build_lr_scheduler(self.optimizer, config.optim, max_steps=config.train.max_steps)
-        self.precision = build_mixed_precision(config.precision, device=self.ctx.device, sharded=self.dims.is_sharded)
-        loss_fn = loss_fn or call_factory(config.loss, key="loss")
-        self.engine = MicroBatchEngine(self.model, loss_fn, self.precision, device=self.ctx.device,
-                                       sync_every_micro_batch=_syncs_every_micro_batch(config.parallel))
         self.dataset = dataset if dataset is not None else call_factory(config.data, key="data")
-        self.sampler = build_sampler(len(self.dataset), config, dp_rank=self.dp_rank, dp_size=self.dp_size)
+        self.sampler = build_sampler(len(self.dataset), config, dp_rank=self.dp_rank, dp_size=self.dp_size,
+                                     micro_batch_size=micro_batch_size(config, self.dims))
         self.tokens_per_sample = tokens_per_sample(self.dataset)
         self.progress, self.position = Progress(), DataPosition()
         self.checkpointer = self._build_checkpointer()
@@ -123,6 +123,7 @@ class Trainer:
                 faults.maybe_kill("after_step", step=self.progress.step, rank=self.ctx.rank)
         finally:
             metrics.close()
+            self.engine.flush()
         return TrainResult(self.progress.step, last_loss, self.config.run.output_dir, last_checkpoint)
 
     def train_step(self, micro_batches: list[Any]) -> StepOutput:
@@ -146,6 +147,36 @@ class Trainer:
         gc.collect()
         destroy_distributed()
 
+    def _build_model_and_engine(self, model_factory: Callable[[], nn.Module], loss_fn: LossFn) -> None:
+        """The layout's model (``bare_model``: parameters under the model's names; ``model``: what runs)
+        and the engine that runs a step's forwards and backwards through it."""
+        config, ctx = self.config, self.ctx
+        if self.dims.pp > 1:
+            pipeline = build_pipeline_model(model_factory, config, dims=self.dims, mesh=self.mesh, device=ctx.device,
+                                            seed=config.train.seed, autocast=self.precision.autocast)
+            logger.info("pipeline %s; this rank holds stage(s) %s: %s", pipeline.shape.describe(),
+                        pipeline.stage_indices, "; ".join(", ".join(pipeline.stages[i]) for i in pipeline.stage_indices))
+            self.bare_model, self.model = pipeline.bare, nn.ModuleList(pipeline.stage_modules)
+            self.engine = PipelineEngine(pipeline.stage_modules, pipeline.stage_indices, pipeline.shape, loss_fn=loss_fn,
+                                         group=self.mesh["pp"].get_group(), device=ctx.device,
+                                         recorder=self._timeline_recorder(pipeline))
+            return
+        built = build_model(model_factory, config.parallel, dims=self.dims, mesh=self.mesh, device=ctx.device,
+                            seed=config.train.seed)
+        self.bare_model, self.model = built.bare, built.runnable
+        self.engine = MicroBatchEngine(self.model, loss_fn, self.precision, device=ctx.device,
+                                       sync_every_micro_batch=_syncs_every_micro_batch(config.parallel))
+
+    def _timeline_recorder(self, pipeline: PipelineModel) -> TimelineRecorder | None:
+        if not self.config.pipeline.record_timeline:
+            return None
+        path = self.config.run.output_dir / "pipeline" / f"timeline-rank{self.ctx.rank}.json"
+        describe = {"replica": self.dp_rank, "pp_rank": self.mesh["pp"].get_local_rank(),
+                    "schedule": pipeline.shape.schedule, "pp": pipeline.shape.pp,
+                    "stages_per_rank": pipeline.shape.stages_per_rank, "microbatches": pipeline.shape.microbatches}
+        return TimelineRecorder(path, rank=self.ctx.rank, group=self.mesh["pp"].get_group(), device=self.ctx.device,
+                                describe=describe)
+
     def checkpoint_state(self) -> dict[str, Any]:
         """Every Stateful that a resume needs, under the names checkpoints store them by."""
         state = {
@@ -167,7 +198,9 @@ class Trainer:
             dump_gradients(self.bare_model, path, is_main=self.ctx.is_main)
 
     def _clip_gradients(self) -> torch.Tensor:
-        return clip_grad_norm(list(self.bare_model.parameters()), self.config.train.grad_clip)
+        # Pipeline ranks hold different parameters: their squared norms add up to the global one.
+        pipeline_group = self.mesh["pp"].get_group() if self.dims.pp > 1 else None
+        return clip_grad_norm(list(self.bare_model.parameters()), self.config.train.grad_clip, sum_over=pipeline_group)
 
     def step_batches(self) -> Iterator[list[Any]]:
         """This rank's micro-batches, one list per optimizer step, from the current data position."""
@@ -194,7 +227,9 @@ class Trainer:
         return _LogWindow(torch.zeros((), device=self.ctx.device), started=time.perf_counter())
 
     def _log(self, metrics: MetricsLogger, window: _LogWindow, step: StepOutput) -> float:
-        loss = all_reduce_mean(window.loss_sum / window.steps).item()  # also waits for the window's work
+        # Only ranks holding the last pipeline stage have a loss (all ranks, without a pipeline); the
+        # others add zero. The reduction also waits for the window's work, for the step time.
+        loss = all_reduce_sum(window.loss_sum / window.steps).item() / (self.ctx.world_size // self.dims.pp)
         step_time = (time.perf_counter() - window.started) / window.steps
         samples_per_s = self.config.train.global_batch_size / step_time
         record = {"step": self.progress.step, "loss": loss, "lr": step.lr, "grad_norm": step.grad_norm.item(),

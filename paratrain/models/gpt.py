@@ -72,6 +72,19 @@ class Block(nn.Module):
         return x + self.mlp(self.mlp_norm(x))
 
 
+class Embedding(nn.Module):
+    """Token plus learned position embeddings: the first piece of a pipeline (tokens in, activations out)."""
+
+    def __init__(self, config: GPTConfig):
+        super().__init__()
+        self.tok = nn.Embedding(config.vocab_size, config.n_embd)
+        self.pos = nn.Embedding(config.block_size, config.n_embd)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        positions = torch.arange(tokens.shape[1], device=tokens.device)
+        return self.tok(tokens) + self.pos(positions)
+
+
 class GPT(nn.Module):
     """Token and position embeddings, a stack of pre-norm blocks, and an untied LM head.
 
@@ -81,8 +94,7 @@ class GPT(nn.Module):
     def __init__(self, config: GPTConfig):
         super().__init__()
         self.config = config
-        self.tok_emb = nn.Embedding(config.vocab_size, config.n_embd)
-        self.pos_emb = nn.Embedding(config.block_size, config.n_embd)
+        self.embed = Embedding(config)
         self.blocks = nn.ModuleList(Block(config) for _ in range(config.n_layer))
         self.final_norm = nn.LayerNorm(config.n_embd)
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
@@ -96,6 +108,7 @@ class GPT(nn.Module):
                            "attn.out_proj": "rowwise", "mlp.up_proj": "colwise", "mlp.down_proj": "rowwise"},
             block_norms=("attn_norm", "mlp_norm"),
             tp_divisible={"model.args.n_head": c.n_head, "model.args.n_embd": c.n_embd},
+            pipeline_sequence=("embed", *(f"blocks.{i}" for i in range(len(self.blocks))), "final_norm", "lm_head"),
         )
 
     def reset_parameters(self) -> None:
@@ -115,8 +128,7 @@ class GPT(nn.Module):
             nn.init.normal_(tensor, mean=0.0, std=std, generator=generator)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        positions = torch.arange(tokens.shape[1], device=tokens.device)
-        x = self.tok_emb(tokens) + self.pos_emb(positions)
+        x = self.embed(tokens)
         for block in self.blocks:
             x = block(x)
         return self.lm_head(self.final_norm(x))

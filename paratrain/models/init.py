@@ -27,9 +27,16 @@ def declares_init(model: nn.Module) -> bool:
     return callable(getattr(model, "init_parameter", None))
 
 
-def materialize(model: nn.Module, *, device: torch.device, seed: int) -> None:
-    """Allocates every parameter and buffer on device and initialises it (see module docstring)."""
-    model.to_empty(device=device)
+def materialize(model: nn.Module, *, device: torch.device, seed: int, allocate_via: list[nn.Module] | None = None) -> None:
+    """Allocates every parameter and buffer on device and initialises it (see module docstring).
+
+    Args:
+        allocate_via: Modules that together hold all of the model's tensors, to allocate through
+            instead of the model (pipeline stages: when FSDP wraps them, only they re-register
+            the sharded parameters it tracks).
+    """
+    for module in allocate_via if allocate_via is not None else [model]:
+        module.to_empty(device=device)
     with torch.no_grad():
         if declares_init(model):
             for name, tensor in [*model.named_parameters(), *model.named_buffers()]:

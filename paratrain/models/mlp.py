@@ -22,7 +22,8 @@ class MLP(nn.Module):
         self.head = nn.Linear(widths[-1], out_features)
 
     def parallel_plan(self) -> ParallelPlan:
-        return ParallelPlan(blocks=tuple(f"layers.{i}" for i in range(len(self.layers))))
+        blocks = tuple(f"layers.{i}" for i in range(len(self.layers)))
+        return ParallelPlan(blocks=blocks, pipeline_sequence=(*blocks, "head"))
 
     def init_parameter(self, name: str, tensor: torch.Tensor, generator: torch.Generator | None) -> None:
         """nn.Linear's default range, U(-1/sqrt(fan_in), 1/sqrt(fan_in)), for weights and biases."""

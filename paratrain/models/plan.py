@@ -30,15 +30,25 @@ class ParallelPlan:
             parallel shards along the sequence dimension.
         tp_divisible: Sizes a tensor-parallel degree must divide, by the config key that sets them
             (e.g. ``{"model.args.n_head": 4}``).
+        pipeline_sequence: Module paths whose chained calls, ``x = module(x)`` in this order, compute
+            exactly what the model's forward computes. Pipeline stages and model-parallel parts are cut
+            between them, so together they must hold every parameter. ``nn.Sequential`` models get
+            their children by default.
     """
 
     blocks: tuple[str, ...] = ()
     block_tp_plan: Mapping[str, TensorParallelStyle] = field(default_factory=dict)
     block_norms: tuple[str, ...] = ()
     tp_divisible: Mapping[str, int] = field(default_factory=dict)
+    pipeline_sequence: tuple[str, ...] = ()
 
 
 def plan_of(model: nn.Module) -> ParallelPlan:
-    """The plan a model declares through a ``parallel_plan()`` method, or an empty plan."""
+    """The plan a model declares through a ``parallel_plan()`` method; for an ``nn.Sequential`` without
+    one, its children as the pipeline sequence; otherwise an empty plan."""
     declare = getattr(model, "parallel_plan", None)
-    return declare() if callable(declare) else ParallelPlan()
+    if callable(declare):
+        return declare()
+    if isinstance(model, nn.Sequential):
+        return ParallelPlan(pipeline_sequence=tuple(name for name, _ in model.named_children()))
+    return ParallelPlan()

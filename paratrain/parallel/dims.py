@@ -11,13 +11,18 @@ The named strategies are shorthands for degrees; a degree set explicitly wins, a
 ============  ====================================================
 strategy      degrees when none are given
 ============  ====================================================
-single, dp    all 1 (one process)
+single, dp,   all 1 (one process)
+model_parallel
 ddp           dp_replicate = -1
 fsdp          dp_shard = -1
 hsdp          dp_shard = processes per node, dp_replicate = -1
               (with one of the two set, the other is -1)
 tp            tp = -1
+pp            pp = -1
 ============  ====================================================
+
+``parallel.pp`` adds pipeline stages to ddp, fsdp, hsdp and tp: each pipeline rank runs the
+strategy's data or tensor parallelism among the ranks that hold the same stages.
 """
 
 from __future__ import annotations
@@ -30,11 +35,11 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from paratrain.errors import ConfigError
 
-Strategy = Literal["single", "dp", "ddp", "fsdp", "hsdp", "tp"]
+Strategy = Literal["single", "dp", "model_parallel", "ddp", "fsdp", "hsdp", "tp", "pp"]
 
 MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "tp")
 
-_ONE_PROCESS = ("single", "dp")
+_ONE_PROCESS = ("single", "dp", "model_parallel")
 
 
 @dataclass(frozen=True)
@@ -116,6 +121,8 @@ def _strategy_defaults(strategy: Strategy, local_world_size: int, given: dict[st
         return {"dp_shard": local_world_size, "dp_replicate": -1}
     if strategy == "tp":
         return {"tp": -1}
+    if strategy == "pp":
+        return {"pp": -1}
     return {}
 
 
@@ -135,10 +142,16 @@ def _check_strategy_fits(strategy: Strategy, chosen: dict[str, int], world_size:
             f"{' and ' + ', '.join(f'parallel.{n}' for n in sorted(more_than_one)) + ' set' if more_than_one else ''}; "
             f"use parallel.strategy=ddp (or fsdp, hsdp, tp) for several processes, or start one"
         )
-    if strategy == "ddp" and more_than_one - {"dp_replicate"}:
+    if strategy == "ddp" and more_than_one - {"dp_replicate", "pp"}:
         raise ConfigError(
-            f"parallel.strategy=ddp replicates whole models; {', '.join(f'parallel.{n}' for n in sorted(more_than_one - {'dp_replicate'}))} "
+            f"parallel.strategy=ddp replicates whole models; {', '.join(f'parallel.{n}' for n in sorted(more_than_one - {'dp_replicate', 'pp'}))} "
             f"need sharded parameters: use parallel.strategy=fsdp (with parallel.tp for fsdp + tensor parallel)"
+        )
+    if strategy == "pp" and more_than_one - {"pp"}:
+        raise ConfigError(
+            f"parallel.strategy=pp is pipeline parallel alone; to combine it with "
+            f"{', '.join(f'parallel.{n}' for n in sorted(more_than_one - {'pp'}))}, use parallel.strategy=ddp "
+            f"(or fsdp, hsdp, tp) and set parallel.pp"
         )
     if strategy == "tp" and (chosen.get("dp_replicate", 1) != 1 or chosen.get("dp_shard", 1) != 1):
         # Nothing would synchronise the data-parallel replicas' gradients: they would drift apart.
@@ -147,8 +160,6 @@ def _check_strategy_fits(strategy: Strategy, chosen: dict[str, int], world_size:
     if strategy == "fsdp" and chosen.get("dp_replicate", 1) != 1:
         raise ConfigError("parallel.strategy=fsdp shards over all data-parallel ranks; to replicate across "
                           "parallel.dp_replicate groups as well, use parallel.strategy=hsdp")
-    if chosen.get("pp", 1) != 1:
-        raise ConfigError("parallel.pp: pipeline parallelism is not available yet; leave parallel.pp unset or 1")
 
 
 def _fill(chosen: dict[str, int], world_size: int) -> dict[str, int]:

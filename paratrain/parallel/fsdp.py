@@ -17,9 +17,13 @@ logger = logging.getLogger(__name__)
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-def apply_fsdp(model: nn.Module, mesh: DeviceMesh, *, plan: ParallelPlan, options: FSDPConfig) -> None:
+def apply_fsdp(model: nn.Module, mesh: DeviceMesh, *, plan: ParallelPlan, options: FSDPConfig,
+               roots: list[nn.Module] | None = None) -> None:
     """Shards the model (in place) over ``mesh``: 1-D shards everywhere (fsdp); 2-D (replicate,
     shard) shards within and replicates across (hsdp).
+
+    Each block is one unit, then each root takes the parameters left over: the model itself, or
+    under pipeline parallel each stage module of this rank (``roots``).
 
     A model that declares no blocks is sharded as one unit, which gathers every parameter at once;
     it still saves optimizer and gradient memory, and the log says so.
@@ -35,7 +39,8 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, *, plan: ParallelPlan, option
         fully_shard(block, reshard_after_forward=reshard, **common)
     # None lets FSDP keep the root's parameters (embeddings, head) gathered from forward into
     # backward, which needs them at once; an explicit True would free and gather them again.
-    fully_shard(model, reshard_after_forward=None if options.reshard_after_forward else False, **common)
+    for root in roots if roots is not None else [model]:
+        fully_shard(root, reshard_after_forward=None if options.reshard_after_forward else False, **common)
     if options.prefetch_blocks:
         _prefetch_explicitly(blocks, options.prefetch_blocks)
 

@@ -18,6 +18,10 @@ def resolve(strategy, world_size, local_world_size=1, **degrees) -> ParallelDims
     ("hsdp", 4, {"dp_replicate": 2}, (1, 2, 2, 1)),
     ("hsdp", 8, {}, (1, 2, 4, 1)),  # 4 processes per node: shard within the node, replicate across
     ("tp", 2, {}, (1, 1, 1, 2)),
+    ("pp", 4, {}, (4, 1, 1, 1)),
+    ("ddp", 4, {"pp": 2}, (2, 2, 1, 1)),
+    ("fsdp", 8, {"pp": 2, "tp": 2}, (2, 1, 2, 2)),
+    ("tp", 4, {"pp": 2}, (2, 1, 1, 2)),
 ])
 def test_strategies_are_shorthands_for_degrees(strategy, world, degrees, expected):
     dims = resolve(strategy, world, local_world_size=4, **degrees)
@@ -37,7 +41,9 @@ def test_data_parallel_size_counts_replicas_and_shards():
     ("fsdp", 4, {"dp_replicate": 2}, "use parallel.strategy=hsdp"),
     ("ddp", 4, {"tp": 2}, "use parallel.strategy=fsdp"),
     ("single", 2, {}, "runs in one process"),
-    ("fsdp", 2, {"pp": 2}, "not available yet"),
+    ("ddp", 6, {"pp": 4}, "do not divide it"),
+    ("pp", 4, {"dp_replicate": 2}, "use parallel.strategy=ddp"),
+    ("model_parallel", 2, {}, "runs in one process"),
     ("fsdp", 2, {"tp": 0}, "a degree is a positive number"),
     ("tp", 4, {"dp_shard": 2}, "with parallel.tp"),
 ])

@@ -1,0 +1,130 @@
+"""Building this rank's part of a pipeline: which stages, cut where, with which layout inside.
+
+Order, as for the other layouts: the model on meta; cut into stages and keep this rank's pieces;
+tensor parallel, activation checkpointing and compile on the kept blocks; one StageModule per kept
+stage; FSDP on the kept blocks then on each stage; materialise; DDP around each stage.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from paratrain.config import Config, PipelineConfig
+from paratrain.errors import ConfigError
+from paratrain.models.init import materialize
+from paratrain.models.plan import ParallelPlan, plan_of
+from paratrain.parallel.activation import apply_activation_checkpointing, apply_compile
+from paratrain.parallel.ddp import apply_ddp
+from paratrain.parallel.dims import ParallelDims
+from paratrain.parallel.fsdp import apply_fsdp
+from paratrain.parallel.tensor import apply_tensor_parallel, check_tensor_parallel_plan
+from paratrain.pipeline.schedules import PipelineShape, default_stages_per_rank
+from paratrain.pipeline.split import Stage, balance, check_stage_count, parameter_costs, pipeline_sequence, split_at
+from paratrain.pipeline.stages import StageModule, keep_only, stage_modules
+
+
+@dataclass(frozen=True)
+class PipelineModel:
+    """This rank's share of a pipeline.
+
+    Attributes:
+        bare: The model with other ranks' pieces removed; parameters keep the model's names.
+        stage_modules: What the schedule runs, one per stage this rank holds (maybe DDP/FSDP-wrapped).
+        stage_indices: Those stages' positions in the pipeline.
+        stages: Every stage's pieces, by stage index (the same on all ranks).
+    """
+
+    bare: nn.Module
+    stage_modules: list[nn.Module]
+    stage_indices: list[int]
+    shape: PipelineShape
+    stages: list[Stage]
+
+
+def uses_pipeline(config: Config, dims: ParallelDims) -> bool:
+    return dims.pp > 1
+
+
+def microbatches_per_step(config: Config, dp: int) -> int:
+    """Micro-batches each pipeline runs per step: pipeline.microbatches, or what the sizes imply."""
+    train = config.train
+    return config.pipeline.microbatches or train.global_batch_size // (train.micro_batch_size * dp)
+
+
+def pipeline_shape(config: Config, dims: ParallelDims) -> PipelineShape:
+    options = config.pipeline
+    return PipelineShape(options.schedule, dims.pp, options.stages_per_rank or default_stages_per_rank(options.schedule),
+                         microbatches_per_step(config, dims.dp))
+
+
+def cut_stages(model: nn.Module, options: PipelineConfig, num_stages: int,
+               costs: list[float] | None = None) -> list[Stage]:
+    """Every stage's pieces: at the named split points, else balanced by cost (default: parameters)."""
+    sequence = pipeline_sequence(model)
+    if options.split_points:
+        stages = split_at(sequence, options.split_points, model=model)
+        if len(stages) != num_stages:
+            raise ConfigError(
+                f"pipeline.split_points names {len(options.split_points)} stage end(s), which makes {len(stages)} "
+                f"stages, but the pipeline has {num_stages} (parallel.pp x pipeline.stages_per_rank); "
+                f"name {num_stages - 1} split points, or none to cut automatically"
+            )
+        return stages
+    check_stage_count(len(sequence), num_stages, sequence)
+    return balance(sequence, costs if costs is not None else parameter_costs(model, sequence), num_stages)
+
+
+def build_pipeline_model(factory: Callable[[], nn.Module], config: Config, *, dims: ParallelDims, mesh: DeviceMesh,
+                         device: torch.device, seed: int,
+                         autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
+                         costs: list[float] | None = None) -> PipelineModel:
+    """This rank's stages, laid out and initialised (see module docstring)."""
+    options = config.parallel
+    with torch.device("meta"):
+        model = factory()
+    plan, shape = plan_of(model), pipeline_shape(config, dims)
+    stages = cut_stages(model, config.pipeline, shape.num_stages, costs)
+    mine = shape.stages_of_rank(mesh["pp"].get_local_rank())
+    kept = {path for index in mine for path in stages[index]}
+    keep_only(model, pipeline_sequence(model), kept)
+    local_plan = replace(plan, blocks=tuple(block for block in plan.blocks if _inside(block, kept)))
+    _apply_block_layouts(model, options, dims=dims, mesh=mesh, plan=local_plan)
+    modules: list[nn.Module] = stage_modules(model, [stages[index] for index in mine], autocast)
+    if options.strategy in ("fsdp", "hsdp"):
+        fsdp_mesh = mesh["dp_shard"] if options.strategy == "fsdp" else mesh["dp_replicate", "dp_shard"]
+        apply_fsdp(model, fsdp_mesh, plan=local_plan, options=options.fsdp, roots=modules)
+    materialize(model, device=device, seed=seed, allocate_via=modules)
+    if options.strategy == "ddp":
+        modules = [_ddp(module, options, mesh=mesh, device=device) for module in modules]
+    return PipelineModel(model, modules, mine, shape, stages)
+
+
+def _apply_block_layouts(model: nn.Module, options, *, dims: ParallelDims, mesh: DeviceMesh, plan: ParallelPlan) -> None:
+    if dims.tp > 1:
+        check_tensor_parallel_plan(plan, dims.tp)
+        apply_tensor_parallel(model, mesh["tp"], plan=plan, sequence_parallel=False)
+    if options.activation_checkpointing:
+        apply_activation_checkpointing(model, plan=plan)
+    if options.compile:
+        apply_compile(model, plan=plan)
+
+
+def _ddp(module: StageModule, options, *, mesh: DeviceMesh, device: torch.device) -> nn.Module:
+    """DDP around one stage. The pipeline runtime prepares DDP's reducer for the last micro-batch's
+    backward itself; with DDP's default bucket rebuilding, the first step then records every
+    parameter twice and the second step's forward fails an internal assert in reducer.cpp (torch
+    2.13). find_unused_parameters=True turns bucket rebuilding off (and costs one graph walk per
+    step). static_graph=True runs but averages gradients wrongly, so preflight refuses it."""
+    ddp = options.ddp
+    return apply_ddp(module, mesh, device=device, bucket_cap_mb=ddp.bucket_cap_mb, static_graph=False,
+                     find_unused_parameters=True, gradient_as_bucket_view=ddp.gradient_as_bucket_view)
+
+
+def _inside(path: str, kept: set[str]) -> bool:
+    return any(path == piece or path.startswith(piece + ".") for piece in kept)
