@@ -17,6 +17,7 @@ from paratrain.factories import call_factory, check_factory_args
 from paratrain.models.plan import plan_of
 from paratrain.parallel.dims import ParallelDims
 from paratrain.parallel.tensor import check_tensor_parallel_plan
+from paratrain.pipeline.checks import check_pipeline
 
 
 def preflight(config: Config, *, world_size: int, nproc_per_node: int) -> None:
@@ -24,6 +25,7 @@ def preflight(config: Config, *, world_size: int, nproc_per_node: int) -> None:
     checks: list[Callable[[], None]] = [
         lambda: _check_layout(config, world_size, nproc_per_node),
         lambda: _check_precision(config, _dims(config, world_size, nproc_per_node)),
+        lambda: check_pipeline(config, _dims(config, world_size, nproc_per_node)),
         lambda: _check_devices(config, nproc_per_node),
         lambda: check_factory_args(config.model, key="model"),
         lambda: check_factory_args(config.data, key="data"),

@@ -1,0 +1,52 @@
+"""Pipeline settings checked before any process starts: each error names the key and the fix."""
+
+from __future__ import annotations
+
+import torch
+
+from paratrain.config import Config
+from paratrain.errors import ConfigError
+from paratrain.factories import call_factory
+from paratrain.parallel.dims import ParallelDims
+from paratrain.pipeline.build import cut_stages, pipeline_shape
+from paratrain.pipeline.schedules import check_shape
+
+
+def check_pipeline(config: Config, dims: ParallelDims) -> None:
+    """Raises ConfigError for pipeline settings that cannot run (only when the layout has a pipeline)."""
+    if dims.pp == 1:
+        return
+    _check_combinations(config)
+    _check_microbatches(config, dims)
+    shape = pipeline_shape(config, dims)
+    check_shape(shape)
+    with torch.device("meta"):
+        model = call_factory(config.model, key="model")
+    cut_stages(model, config.pipeline, shape.num_stages)
+
+
+def _check_microbatches(config: Config, dims: ParallelDims) -> None:
+    microbatches = config.pipeline.microbatches
+    per_pipeline = config.train.global_batch_size // dims.dp
+    if microbatches and (config.train.global_batch_size % dims.dp or per_pipeline % microbatches):
+        raise ConfigError(
+            f"train.global_batch_size={config.train.global_batch_size} over data-parallel size {dims.dp} does not "
+            f"split into pipeline.microbatches={microbatches} equal micro-batches; use a global batch that is a "
+            f"multiple of {dims.dp * microbatches}, or a micro-batch count that divides {per_pipeline}"
+        )
+
+
+def _check_combinations(config: Config) -> None:
+    options = config.parallel
+    if config.precision == "fp16":
+        raise ConfigError("precision=fp16 with pipeline parallel is not supported: the schedule computes the loss and "
+                          "runs backward itself, so the gradient scaler cannot scale it; use precision=bf16 or fp32")
+    if options.strategy == "ddp" and options.ddp.static_graph:
+        raise ConfigError("parallel.ddp.static_graph=true with parallel.pp gives wrong gradients (the pipeline runtime "
+                          "drives DDP's reducer itself); set parallel.ddp.static_graph=false")
+    if options.sequence_parallel:
+        raise ConfigError("parallel.sequence_parallel with parallel.pp is not supported yet; set "
+                          "parallel.sequence_parallel=false (tensor parallel itself works with pp)")
+    if config.debug.dump_gradients_at_steps:
+        raise ConfigError("debug.dump_gradients_at_steps with parallel.pp is not supported yet (each rank holds only "
+                          "its stages); compare layouts without a pipeline, or leave it empty")

@@ -1,0 +1,104 @@
+"""Pipeline layouts train like a single process (losses and final weights within 1e-5), their
+checkpoints move to and from layouts without a pipeline, and the timeline each rank records is the
+order the schedule table says."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from paratrain.pipeline.schedules import PipelineShape, action_table
+from paratrain.pipeline.timeline import LETTER
+from tests.harness import checkpoint_weights, losses_by_step, max_relative_difference, run_cli, tiny_config, train, write_config
+
+STEPS = 20
+LOSS_RTOL = 1e-5
+WEIGHT_ATOL = 1e-5
+
+LAYOUTS = {
+    "single": ([], 1),
+    "pp 2 stages": (["parallel.strategy=pp"], 2),
+    "pp 4 stages": (["parallel.strategy=pp"], 4),
+    "interleaved 2 ranks x 2 stages": (["parallel.strategy=pp", "pipeline.schedule=Interleaved1F1B"], 2),
+    "zero bubble V 2 ranks x 2 stages": (["parallel.strategy=pp", "pipeline.schedule=ZBVZeroBubble"], 2),
+    "ddp 2 x pp 2": (["parallel.strategy=ddp", "parallel.pp=2"], 4),
+    "fsdp 2 x pp 2": (["parallel.strategy=fsdp", "parallel.pp=2"], 4),
+    "tp 2 x pp 2": (["parallel.strategy=tp", "parallel.pp=2"], 4),
+}
+
+
+class Runs:
+    """Runs each layout at most once per module, on demand."""
+
+    def __init__(self, root: Path):
+        self.root, self.done = root, {}
+
+    def get(self, layout: str, *extra: str, name: str | None = None) -> Path:
+        name = name or layout
+        if name not in self.done:
+            overrides, nproc = LAYOUTS[layout]
+            output_dir = self.root / name.replace(" ", "_")
+            config = tiny_config(output_dir, train={"max_steps": STEPS}, checkpoint={"every_steps": 10, "keep_last": None})
+            train(write_config(self.root / f"{output_dir.name}.yaml", config), *overrides, *extra, nproc=nproc)
+            self.done[name] = output_dir
+        return self.done[name]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> Runs:
+    return Runs(tmp_path_factory.mktemp("pipeline"))
+
+
+def assert_weights_close(actual_checkpoint: Path, expected_checkpoint: Path) -> None:
+    expected, actual = checkpoint_weights(expected_checkpoint), checkpoint_weights(actual_checkpoint)
+    assert actual.keys() == expected.keys()
+    for name in expected:
+        torch.testing.assert_close(actual[name], expected[name], rtol=0, atol=WEIGHT_ATOL, msg=name)
+
+
+@pytest.mark.parametrize("layout", [name for name in LAYOUTS if name != "single"])
+def test_pipeline_layout_matches_single_process(runs, layout):
+    reference, piped = runs.get("single"), runs.get(layout)
+    assert max_relative_difference(losses_by_step(piped), losses_by_step(reference)) <= LOSS_RTOL
+    assert_weights_close(piped / f"checkpoints/step-{STEPS}", reference / f"checkpoints/step-{STEPS}")
+
+
+@pytest.mark.parametrize("source,target", [("pp 2 stages", "single"), ("single", "interleaved 2 ranks x 2 stages")])
+def test_checkpoint_moves_between_pipeline_and_other_layouts(runs, source, target):
+    """Resuming step 10 of one layout under the other ends where the single process ends."""
+    checkpoint = runs.get(source) / "checkpoints/step-10"
+    resumed = runs.get(target, f"checkpoint.resume={checkpoint}", name=f"{source} to {target}")
+    reference = runs.get("single")
+    assert min(losses_by_step(resumed)) == 11  # continued, did not start over
+    assert max_relative_difference(losses_by_step(resumed), {step: loss for step, loss in losses_by_step(reference).items()
+                                                             if step > 10}) <= LOSS_RTOL
+    assert_weights_close(resumed / f"checkpoints/step-{STEPS}", reference / f"checkpoints/step-{STEPS}")
+
+
+def test_export_consolidates_a_pipeline_checkpoint(runs, tmp_path):
+    checkpoint = runs.get("ddp 2 x pp 2") / f"checkpoints/step-{STEPS}"
+    out = tmp_path / "model.safetensors"
+    result = run_cli(["export", str(checkpoint), "--out", str(out)])
+    assert result.returncode == 0, result.stderr
+    exported = load_file(str(out))
+    expected = checkpoint_weights(runs.get("single") / f"checkpoints/step-{STEPS}")
+    assert exported.keys() == expected.keys()
+    for name in expected:
+        torch.testing.assert_close(exported[name], expected[name], rtol=0, atol=WEIGHT_ATOL, msg=name)
+
+
+@pytest.mark.parametrize("layout", ["pp 2 stages", "interleaved 2 ranks x 2 stages", "zero bubble V 2 ranks x 2 stages"])
+def test_recorded_timeline_runs_the_schedule_table_order(runs, layout):
+    """What ``paratrain pipeline show`` draws in theory is the order each rank really ran."""
+    for path in sorted((runs.get(layout) / "pipeline").glob("timeline-rank*.json")):
+        record = json.loads(path.read_text())
+        shape = PipelineShape(record["schedule"], record["pp"], record["stages_per_rank"], record["microbatches"])
+        expected = [(a.stage_index, LETTER[a.computation_type], a.microbatch_index)
+                    for a in action_table(shape)[record["pp_rank"]]]
+        for step in record["steps"]:
+            assert [(stage, kind, mb) for stage, kind, mb, _, _ in step["actions"]] == expected
+
