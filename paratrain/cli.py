@@ -1,4 +1,4 @@
-"""``paratrain train | config show | export``: the command line, and how it hands off to workers."""
+"""``paratrain train | config show | export | pipeline show``: the command line, and how it hands off to workers."""
 
 from __future__ import annotations
 
@@ -70,6 +70,16 @@ def export_command(args: argparse.Namespace) -> int:
     return 0
 
 
+def pipeline_show_command(args: argparse.Namespace) -> int:
+    config = load_config(args.config, args.overrides)
+    from paratrain.pipeline.show import show_pipeline  # loads torch.distributed.pipelining and matplotlib
+
+    out = Path(args.out) if args.out else config.run.output_dir / "pipeline" / "schedule.png"
+    print(show_pipeline(config, world_size=args.nproc_per_node * args.nnodes, nproc_per_node=args.nproc_per_node,
+                        out=out, run_dir=Path(args.run) if args.run else None))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="paratrain", description="PyTorch-native distributed training.")
     commands = parser.add_subparsers(dest="command", required=True)
@@ -95,6 +105,18 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("checkpoint", help="a step-<N> checkpoint directory")
     export.add_argument("--out", required=True, help="output .safetensors file")
     export.set_defaults(handler=export_command)
+
+    pipeline = commands.add_parser("pipeline", help="inspect pipeline schedules")
+    pipeline_commands = pipeline.add_subparsers(dest="pipeline_command", required=True)
+    pipeline_show = pipeline_commands.add_parser(
+        "show", help="print each rank's schedule timeline and bubble, and draw it as a PNG")
+    pipeline_show.add_argument("config", help="YAML config file")
+    pipeline_show.add_argument("overrides", nargs="*", metavar="key=value")
+    pipeline_show.add_argument("--nproc-per-node", type=int, default=1, help="processes per node, as for train")
+    pipeline_show.add_argument("--nnodes", type=int, default=1, help="number of nodes, as for train")
+    pipeline_show.add_argument("--out", help="PNG path (default: OUTPUT_DIR/pipeline/schedule.png)")
+    pipeline_show.add_argument("--run", help="run directory whose recorded timelines to measure (default: OUTPUT_DIR)")
+    pipeline_show.set_defaults(handler=pipeline_show_command)
     return parser
 
 

@@ -102,3 +102,30 @@ def test_recorded_timeline_runs_the_schedule_table_order(runs, layout):
         for step in record["steps"]:
             assert [(stage, kind, mb) for stage, kind, mb, _, _ in step["actions"]] == expected
 
+
+
+def test_pipeline_show_prints_each_rank_and_both_bubbles_and_draws_them(runs, tmp_path):
+    run_dir = runs.get("pp 2 stages")
+    out = tmp_path / "schedule.png"
+    result = run_cli(["pipeline", "show", str(run_dir / "config.yaml"), "--nproc-per-node", "2", "--out", str(out),
+                      "--run", str(run_dir)])
+    assert result.returncode == 0, result.stderr
+    text = result.stdout
+    assert "rank 0: 0F0  0F1" in text and "rank 1:   .  1F0  1B0" in text
+    assert "bubble in theory" in text and "1/5 = 0.200" in text  # p=2, m=4: (p-1)/(m+p-1)
+    measured = _measured(text)
+    assert 0.0 < measured < 1.0
+    for png in (out, tmp_path / "schedule-measured.png"):
+        image = plt_imread(png)
+        assert image.shape[0] > 100 and image.shape[1] > 400
+
+
+def _measured(text: str) -> float:
+    line = next(line for line in text.splitlines() if line.startswith("bubble measured"))
+    return float(line.rsplit(": ", 1)[1])
+
+
+def plt_imread(path: Path):
+    import matplotlib.image
+
+    return matplotlib.image.imread(str(path))
