@@ -14,6 +14,7 @@ def ineffective_options(config: Config) -> list[str]:
         keys = ", ".join(f"parallel.ddp.{name}" for name in sorted(config.parallel.ddp.model_fields_set))
         warnings.append(f"{keys} has no effect with parallel.strategy={config.parallel.strategy}")
     warnings += _sharding_warnings(config)
+    warnings += _pipeline_warnings(config)
     optim = config.optim
     if optim.name == "adamw" and "momentum" in optim.model_fields_set:
         warnings.append("optim.momentum has no effect with optim.name=adamw (it is an SGD option)")
@@ -38,3 +39,20 @@ def _sharding_warnings(config: Config) -> list[str]:
     if sharded and parallel.fsdp.cpu_offload and config.train.device != "cuda" and not torch.cuda.is_available():
         warnings.append("parallel.fsdp.cpu_offload has no effect when training on the CPU already")
     return warnings
+
+
+def _pipeline_warnings(config: Config) -> list[str]:
+    parallel, pipeline = config.parallel, config.pipeline
+    pipelined = parallel.strategy == "pp" or (parallel.pp or 1) > 1
+    set_keys = pipeline.model_fields_set
+    if not pipelined and parallel.strategy != "model_parallel" and set_keys:
+        keys = ", ".join(f"pipeline.{name}" for name in sorted(set_keys))
+        return [f"{keys} has no effect without a pipeline (parallel.strategy=pp, parallel.pp > 1 or model_parallel)"]
+    if parallel.strategy == "model_parallel" and set_keys - {"split_points", "balance", "devices"}:
+        keys = ", ".join(f"pipeline.{name}" for name in sorted(set_keys - {"split_points", "balance", "devices"}))
+        return [f"{keys} has no effect with parallel.strategy=model_parallel (it runs one part at a time, no schedule)"]
+    if pipelined and "devices" in set_keys:
+        return ["pipeline.devices has no effect with parallel.pp (each rank uses its own device); it is for model_parallel"]
+    if pipelined and pipeline.microbatches and "micro_batch_size" in config.train.model_fields_set:
+        return ["train.micro_batch_size has no effect: pipeline.microbatches sets the micro-batch size"]
+    return []

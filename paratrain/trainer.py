@@ -34,6 +34,7 @@ from paratrain.gradients import clip_grad_norm
 from paratrain.metrics import MetricsLogger
 from paratrain.optim import build_lr_scheduler, build_optimizer
 from paratrain.parallel.dims import ParallelDims, data_parallel_coordinates
+from paratrain.parallel.model_parallel import apply_model_parallel
 from paratrain.pipeline.build import PipelineModel, build_pipeline_model
 from paratrain.pipeline.engine import PipelineEngine
 from paratrain.pipeline.recorder import TimelineRecorder
@@ -164,7 +165,11 @@ class Trainer:
         built = build_model(model_factory, config.parallel, dims=self.dims, mesh=self.mesh, device=ctx.device,
                             seed=config.train.seed)
         self.bare_model, self.model = built.bare, built.runnable
-        self.engine = MicroBatchEngine(self.model, loss_fn, self.precision, device=ctx.device,
+        device = ctx.device
+        if config.parallel.strategy == "model_parallel":
+            self.model = apply_model_parallel(self.bare_model, config.pipeline)
+            device = self.model.devices[-1]  # where the output, so the loss, is computed
+        self.engine = MicroBatchEngine(self.model, loss_fn, self.precision, device=device,
                                        sync_every_micro_batch=_syncs_every_micro_batch(config.parallel))
 
     def _timeline_recorder(self, pipeline: PipelineModel) -> TimelineRecorder | None:

@@ -14,6 +14,8 @@ from paratrain.pipeline.schedules import check_shape
 
 def check_pipeline(config: Config, dims: ParallelDims) -> None:
     """Raises ConfigError for pipeline settings that cannot run (only when the layout has a pipeline)."""
+    if config.parallel.strategy == "model_parallel":
+        _check_model_parallel(config)
     if dims.pp == 1:
         return
     _check_combinations(config)
@@ -50,3 +52,16 @@ def _check_combinations(config: Config) -> None:
     if config.debug.dump_gradients_at_steps:
         raise ConfigError("debug.dump_gradients_at_steps with parallel.pp is not supported yet (each rank holds only "
                           "its stages); compare layouts without a pipeline, or leave it empty")
+
+
+def _check_model_parallel(config: Config) -> None:
+    from paratrain.parallel.model_parallel import model_parallel_devices, part_count
+
+    devices = model_parallel_devices(config.pipeline)
+    options = config.pipeline
+    if options.devices and options.split_points and len(options.split_points) != len(options.devices) - 1:
+        raise ConfigError(f"pipeline.split_points names {len(options.split_points)} part end(s) but pipeline.devices "
+                          f"lists {len(options.devices)} devices; name one split point fewer than the devices")
+    with torch.device("meta"):
+        model = call_factory(config.model, key="model")
+    cut_stages(model, options, part_count(options, devices))

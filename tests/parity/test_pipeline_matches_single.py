@@ -28,6 +28,7 @@ LAYOUTS = {
     "ddp 2 x pp 2": (["parallel.strategy=ddp", "parallel.pp=2"], 4),
     "fsdp 2 x pp 2": (["parallel.strategy=fsdp", "parallel.pp=2"], 4),
     "tp 2 x pp 2": (["parallel.strategy=tp", "parallel.pp=2"], 4),
+    "model_parallel 3 parts": (["parallel.strategy=model_parallel", "pipeline.devices=[cpu,cpu,cpu]"], 1),
 }
 
 

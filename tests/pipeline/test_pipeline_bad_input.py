@@ -40,6 +40,8 @@ CASES = {
         2, ["parallel.strategy=pp", "pipeline.schedule=Interleaved1F1B", "pipeline.stages_per_rank=1"],
         ["Interleaved1F1B runs several stages per rank", "set it to 2 or more"]),
     "fp16": (2, ["parallel.strategy=pp", "precision=fp16"], ["precision=fp16 with pipeline parallel", "bf16"]),
+    "model_parallel device that does not exist": (
+        1, ["parallel.strategy=model_parallel", "pipeline.devices=[cuda:7]"], ["pipeline.devices: cuda:7 does not exist"]),
     "ddp static graph": (4, ["parallel.strategy=ddp", "parallel.pp=2", "parallel.ddp.static_graph=true"],
                          ["parallel.ddp.static_graph=true with parallel.pp gives wrong gradients"]),
 }

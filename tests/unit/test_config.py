@@ -60,3 +60,13 @@ def test_options_without_effect_are_warned_about_only_when_set():
     warnings = ineffective_options(load_config(None, ["parallel.ddp.static_graph=true", "optim.momentum=0.9"]))
     assert warnings == ["parallel.ddp.static_graph has no effect with parallel.strategy=single",
                         "optim.momentum has no effect with optim.name=adamw (it is an SGD option)"]
+
+
+def test_pipeline_options_outside_a_pipeline_are_flagged():
+    from paratrain.config_warnings import ineffective_options
+
+    assert ineffective_options(load_config(None, ["pipeline.schedule=GPipe"])) == [
+        "pipeline.schedule has no effect without a pipeline (parallel.strategy=pp, parallel.pp > 1 or model_parallel)"]
+    assert ineffective_options(load_config(None, ["parallel.strategy=pp", "pipeline.devices=[cpu]"])) == [
+        "pipeline.devices has no effect with parallel.pp (each rank uses its own device); it is for model_parallel"]
+    assert ineffective_options(load_config(None, ["parallel.strategy=pp", "pipeline.schedule=GPipe"])) == []
