@@ -21,7 +21,7 @@ from paratrain import faults
 from paratrain.builders import build_model, build_sampler, micro_batch_size, tokens_per_sample
 from paratrain.checkpoint import Checkpointer
 from paratrain.checkpoint.state import ModelState, OptimizerState, Progress, RNGState
-from paratrain.collectives import all_reduce_sum
+from paratrain.collectives import all_reduce_sum, broadcast_object
 from paratrain.config import Config, ParallelConfig, config_to_yaml
 from paratrain.data.loader import StepBatches
 from paratrain.data.sampler import DataPosition
@@ -35,7 +35,7 @@ from paratrain.metrics import MetricsLogger
 from paratrain.optim import build_lr_scheduler, build_optimizer
 from paratrain.parallel.dims import ParallelDims, data_parallel_coordinates
 from paratrain.parallel.model_parallel import apply_model_parallel
-from paratrain.pipeline.build import PipelineModel, build_pipeline_model
+from paratrain.pipeline.build import PipelineModel, build_pipeline_model, measure_piece_costs
 from paratrain.pipeline.engine import PipelineEngine
 from paratrain.pipeline.recorder import TimelineRecorder
 from paratrain.precision import build_mixed_precision
@@ -91,6 +91,7 @@ class Trainer:
         logger.info("layout %s: %s on %s", config.parallel.strategy, self.dims.describe(), self.ctx.device)
         self.dp_rank, self.dp_size = data_parallel_coordinates(self.mesh)
         self.precision = build_mixed_precision(config.precision, device=self.ctx.device, sharded=self.dims.is_sharded)
+        self.dataset = dataset if dataset is not None else call_factory(config.data, key="data")
         self._build_model_and_engine(model_factory or (lambda: call_factory(config.model, key="model")),
                                      loss_fn or call_factory(config.loss, key="loss"))
         # Data-parallel ranks draw different random numbers (e.g. dropout masks); tensor-parallel
@@ -98,7 +99,6 @@ class Trainer:
         torch.manual_seed(config.train.seed + self.dp_rank)
         self.optimizer = build_optimizer(self.bare_model, config.optim, dp_size=self.dp_size)
         self.lr_scheduler = build_lr_scheduler(self.optimizer, config.optim, max_steps=config.train.max_steps)
-        self.dataset = dataset if dataset is not None else call_factory(config.data, key="data")
         self.sampler = build_sampler(len(self.dataset), config, dp_rank=self.dp_rank, dp_size=self.dp_size,
                                      micro_batch_size=micro_batch_size(config, self.dims))
         self.tokens_per_sample = tokens_per_sample(self.dataset)
@@ -154,7 +154,8 @@ class Trainer:
         config, ctx = self.config, self.ctx
         if self.dims.pp > 1:
             pipeline = build_pipeline_model(model_factory, config, dims=self.dims, mesh=self.mesh, device=ctx.device,
-                                            seed=config.train.seed, autocast=self.precision.autocast)
+                                            seed=config.train.seed, autocast=self.precision.autocast,
+                                            costs=self._measured_piece_costs(model_factory))
             logger.info("pipeline %s; this rank holds stage(s) %s: %s", pipeline.shape.describe(),
                         pipeline.stage_indices, "; ".join(", ".join(pipeline.stages[i]) for i in pipeline.stage_indices))
             self.bare_model, self.model = pipeline.bare, nn.ModuleList(pipeline.stage_modules)
@@ -171,6 +172,19 @@ class Trainer:
             device = self.model.devices[-1]  # where the output, so the loss, is computed
         self.engine = MicroBatchEngine(self.model, loss_fn, self.precision, device=device,
                                        sync_every_micro_batch=_syncs_every_micro_batch(config.parallel))
+
+    def _measured_piece_costs(self, model_factory: Callable[[], nn.Module]) -> list[float] | None:
+        """pipeline.balance=time: rank 0 times each piece on a micro-batch, and every rank cuts by its numbers."""
+        if self.config.pipeline.balance != "time":
+            return None
+        costs = None
+        if self.ctx.is_main:
+            size = micro_batch_size(self.config, self.dims)
+            sample = torch.stack([self.dataset[index][0] for index in range(size)])
+            costs = measure_piece_costs(model_factory, sample, device=self.ctx.device, seed=self.config.train.seed)
+            logger.info("pipeline.balance=time: seconds per piece (forward + backward): %s",
+                        ", ".join(f"{cost:.4f}" for cost in costs))
+        return broadcast_object(costs)
 
     def _timeline_recorder(self, pipeline: PipelineModel) -> TimelineRecorder | None:
         if not self.config.pipeline.record_timeline:

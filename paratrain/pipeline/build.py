@@ -25,7 +25,8 @@ from paratrain.parallel.dims import ParallelDims
 from paratrain.parallel.fsdp import apply_fsdp
 from paratrain.parallel.tensor import apply_tensor_parallel, check_tensor_parallel_plan
 from paratrain.pipeline.schedules import PipelineShape, default_stages_per_rank
-from paratrain.pipeline.split import Stage, balance, check_stage_count, parameter_costs, pipeline_sequence, split_at
+from paratrain.pipeline.split import (Stage, balance, check_stage_count, measured_costs, parameter_costs, pipeline_sequence,
+                                      split_at)
 from paratrain.pipeline.stages import StageModule, keep_only, stage_modules
 
 
@@ -128,3 +129,13 @@ def _ddp(module: StageModule, options, *, mesh: DeviceMesh, device: torch.device
 
 def _inside(path: str, kept: set[str]) -> bool:
     return any(path == piece or path.startswith(piece + ".") for piece in kept)
+
+
+def measure_piece_costs(factory: Callable[[], nn.Module], sample: torch.Tensor, *, device: torch.device,
+                        seed: int) -> list[float]:
+    """pipeline.balance=time: each piece's forward + backward time on one micro-batch, measured on a
+    whole copy of the model (so the measuring rank briefly holds all of it)."""
+    with torch.device("meta"):
+        model = factory()
+    materialize(model, device=device, seed=seed)
+    return measured_costs(model, pipeline_sequence(model), sample.to(device))
