@@ -12,7 +12,7 @@ Targets (issue 4): GPipe and 1F1B within +-0.05 of theory at p=2, m in {2, 4, 8}
 zero-bubble below 1F1B; 1F1B's peak activations per rank below GPipe's at m=8. It prints, it never
 asserts; results go in docs/benchmarks.md.
 
-    .venv/bin/python benchmarks/pipeline_bubble.py --figure docs/images/pipeline-1f1b-m4.png
+    .venv/bin/python benchmarks/pipeline_bubble.py --figure docs/images/pipeline-1f1b-m4-measured.png
 """
 
 from __future__ import annotations
@@ -38,8 +38,8 @@ CASES = [("GPipe", 2), ("GPipe", 4), ("GPipe", 8), ("1F1B", 2), ("1F1B", 4), ("1
          ("Interleaved1F1B", 8), ("InterleavedZeroBubble", 8), ("ZBVZeroBubble", 8)]
 
 
-def run_case(schedule: str, microbatches: int, args: argparse.Namespace, root: Path) -> dict:
-    name = f"{schedule}-m{microbatches}"
+def run_case(schedule: str, microbatches: int, args: argparse.Namespace, root: Path, attempt: int) -> dict:
+    name = f"{schedule}-m{microbatches}-{attempt}"
     output_dir, activations = root / name, root / f"{name}-activations"
     activations.mkdir(parents=True)
     config = {
@@ -70,12 +70,20 @@ def run_case(schedule: str, microbatches: int, args: argparse.Namespace, root: P
             "run_dir": str(output_dir)}
 
 
+def median_case(runs: list[dict]) -> dict:
+    """The run with the median measured bubble, with the spread of all runs of the case."""
+    ordered = sorted(runs, key=lambda r: r["measured"])
+    return {**ordered[len(ordered) // 2], "spread": (ordered[0]["measured"], ordered[-1]["measured"])}
+
+
 def print_table(results: list[dict]) -> None:
-    print(f"{'schedule':<22} {'v':>2} {'m':>2} {'theory':>7} {'measured':>9} {'diff':>7}  peak activations per rank (MiB)")
+    print(f"{'schedule':<22} {'v':>2} {'m':>2} {'theory':>7} {'measured':>9} {'diff':>7} {'min..max':>13}  "
+          f"peak activations per rank (MiB)")
     for r in results:
         diff = r["measured"] - r["theory"]
-        print(f"{r['schedule']:<22} {r['v']:>2} {r['m']:>2} {r['theory']:>7.3f} {r['measured']:>9.3f} {diff:>+7.3f}  "
-              f"{r['peak_activation_mib']}")
+        low, high = r["spread"]
+        print(f"{r['schedule']:<22} {r['v']:>2} {r['m']:>2} {r['theory']:>7.3f} {r['measured']:>9.3f} {diff:>+7.3f} "
+              f"{low:>6.3f}..{high:<6.3f}  {r['peak_activation_mib']}")
 
 
 def main() -> None:
@@ -89,6 +97,7 @@ def main() -> None:
     parser.add_argument("--micro-batch", type=int, default=64, help="samples per micro-batch")
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--skip", type=int, default=2, help="recorded steps to skip as warm-up")
+    parser.add_argument("--repeats", type=int, default=3, help="runs per case; the median is reported")
     parser.add_argument("--figure", type=Path, help="also draw the 1F1B m=4 run's measured timeline here")
     args = parser.parse_args()
     args.width = args.width or (64 if args.compute == "sleep" else 1024)
@@ -97,9 +106,13 @@ def main() -> None:
     print(f"command: {' '.join([Path(sys.executable).name, *sys.argv])}")
     compute = f"sleeping {args.delay_ms} ms per block and pass" if args.delay_ms else "real matmuls only"
     print(f"model: {args.depth} blocks of Linear({args.width}, {args.width}) + tanh, {compute}, micro-batch "
-          f"{args.micro_batch}, {args.steps} steps per case, first {args.skip} skipped, p=2 on 2 processes x 1 thread")
+          f"{args.micro_batch}, {args.steps} steps per run, first {args.skip} skipped, median of {args.repeats} runs, "
+          f"p=2 on 2 processes x 1 thread")
     with tempfile.TemporaryDirectory(prefix="pipeline-bubble-") as tmp:
-        results = [run_case(schedule, m, args, Path(tmp)) for schedule, m in CASES]
+        # Cases alternate within each round, so a burst of load on the shared machine hits all alike.
+        rounds = [[run_case(schedule, m, args, Path(tmp), attempt) for schedule, m in CASES]
+                  for attempt in range(args.repeats)]
+        results = [median_case([round_[index] for round_ in rounds]) for index in range(len(CASES))]
         print_table(results)
         if args.figure:
             draw_measured(next(r for r in results if r["schedule"] == "1F1B" and r["m"] == 4), args.figure)

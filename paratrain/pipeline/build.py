@@ -48,10 +48,6 @@ class PipelineModel:
     stages: list[Stage]
 
 
-def uses_pipeline(config: Config, dims: ParallelDims) -> bool:
-    return dims.pp > 1
-
-
 def microbatches_per_step(config: Config, dp: int) -> int:
     """Micro-batches each pipeline runs per step: pipeline.microbatches, or what the sizes imply."""
     train = config.train

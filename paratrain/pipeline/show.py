@@ -120,7 +120,7 @@ def draw(ranks: list[list[Bar]], path: Path, *, title: str) -> None:
     axes.set_yticks(range(len(ranks)), [f"rank {rank}" for rank in range(len(ranks))])
     axes.invert_yaxis()
     axes.set_xlim(0, end)
-    axes.set_xlabel("time (units of one stage's forward)" if "measured" not in title else "time (ms)")
+    axes.set_xlabel("time (1 = one forward through 1/p of the model)" if "measured" not in title else "time (ms)")
     axes.set_title(title, fontsize=10)
     figure.legend(handles=[Patch(color=c, label=k) for k, c in
                            zip(("forward", "backward", "input grad", "weight grad"), _COLOURS.values())],
