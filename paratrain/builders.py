@@ -11,7 +11,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.utils.data import Dataset
 
-from paratrain.config import Config, ParallelConfig
+from paratrain.config import Config, ParallelConfig, PipelineConfig, TrainConfig
 from paratrain.data.sampler import GlobalBatchSampler
 from paratrain.models.init import declares_init, materialize
 from paratrain.models.plan import plan_of
@@ -87,12 +87,12 @@ def _is_on_meta(model: nn.Module) -> bool:
     return any(t.is_meta for t in [*model.parameters(), *model.buffers()])
 
 
-def micro_batch_size(config: Config, dims: ParallelDims) -> int:
+def micro_batch_size(train: TrainConfig, pipeline: PipelineConfig, *, dims: ParallelDims) -> int:
     """Samples per forward on one rank: train.micro_batch_size, unless a pipeline's micro-batch
     count (pipeline.microbatches) decides it."""
-    if dims.pp > 1 and config.pipeline.microbatches:
-        return config.train.global_batch_size // (dims.dp * config.pipeline.microbatches)
-    return config.train.micro_batch_size
+    if dims.pp > 1 and pipeline.microbatches:
+        return train.global_batch_size // (dims.dp * pipeline.microbatches)
+    return train.micro_batch_size
 
 
 def build_sampler(dataset_size: int, config: Config, *, dp_rank: int, dp_size: int,

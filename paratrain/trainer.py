@@ -35,7 +35,7 @@ from paratrain.metrics import MetricsLogger
 from paratrain.optim import build_lr_scheduler, build_optimizer
 from paratrain.parallel.dims import ParallelDims, data_parallel_coordinates
 from paratrain.parallel.model_parallel import apply_model_parallel
-from paratrain.pipeline.build import PipelineModel, build_pipeline_model, measure_piece_costs
+from paratrain.pipeline.build import PipelineModel, build_pipeline_model, measure_piece_costs, pipeline_shape
 from paratrain.pipeline.engine import PipelineEngine
 from paratrain.pipeline.recorder import TimelineRecorder
 from paratrain.precision import build_mixed_precision
@@ -100,7 +100,7 @@ class Trainer:
         self.optimizer = build_optimizer(self.bare_model, config.optim, dp_size=self.dp_size)
         self.lr_scheduler = build_lr_scheduler(self.optimizer, config.optim, max_steps=config.train.max_steps)
         self.sampler = build_sampler(len(self.dataset), config, dp_rank=self.dp_rank, dp_size=self.dp_size,
-                                     micro_batch_size=micro_batch_size(config, self.dims))
+                                     micro_batch_size=micro_batch_size(config.train, config.pipeline, dims=self.dims))
         self.tokens_per_sample = tokens_per_sample(self.dataset)
         self.progress, self.position = Progress(), DataPosition()
         self.checkpointer = self._build_checkpointer()
@@ -153,9 +153,10 @@ class Trainer:
         and the engine that runs a step's forwards and backwards through it."""
         config, ctx = self.config, self.ctx
         if self.dims.pp > 1:
-            pipeline = build_pipeline_model(model_factory, config, dims=self.dims, mesh=self.mesh, device=ctx.device,
-                                            seed=config.train.seed, autocast=self.precision.autocast,
-                                            costs=self._measured_piece_costs(model_factory))
+            shape = pipeline_shape(config.pipeline, dims=self.dims, train=config.train)
+            pipeline = build_pipeline_model(model_factory, config.parallel, config.pipeline, shape=shape, dims=self.dims,
+                                            mesh=self.mesh, device=ctx.device, seed=config.train.seed,
+                                            autocast=self.precision.autocast, costs=self._measured_piece_costs(model_factory))
             logger.info("pipeline %s; this rank holds stage(s) %s: %s", pipeline.shape.describe(),
                         pipeline.stage_indices, "; ".join(", ".join(pipeline.stages[i]) for i in pipeline.stage_indices))
             self.bare_model, self.model = pipeline.bare, nn.ModuleList(pipeline.stage_modules)
@@ -179,7 +180,7 @@ class Trainer:
             return None
         costs = None
         if self.ctx.is_main:
-            size = micro_batch_size(self.config, self.dims)
+            size = micro_batch_size(self.config.train, self.config.pipeline, dims=self.dims)
             sample = torch.stack([self.dataset[index][0] for index in range(size)])
             costs = measure_piece_costs(model_factory, sample, device=self.ctx.device, seed=self.config.train.seed)
             logger.info("pipeline.balance=time: seconds per piece (forward + backward): %s",

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from paratrain.config import Config, PipelineConfig
+from paratrain.config import ParallelConfig, PipelineConfig, TrainConfig
 from paratrain.errors import ConfigError
 from paratrain.models.init import materialize
 from paratrain.models.plan import ParallelPlan, plan_of
@@ -48,16 +48,12 @@ class PipelineModel:
     stages: list[Stage]
 
 
-def microbatches_per_step(config: Config, dp: int) -> int:
-    """Micro-batches each pipeline runs per step: pipeline.microbatches, or what the sizes imply."""
-    train = config.train
-    return config.pipeline.microbatches or train.global_batch_size // (train.micro_batch_size * dp)
-
-
-def pipeline_shape(config: Config, dims: ParallelDims) -> PipelineShape:
-    options = config.pipeline
-    return PipelineShape(options.schedule, dims.pp, options.stages_per_rank or default_stages_per_rank(options.schedule),
-                         microbatches_per_step(config, dims.dp))
+def pipeline_shape(options: PipelineConfig, *, dims: ParallelDims, train: TrainConfig) -> PipelineShape:
+    """The schedule at this layout; micro-batches per step are pipeline.microbatches, or what
+    global_batch_size / (micro_batch_size x data-parallel size) implies."""
+    microbatches = options.microbatches or train.global_batch_size // (train.micro_batch_size * dims.dp)
+    stages_per_rank = options.stages_per_rank or default_stages_per_rank(options.schedule)
+    return PipelineShape(options.schedule, dims.pp, stages_per_rank, microbatches)
 
 
 def cut_stages(model: nn.Module, options: PipelineConfig, num_stages: int,
@@ -77,16 +73,19 @@ def cut_stages(model: nn.Module, options: PipelineConfig, num_stages: int,
     return balance(sequence, costs if costs is not None else parameter_costs(model, sequence), num_stages)
 
 
-def build_pipeline_model(factory: Callable[[], nn.Module], config: Config, *, dims: ParallelDims, mesh: DeviceMesh,
-                         device: torch.device, seed: int,
+def build_pipeline_model(factory: Callable[[], nn.Module], options: ParallelConfig, pipeline: PipelineConfig, *,
+                         shape: PipelineShape, dims: ParallelDims, mesh: DeviceMesh, device: torch.device, seed: int,
                          autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
                          costs: list[float] | None = None) -> PipelineModel:
-    """This rank's stages, laid out and initialised (see module docstring)."""
-    options = config.parallel
+    """This rank's stages, laid out and initialised (see module docstring).
+
+    Args:
+        costs: Per-piece costs to balance stages by (pipeline.balance=time); None: parameter counts.
+    """
     with torch.device("meta"):
         model = factory()
-    plan, shape = plan_of(model), pipeline_shape(config, dims)
-    stages = cut_stages(model, config.pipeline, shape.num_stages, costs)
+    plan = plan_of(model)
+    stages = cut_stages(model, pipeline, shape.num_stages, costs)
     mine = shape.stages_of_rank(mesh["pp"].get_local_rank())
     kept = {path for index in mine for path in stages[index]}
     keep_only(model, pipeline_sequence(model), kept)

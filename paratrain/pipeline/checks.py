@@ -20,7 +20,7 @@ def check_pipeline(config: Config, dims: ParallelDims) -> None:
         return
     _check_combinations(config)
     _check_microbatches(config, dims)
-    shape = pipeline_shape(config, dims)
+    shape = pipeline_shape(config.pipeline, dims=dims, train=config.train)
     check_shape(shape)
     with torch.device("meta"):
         model = call_factory(config.model, key="model")

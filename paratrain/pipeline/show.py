@@ -36,7 +36,7 @@ def show_pipeline(config: Config, *, world_size: int, nproc_per_node: int, out: 
     if dims.pp == 1:
         return (f"{dims.describe()}: no pipeline at world size {world_size}; set parallel.strategy=pp or parallel.pp "
                 f"(and --nproc-per-node)")
-    shape = pipeline_shape(config, dims)
+    shape = pipeline_shape(config.pipeline, dims=dims, train=config.train)
     check_shape(shape)
     timeline = simulate(shape)
     lines = [f"pipeline: {shape.describe()} ({dims.describe()})", *_stage_lines(config, shape), "",
