@@ -80,6 +80,19 @@ def pipeline_show_command(args: argparse.Namespace) -> int:
     return 0
 
 
+def report_command(args: argparse.Namespace) -> int:
+    from paratrain.report import NO_MEMORY, write_report  # loads matplotlib
+
+    runs = [Path(run) for run in args.runs]
+    report = write_report(runs, out=Path(args.out) if args.out else runs[0] / "report")
+    for plot in report.plots:
+        print(f"wrote {plot}")
+    if not report.memory_keys:
+        print(NO_MEMORY)
+    print(f"wrote {report.html}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="paratrain", description="PyTorch-native distributed training.")
     commands = parser.add_subparsers(dest="command", required=True)
@@ -117,6 +130,11 @@ def build_parser() -> argparse.ArgumentParser:
     pipeline_show.add_argument("--out", help="PNG path (default: OUTPUT_DIR/pipeline/schedule.png)")
     pipeline_show.add_argument("--run", help="run directory whose recorded timelines to measure (default: OUTPUT_DIR)")
     pipeline_show.set_defaults(handler=pipeline_show_command)
+
+    report = commands.add_parser("report", help="plot runs' metrics (PNG) and write one self-contained HTML page")
+    report.add_argument("runs", nargs="+", metavar="RUN_DIR", help="run output directories, overlaid in every plot")
+    report.add_argument("--out", help="output directory (default: the first RUN_DIR/report)")
+    report.set_defaults(handler=report_command)
     return parser
 
 
