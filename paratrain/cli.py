@@ -9,7 +9,7 @@ from pathlib import Path
 
 from paratrain.config import config_to_yaml, load_config
 from paratrain.config_warnings import ineffective_options
-from paratrain.errors import EXIT_USER_ERROR, CheckpointError, ConfigError
+from paratrain.errors import EXIT_REQUEUE, EXIT_USER_ERROR, CheckpointError, ConfigError, Preempted
 from paratrain.launch import LaunchOptions
 
 
@@ -22,6 +22,9 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, CheckpointError) as error:
         print(f"paratrain: error: {error}", file=sys.stderr)
         return EXIT_USER_ERROR
+    except Preempted as stopped:  # one process, trained in this one
+        print(f"paratrain: {stopped}", file=sys.stderr)
+        return EXIT_REQUEUE
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:

@@ -1,6 +1,12 @@
-"""Errors a user can fix. The CLI prints their message alone, without a traceback, and exits 2."""
+"""Errors a user can fix, and the other ways a run ends early. The CLI prints their message alone,
+without a traceback, and exits with the documented code."""
+
+from __future__ import annotations
+
+from pathlib import Path
 
 EXIT_USER_ERROR = 2  # the documented exit code for bad input
+EXIT_REQUEUE = 75  # EX_TEMPFAIL: stopped on SIGTERM/SIGUSR1 after saving a checkpoint; requeue to continue
 
 
 class ConfigError(ValueError):
@@ -9,3 +15,20 @@ class ConfigError(ValueError):
 
 class CheckpointError(ValueError):
     """A checkpoint that cannot be trusted or loaded: the message names the file and what to do."""
+
+
+class Preempted(Exception):
+    """Every rank stopped at the same step on SIGTERM or SIGUSR1 and saved a checkpoint of it.
+
+    Attributes:
+        step: The step the run stopped after.
+        checkpoint: The complete checkpoint of that step.
+        signal_name: The signal that asked for the stop (e.g. ``SIGTERM``).
+    """
+
+    def __init__(self, *, step: int, checkpoint: Path, signal_name: str):
+        super().__init__(
+            f"stopped at step {step} on {signal_name} after saving {checkpoint}; exit code {EXIT_REQUEUE}: "
+            f"requeue the job and checkpoint.resume=auto continues from there"
+        )
+        self.step, self.checkpoint, self.signal_name = step, checkpoint, signal_name

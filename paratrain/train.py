@@ -14,7 +14,7 @@ import sys
 from paratrain.config import Config, load_config
 from paratrain.config_warnings import ineffective_options
 from paratrain.distributed import world_size_from_env
-from paratrain.errors import EXIT_USER_ERROR, CheckpointError, ConfigError
+from paratrain.errors import EXIT_REQUEUE, EXIT_USER_ERROR, CheckpointError, ConfigError, Preempted
 from paratrain.preflight import preflight
 from paratrain.trainer import Trainer, TrainResult
 
@@ -46,6 +46,10 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, CheckpointError) as error:
         report_user_error(error, rank=rank)
         return EXIT_USER_ERROR
+    except Preempted as stopped:
+        if rank == 0:
+            print(f"paratrain: {stopped}", file=sys.stderr, flush=True)
+        return EXIT_REQUEUE
     return 0
 
 

@@ -29,6 +29,7 @@ from paratrain.debug import dump_gradients
 from paratrain.distributed import (DistContext, destroy_distributed, init_distributed, local_world_size_from_env,
                                    world_size_from_env)
 from paratrain.engine import LossFn, MicroBatchEngine
+from paratrain.errors import Preempted
 from paratrain.factories import call_factory
 from paratrain.gradients import clip_grad_norm
 from paratrain.metrics import MetricsLogger
@@ -39,6 +40,7 @@ from paratrain.pipeline.build import PipelineModel, build_pipeline_model, measur
 from paratrain.pipeline.engine import PipelineEngine
 from paratrain.pipeline.recorder import TimelineRecorder
 from paratrain.precision import build_mixed_precision
+from paratrain.preemption import StopSignals, announce_stop
 
 logger = logging.getLogger("paratrain")
 
@@ -112,6 +114,7 @@ class Trainer:
         metrics, batches = self._open_metrics(), self.step_batches()
         window, last_loss, last_checkpoint = self._new_window(), None, None
         self._say_if_nothing_to_train()
+        stop = StopSignals.install(self.ctx.device)
         try:
             while self.progress.step < self.config.train.max_steps:
                 step = self.train_step(next(batches))
@@ -120,9 +123,13 @@ class Trainer:
                 if self._should_log():
                     last_loss = self._log(metrics, window, step)
                     window = self._new_window()
-                last_checkpoint = self._maybe_checkpoint() or last_checkpoint
+                stop_signal = stop.agreed_signal() if self.progress.step < self.config.train.max_steps else None
+                last_checkpoint = self._maybe_checkpoint(stopping=stop_signal is not None) or last_checkpoint
                 faults.maybe_kill("after_step", step=self.progress.step, rank=self.ctx.rank)
+                if stop_signal is not None:
+                    raise self._stopped(stop_signal.name, last_checkpoint, received=stop.received_name)
         finally:
+            stop.uninstall()
             metrics.close()
             self.engine.flush()
         return TrainResult(self.progress.step, last_loss, self.config.run.output_dir, last_checkpoint)
@@ -261,11 +268,11 @@ class Trainer:
             metrics.log(record)
         return loss
 
-    def _maybe_checkpoint(self) -> Path | None:
+    def _maybe_checkpoint(self, *, stopping: bool = False) -> Path | None:
         step, options = self.progress.step, self.config.checkpoint
         periodic = options.every_steps and step % options.every_steps == 0
         final = options.save_final and step == self.config.train.max_steps
-        if not (periodic or final):
+        if not (periodic or final or stopping):
             return None
         path = self.checkpointer.save(step, self.checkpoint_state())
         logger.info("saved checkpoint %s", path)
@@ -294,6 +301,14 @@ class Trainer:
         return MetricsLogger(self.config.run.output_dir, tensorboard=self.config.log.tensorboard,
                              progress_bar=self.config.log.progress_bar, start_step=self.progress.step,
                              max_steps=self.config.train.max_steps)
+
+    def _stopped(self, signal_name: str, checkpoint: Path, *, received: str | None) -> Preempted:
+        """Announces an agreed stop (its checkpoint is complete) and returns the exception to end with."""
+        if received:
+            logger.warning("rank %d received %s", self.ctx.rank, received)
+        announce_stop(local_rank=self.ctx.local_rank)
+        logger.info("stopping at step %d on %s: checkpoint %s is complete", self.progress.step, signal_name, checkpoint)
+        return Preempted(step=self.progress.step, checkpoint=checkpoint, signal_name=signal_name)
 
 
 class _NoMetrics:

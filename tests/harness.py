@@ -11,6 +11,7 @@ import os
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -57,6 +58,29 @@ def start_cli(args: list[str], *, env: dict[str, str] | None = None) -> subproce
     full_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
     return subprocess.Popen([sys.executable, "-m", "paratrain.cli", *args], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, env=full_env, cwd=REPO_ROOT)
+
+
+def wait_for_first_step(output_dir: Path, process: subprocess.Popen, timeout: float = 120) -> None:
+    """Returns once the run started by start_cli has logged a step to output_dir/metrics.jsonl."""
+    metrics, deadline = output_dir / "metrics.jsonl", time.monotonic() + timeout
+    while not (metrics.is_file() and metrics.read_text().strip()):
+        assert process.poll() is None, f"run ended early: {process.communicate()[1][-3000:]}"
+        assert time.monotonic() < deadline, "no step logged in time"
+        time.sleep(0.05)
+
+
+def child_pids(pid: int) -> list[int]:
+    """The processes started by process pid (from any of its threads), e.g. torchrun's workers."""
+    tasks = Path(f"/proc/{pid}/task")
+    return [int(child) for task in tasks.iterdir() for child in (task / "children").read_text().split()]
+
+
+def worker_pid(launcher_pid: int, *, rank: int) -> int:
+    """The pid of the worker with this RANK among the launcher's children."""
+    for child in child_pids(launcher_pid):
+        if f"RANK={rank}".encode() in Path(f"/proc/{child}/environ").read_bytes().split(b"\0"):
+            return child
+    raise AssertionError(f"no worker with RANK={rank} under launcher {launcher_pid}")
 
 
 def run_cli(args: list[str], *, env: dict[str, str] | None = None, timeout: float = 240, cwd: Path | None = None) -> subprocess.CompletedProcess:

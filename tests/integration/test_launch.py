@@ -4,23 +4,26 @@ from __future__ import annotations
 
 import ipaddress
 import os
+import re
+import signal
 import socket
-import time
 from pathlib import Path
 
-from tests.harness import start_cli, tiny_config, write_config
+from paratrain.checkpoint import verify_checkpoint
+from paratrain.errors import EXIT_REQUEUE
+from tests.harness import child_pids, start_cli, tiny_config, wait_for_first_step, write_config
 
 
-def test_single_node_run_listens_on_loopback_only(tmp_path):
+def test_single_node_run_listens_on_loopback_only_and_stops_for_a_requeue_on_sigusr1_to_the_launcher(tmp_path):
     config = write_config(tmp_path / "run.yaml", tiny_config(tmp_path / "run", train={"max_steps": 400},
                                                              parallel={"strategy": "ddp"}, log={"every_steps": 1}))
     launcher = start_cli(["train", str(config), "--nproc-per-node", "2"])
     try:
-        _wait_for_first_step(tmp_path / "run" / "metrics.jsonl", launcher)
-        listeners = {pid: _listening_addresses(pid) for pid in [launcher.pid, *_children(launcher.pid)]}
+        wait_for_first_step(tmp_path / "run", launcher)
+        listeners = {pid: _listening_addresses(pid) for pid in [launcher.pid, *child_pids(launcher.pid)]}
     finally:
-        launcher.terminate()  # torchrun stops its workers on SIGTERM
-        _, stderr = launcher.communicate(timeout=60)
+        launcher.send_signal(signal.SIGUSR1)
+        _, stderr = launcher.communicate(timeout=120)
     workers = [pid for pid in listeners if pid != launcher.pid]
     assert len(workers) == 2, f"expected 2 workers under the launcher, found {workers}"
     # The launcher hosts the rendezvous store and the store the workers' process group shares.
@@ -28,26 +31,10 @@ def test_single_node_run_listens_on_loopback_only(tmp_path):
     exposed = {pid: [a for a in addresses if not _is_loopback(a)] for pid, addresses in listeners.items()}
     assert not any(exposed.values()), f"listening beyond loopback: {exposed}"
 
-
-def _wait_for_first_step(metrics: Path, process, timeout: float = 120) -> None:
-    deadline = time.monotonic() + timeout
-    while not (metrics.is_file() and metrics.read_text().strip()):
-        assert process.poll() is None, f"run ended early: {process.communicate()[1][-3000:]}"
-        assert time.monotonic() < deadline, "no step logged in time"
-        time.sleep(0.1)
-
-
-def _children(pid: int) -> list[int]:
-    found = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                stat = Path(f"/proc/{entry}/stat").read_text()
-            except OSError:
-                continue
-            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:  # field 4, after the parenthesised name
-                found.append(int(entry))
-    return found
+    # The launcher passed SIGUSR1 on; the workers agreed on a step, saved it and exited for a requeue.
+    assert launcher.returncode == EXIT_REQUEUE, stderr[-3000:]
+    stop_step = int(re.search(r"stopped at step (\d+) on SIGUSR1", stderr).group(1))
+    verify_checkpoint(tmp_path / "run" / "checkpoints" / f"step-{stop_step}")
 
 
 def _listening_addresses(pid: int) -> list[str]:

@@ -1,13 +1,20 @@
-"""Nothing lost: a killed run resumes from its last complete checkpoint and ends bit-identical."""
+"""Nothing lost: a killed or preempted run resumes from its last complete checkpoint and ends
+bit-identical."""
 
 from __future__ import annotations
 
+import os
+import re
+import signal
 from pathlib import Path
 
 import pytest
 import torch
 
-from tests.harness import checkpoint_weights, read_metrics, tiny_config, train, write_config
+from paratrain.checkpoint import verify_checkpoint
+from paratrain.errors import EXIT_REQUEUE
+from tests.harness import (checkpoint_weights, read_metrics, start_cli, tiny_config, train, wait_for_first_step,
+                           worker_pid, write_config)
 
 STEPS = 60
 EVERY = 30
@@ -19,11 +26,34 @@ def config_for(tmp_path: Path, name: str, strategy: str) -> Path:
     return write_config(tmp_path / f"{name}.yaml", config)
 
 
+@pytest.fixture(scope="module")
+def uninterrupted_run(tmp_path_factory):
+    """The output_dir of an uninterrupted run per strategy, trained once for the whole module."""
+    runs: dict[str, Path] = {}
+
+    def run(strategy: str, nproc: int) -> Path:
+        if strategy not in runs:
+            base = tmp_path_factory.mktemp(f"uninterrupted-{strategy}")
+            train(config_for(base, "uninterrupted", strategy), nproc=nproc)
+            runs[strategy] = base / "uninterrupted"
+        return runs[strategy]
+
+    return run
+
+
+def assert_same_final_weights(output_dir: Path, reference_dir: Path) -> None:
+    final = f"checkpoints/step-{STEPS}"
+    expected = checkpoint_weights(reference_dir / final)
+    actual = checkpoint_weights(output_dir / final)
+    assert expected.keys() == actual.keys()
+    for name in expected:
+        assert torch.equal(actual[name], expected[name]), f"{name} differs after resume"
+
+
 @pytest.mark.parametrize("strategy,nproc", [("single", 1), ("ddp", 2)])
-def test_resume_after_sigkill_matches_uninterrupted_run_bit_for_bit(tmp_path, strategy, nproc):
-    uninterrupted = config_for(tmp_path, "uninterrupted", strategy)
+def test_resume_after_sigkill_matches_uninterrupted_run_bit_for_bit(tmp_path, uninterrupted_run, strategy, nproc):
+    reference = uninterrupted_run(strategy, nproc)
     interrupted = config_for(tmp_path, "interrupted", strategy)
-    train(uninterrupted, nproc=nproc)
 
     # SIGKILL (no clean exit) on the last rank after step 35, i.e. 5 steps past the step-30 checkpoint.
     killed = train(interrupted, nproc=nproc, env={"PARATRAIN_FAULT": f"after_step:35:{nproc - 1}"}, check=False)
@@ -34,14 +64,9 @@ def test_resume_after_sigkill_matches_uninterrupted_run_bit_for_bit(tmp_path, st
     resumed = train(interrupted, "checkpoint.resume=auto", nproc=nproc)
     assert "resumed from" in resumed.stderr and "step-30" in resumed.stderr
 
-    final = f"checkpoints/step-{STEPS}"
-    expected = checkpoint_weights(tmp_path / "uninterrupted" / final)
-    actual = checkpoint_weights(tmp_path / "interrupted" / final)
-    assert expected.keys() == actual.keys()
-    for name in expected:
-        assert torch.equal(actual[name], expected[name]), f"{name} differs after resume"
+    assert_same_final_weights(tmp_path / "interrupted", reference)
     # The steps it redid and the ones after logged the same losses as the uninterrupted run.
-    uninterrupted_losses = {r["step"]: r["loss"] for r in read_metrics(tmp_path / "uninterrupted")}
+    uninterrupted_losses = {r["step"]: r["loss"] for r in read_metrics(reference)}
     resumed_losses = {r["step"]: r["loss"] for r in read_metrics(tmp_path / "interrupted") if r["step"] > 30}
     assert resumed_losses == {step: uninterrupted_losses[step] for step in (40, 50, 60)}
 
@@ -59,3 +84,24 @@ def test_kill_during_checkpoint_save_leaves_previous_checkpoint_chosen_by_auto(t
     resumed = train(config)
     assert "resumed from" in resumed.stderr and "step-20 at step 20" in resumed.stderr
     assert (tmp_path / "run/checkpoints/step-60/paratrain-manifest.json").is_file()
+
+
+def test_sigterm_to_one_worker_stops_every_rank_with_a_checkpoint_and_resume_matches_uninterrupted_run(
+        tmp_path, uninterrupted_run):
+    reference = uninterrupted_run("ddp", 2)
+    config = config_for(tmp_path, "preempted", "ddp")
+    launcher = start_cli(["train", str(config), "--nproc-per-node", "2", "--max-restarts", "1"])
+    wait_for_first_step(tmp_path / "preempted", launcher)
+    os.kill(worker_pid(launcher.pid, rank=1), signal.SIGTERM)
+    _, stderr = launcher.communicate(timeout=120)
+
+    assert launcher.returncode == EXIT_REQUEUE, stderr[-3000:]
+    stop_step = int(re.search(r"stopped at step (\d+) on SIGTERM", stderr).group(1))
+    stop_checkpoint = tmp_path / "preempted" / "checkpoints" / f"step-{stop_step}"
+    assert stop_step < STEPS and stop_step % EVERY, "stopped between periodic saves, well before the end"
+    verify_checkpoint(stop_checkpoint)  # complete, every file as the manifest lists it
+
+    resumed = train(config, "checkpoint.resume=auto", nproc=2)
+    assert f"resumed from {stop_checkpoint} at step {stop_step}" in resumed.stderr
+    assert_same_final_weights(tmp_path / "preempted", reference)
+

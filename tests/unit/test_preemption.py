@@ -1,0 +1,34 @@
+from __future__ import annotations
+
+import os
+import signal
+from types import SimpleNamespace
+
+import torch
+
+from paratrain.errors import EXIT_REQUEUE
+from paratrain.launch import _summarise_failure
+from paratrain.preemption import StopSignals
+
+
+def test_a_stop_signal_is_acted_on_at_the_boundary_after_the_one_that_reduced_it():
+    previous = signal.getsignal(signal.SIGUSR1)
+    stop = StopSignals.install(torch.device("cpu"))
+    try:
+        assert stop.agreed_signal() is None
+        os.kill(os.getpid(), signal.SIGUSR1)
+        assert stop.agreed_signal() is None  # reduced now, read at the next boundary
+        assert stop.agreed_signal() == signal.SIGUSR1
+        assert stop.received_name == "SIGUSR1"
+    finally:
+        stop.uninstall()
+    assert signal.getsignal(signal.SIGUSR1) is previous
+
+
+def test_launcher_exits_with_the_requeue_code_only_when_every_worker_did(capsys):
+    def failure(*codes: int) -> SimpleNamespace:
+        return SimpleNamespace(failures={rank: SimpleNamespace(exitcode=code) for rank, code in enumerate(codes)})
+
+    assert _summarise_failure(failure(EXIT_REQUEUE, EXIT_REQUEUE)) == EXIT_REQUEUE
+    assert "every worker stopped for a requeue" in capsys.readouterr().err
+    assert _summarise_failure(failure(1, EXIT_REQUEUE)) == 1
