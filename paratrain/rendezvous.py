@@ -13,7 +13,7 @@ from __future__ import annotations
 import socket
 
 from torch.distributed import TCPStore
-from torch.distributed.elastic.rendezvous import RendezvousHandler, RendezvousParameters
+from torch.distributed.elastic.rendezvous import RendezvousHandler, RendezvousInfo, RendezvousParameters
 from torch.distributed.elastic.rendezvous import rendezvous_handler_registry as handler_registry
 from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import C10dRendezvousBackend
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import DynamicRendezvousHandler
@@ -45,6 +45,14 @@ class _LoopbackRendezvousHandler(DynamicRendezvousHandler):
 
     def get_backend(self) -> str:
         return BACKEND_NAME  # torchrun checks it against --rdzv-backend
+
+    def next_rendezvous(self) -> RendezvousInfo:
+        # A fresh workers' store for every round. Torch 2.13 keeps the first round's, so the group
+        # --max-restarts starts again reads the failed attempt's keys (its peers' old addresses) and
+        # cannot connect, or waits forever (pytorch#135712, fixed there by a store per retry).
+        self._shared_tcp_store_server = None
+        self._bootstrap_store_info = None
+        return super().next_rendezvous()
 
     # Overrides the private hook DynamicRendezvousHandler.next_rendezvous calls to create the
     # workers' store (torch 2.13); the launch test fails if a later torch stops calling it.
