@@ -96,6 +96,14 @@ def report_command(args: argparse.Namespace) -> int:
     return 0
 
 
+def bench_comm_command(args: argparse.Namespace) -> int:
+    from paratrain.bench_comm import run_benchmark  # loads torch.distributed and matplotlib
+
+    bench = run_benchmark(nproc_per_node=args.nproc_per_node, sizes=args.sizes, iters=args.iters, warmup=args.warmup,
+                          device=args.device, out=Path(args.out))
+    return 0 if bench else 1
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="paratrain", description="PyTorch-native distributed training.")
     commands = parser.add_subparsers(dest="command", required=True)
@@ -138,6 +146,17 @@ def build_parser() -> argparse.ArgumentParser:
     report.add_argument("runs", nargs="+", metavar="RUN_DIR", help="run output directories, overlaid in every plot")
     report.add_argument("--out", help="output directory (default: the first RUN_DIR/report)")
     report.set_defaults(handler=report_command)
+
+    bench = commands.add_parser("bench", help="micro-benchmarks")
+    bench_commands = bench.add_subparsers(dest="bench_command", required=True)
+    comm = bench_commands.add_parser("comm", help="time collectives over a size sweep; algbw and busbw as nccl-tests defines them")
+    comm.add_argument("--nproc-per-node", type=int, default=2, help="processes (one per GPU on CUDA)")
+    comm.add_argument("--sizes", nargs="+", help="sizes S in bytes, binary units (1KB = 1024 B); default 1KB to 16MB")
+    comm.add_argument("--iters", type=int, default=20, help="timed iterations per operation and size")
+    comm.add_argument("--warmup", type=int, default=5, help="untimed iterations before them")
+    comm.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto", help="auto: CUDA with NCCL when present, else CPU with gloo")
+    comm.add_argument("--out", default="runs/bench-comm", help="directory for comm.json and comm.png")
+    comm.set_defaults(handler=bench_comm_command)
     return parser
 
 
