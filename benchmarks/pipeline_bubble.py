@@ -59,8 +59,10 @@ def run_case(schedule: str, microbatches: int, args: argparse.Namespace, root: P
     path = root / f"{name}.yaml"
     path.write_text(yaml.safe_dump(config))
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PARATRAIN_BENCH_ACTIVATIONS": str(activations)}
-    subprocess.run([sys.executable, "-m", "paratrain.cli", "train", str(path), "--nproc-per-node", "2"],
-                   cwd=REPO_ROOT, env=env, check=True, capture_output=True, text=True)
+    result = subprocess.run([sys.executable, "-m", "paratrain.cli", "train", str(path), "--nproc-per-node", "2"],
+                            cwd=REPO_ROOT, env=env, capture_output=True, text=True)
+    if result.returncode:
+        raise SystemExit(f"{name} failed ({result.returncode}):\n{result.stderr[-3000:]}")
     shape = PipelineShape(schedule, 2, default_stages_per_rank(schedule), microbatches)
     peaks = [json.loads(p.read_text()) for p in activations.glob("*.json")]
     return {"schedule": schedule, "m": microbatches, "v": shape.stages_per_rank,
