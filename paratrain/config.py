@@ -167,6 +167,11 @@ class CheckpointConfig(Section):
     (refused if output_dir already has checkpoints). Anything else: path of a checkpoint to load."""
     save_final: bool = True
     """Save a checkpoint after the last step."""
+    allow_config_change: bool = False
+    """Resume from a checkpoint trained with a config that changes what is trained (model, data, loss,
+    optimizer, seed, global batch, grad clipping, or max_steps under the cosine schedule). Without it
+    such a resume is refused, listing each change; layout, precision, micro-batch, logging and
+    checkpoint changes are always allowed and logged."""
 
 
 class LogConfig(Section):

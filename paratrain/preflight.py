@@ -11,6 +11,8 @@ import torch
 from torch import nn
 
 from paratrain.checkpoint import find_checkpoints, verify_checkpoint
+from paratrain.checkpoint.config_changes import check_resume_config
+from paratrain.checkpoint.manifest import is_complete, read_manifest
 from paratrain.config import Config
 from paratrain.errors import CheckpointError, ConfigError
 from paratrain.factories import call_factory, check_factory_args
@@ -32,6 +34,7 @@ def preflight(config: Config, *, world_size: int, nproc_per_node: int) -> None:
         lambda: check_factory_args(config.loss, key="loss"),
         lambda: _check_writable(config.run.output_dir),
         lambda: _check_resume(config),
+        lambda: _check_resume_config(config),
     ]
     problems = []
     for check in checks:
@@ -125,3 +128,21 @@ def _check_resume(config: Config) -> None:
         verify_checkpoint(Path(resume))
     except CheckpointError as error:
         raise ConfigError(f"checkpoint.resume={resume}: {error}") from None
+
+
+def _check_resume_config(config: Config) -> None:
+    """Refuses to resume a checkpoint trained with a config that changes what is trained.
+
+    For ``auto`` it reads the newest complete checkpoint's manifest without verifying its files; the
+    trainer checks again against the one it verifies and loads.
+    """
+    resume = config.checkpoint.resume
+    if resume == "auto":
+        complete = [path for _, path in find_checkpoints(config.run.output_dir / "checkpoints") if is_complete(path)]
+        checkpoint = complete[-1] if complete else None
+    else:
+        checkpoint = Path(resume) if resume != "never" and is_complete(Path(resume)) else None
+    if checkpoint is None:
+        return  # nothing to resume, or _check_resume says why not
+    check_resume_config(read_manifest(checkpoint).get("config", {}), config.model_dump(mode="json"), checkpoint=checkpoint,
+                        allow_change=config.checkpoint.allow_config_change)

@@ -20,6 +20,8 @@ from torch.utils.data import Dataset
 from paratrain import faults
 from paratrain.builders import build_model, build_sampler, micro_batch_size, tokens_per_sample
 from paratrain.checkpoint import Checkpointer
+from paratrain.checkpoint.config_changes import check_resume_config
+from paratrain.checkpoint.manifest import read_manifest
 from paratrain.checkpoint.state import ModelState, OptimizerState, Progress, RNGState
 from paratrain.collectives import all_reduce_sum, broadcast_object
 from paratrain.config import Config, ParallelConfig, config_to_yaml
@@ -282,7 +284,9 @@ class Trainer:
         path = self.checkpointer.choose_resume(self.config.checkpoint.resume)
         if path is None:
             return
-        self.checkpointer.load(path, self.checkpoint_state(), optional=("rng",))
+        self._check_resume_config(path)
+        # A run switched to fp16 resumes a checkpoint without a gradient scaler: its scaler starts fresh.
+        self.checkpointer.load(path, self.checkpoint_state(), optional=("rng", "grad_scaler"))
         logger.info("resumed from %s at step %d (epoch %d)", path, self.progress.step, self.position.epoch)
 
     def _build_checkpointer(self) -> Checkpointer:
@@ -309,6 +313,20 @@ class Trainer:
         announce_stop(local_rank=self.ctx.local_rank)
         logger.info("stopping at step %d on %s: checkpoint %s is complete", self.progress.step, signal_name, checkpoint)
         return Preempted(step=self.progress.step, checkpoint=checkpoint, signal_name=signal_name)
+
+    def _check_resume_config(self, checkpoint: Path) -> None:
+        """Refuses (on every rank) a checkpoint trained with a config that changes what is trained,
+        unless checkpoint.allow_config_change; logs the changes it lets through."""
+        changes = check_resume_config(read_manifest(checkpoint).get("config", {}), self.config.model_dump(mode="json"),
+                                      checkpoint=checkpoint, allow_change=self.config.checkpoint.allow_config_change)
+        if not self.ctx.is_main:
+            return
+        if changes.math:
+            logger.warning("resuming %s with changes to what is trained (checkpoint.allow_config_change=true): %s",
+                           checkpoint, "; ".join(changes.math))
+        if changes.harmless:
+            logger.info("resuming %s with config changes that keep the training math: %s", checkpoint,
+                        "; ".join(changes.harmless))
 
 
 class _NoMetrics:
