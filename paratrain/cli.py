@@ -104,6 +104,12 @@ def bench_comm_command(args: argparse.Namespace) -> int:
     return 0 if bench else 1
 
 
+def verify_command(args: argparse.Namespace) -> int:
+    from paratrain.verify import verify
+
+    return verify(args.config, args.overrides, nproc_per_node=args.nproc_per_node, steps=args.steps)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="paratrain", description="PyTorch-native distributed training.")
     commands = parser.add_subparsers(dest="command", required=True)
@@ -157,6 +163,13 @@ def build_parser() -> argparse.ArgumentParser:
     comm.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto", help="auto: CUDA with NCCL when present, else CPU with gloo")
     comm.add_argument("--out", default="runs/bench-comm", help="directory for comm.json and comm.png")
     comm.set_defaults(handler=bench_comm_command)
+
+    verify = commands.add_parser("verify", help="train the config's layout and one process for a few steps and compare losses")
+    verify.add_argument("config", help="YAML config file")
+    verify.add_argument("overrides", nargs="*", metavar="key=value", help="dotted config overrides, as for train")
+    verify.add_argument("--nproc-per-node", type=int, help="processes for the layout (default: 2, or 1 for single, dp, model_parallel)")
+    verify.add_argument("--steps", type=int, default=20, help="optimizer steps each run trains (default 20)")
+    verify.set_defaults(handler=verify_command)
     return parser
 
 
