@@ -131,7 +131,7 @@ def test_corrupt_latest_checkpoint_makes_auto_fall_back_to_the_previous_one(tmp_
     data[len(data) // 2] ^= 0xFF  # one flipped byte: same size, different checksum
     shard.write_bytes(bytes(data))
 
-    result = train(Path(config_file(tmp_path, run, train={"max_steps": 6})))
+    result = train(Path(config_file(tmp_path, run, train={"max_steps": 4})))  # the finished run's config
     assert str(shard) in result.stderr and "corrupt" in result.stderr
     assert "resumed from" in result.stderr and "step-2 at step 2" in result.stderr
 

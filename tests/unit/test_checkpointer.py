@@ -57,6 +57,16 @@ def test_auto_resume_skips_a_damaged_latest_checkpoint(tmp_path, caplog):
     assert "step-2/.metadata" in caplog.text
 
 
+def test_auto_resume_skips_a_latest_checkpoint_with_a_truncated_shard_naming_it(tmp_path, caplog):
+    checkpointer = make_checkpointer(tmp_path, keep_last=3)
+    checkpointer.save(1, state(1))
+    checkpointer.save(2, state(2))
+    shard = next((checkpointer.directory / "step-2").glob("*.distcp"))
+    shard.write_bytes(shard.read_bytes()[:-10])
+    assert checkpointer.choose_resume("auto") == checkpointer.directory / "step-1"
+    assert f"checkpoint file {shard} is truncated" in caplog.text and "falling back" in caplog.text
+
+
 def test_auto_resume_refuses_when_no_checkpoint_verifies(tmp_path):
     checkpointer = make_checkpointer(tmp_path)
     checkpointer.save(1, state(1))
