@@ -11,9 +11,9 @@ import torch
 
 from paratrain.cli import main
 from paratrain.verify import LOSS_RTOL, StepLoss, Verdict, compare, format_verdict
-from tests.harness import TINY_GPT, read_metrics, run_cli, tiny_config, write_config
+from tests.harness import REPO_ROOT, TINY_GPT, read_metrics, tiny_config, write_config
 
-STEPS = 4
+STEPS = 3
 BROKEN_GPT = {"factory": "tests.tools.broken_models:build_gpt_with_wrong_gradient", "args": TINY_GPT["args"]}
 
 
@@ -30,12 +30,21 @@ def verdict_lines(stdout: str) -> list[tuple[int, float, float, float]]:
     return [(int(step), float(a), float(b), float(d)) for step, a, b, d in rows]
 
 
-def test_verify_passes_ddp_on_two_processes_against_one(tmp_path):
-    result = run_cli(["verify", str(verify_config(tmp_path)), "--nproc-per-node", "2", "--steps", str(STEPS)])
+def run_verify(config: Path, capsys, monkeypatch) -> tuple[int, str]:
+    """verify in this process (it starts both paratrain train runs as subprocesses): saves an interpreter start."""
+    monkeypatch.chdir(REPO_ROOT)  # where the runs import tests.tools.broken_models from
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")  # as the harness runs every CLI command
+    code = main(["verify", str(config), "--nproc-per-node", "2", "--steps", str(STEPS)])
+    captured = capsys.readouterr()
+    return code, captured.out + captured.err
 
-    assert result.returncode == 0, result.stdout + result.stderr[-3000:]
-    assert "PASS: ddp on 2 processes matches one process" in result.stdout
-    rows = verdict_lines(result.stdout)
+
+def test_verify_passes_ddp_on_two_processes_against_one(tmp_path, capsys, monkeypatch):
+    code, output = run_verify(verify_config(tmp_path), capsys, monkeypatch)
+
+    assert code == 0, output[-3000:]
+    assert "PASS: ddp on 2 processes matches one process" in output
+    rows = verdict_lines(output)
     assert [row[0] for row in rows] == list(range(1, STEPS + 1))
     assert all(diff <= LOSS_RTOL for *_, diff in rows)
     layout, reference = read_metrics(tmp_path / "run/verify/layout"), read_metrics(tmp_path / "run/verify/reference")
@@ -44,12 +53,12 @@ def test_verify_passes_ddp_on_two_processes_against_one(tmp_path):
     assert not (tmp_path / "run/verify/layout/checkpoints").exists()
 
 
-def test_verify_fails_a_layout_that_scales_a_gradient_wrongly_and_exits_1(tmp_path):
-    result = run_cli(["verify", str(verify_config(tmp_path, model=BROKEN_GPT)), "--nproc-per-node", "2", "--steps", str(STEPS)])
+def test_verify_fails_a_layout_that_scales_a_gradient_wrongly_and_exits_1(tmp_path, capsys, monkeypatch):
+    code, output = run_verify(verify_config(tmp_path, model=BROKEN_GPT), capsys, monkeypatch)
 
-    assert result.returncode == 1, result.stdout + result.stderr[-3000:]
-    assert "FAIL: ddp on 2 processes does not match one process" in result.stdout
-    rows = verdict_lines(result.stdout)
+    assert code == 1, output[-3000:]
+    assert "FAIL: ddp on 2 processes does not match one process" in output
+    rows = verdict_lines(output)
     assert rows[0][3] <= LOSS_RTOL  # step 1's loss comes before any update: the bug shows from step 2
     assert max(diff for *_, diff in rows) > 10 * LOSS_RTOL
 
