@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from paratrain.errors import ConfigError
 
@@ -181,6 +181,12 @@ class LogConfig(Section):
     """Also write TensorBoard event files into output_dir/tensorboard/."""
     progress_bar: Literal["auto", "on", "off"] = "auto"
     """auto shows a progress bar when rank 0's stderr is a terminal; otherwise plain lines."""
+
+    @field_validator("progress_bar", mode="before")
+    @classmethod
+    def _yaml_booleans_mean_on_and_off(cls, value: Any) -> Any:
+        # YAML 1.1 reads a bare on/off as true/false; the user meant the words.
+        return {True: "on", False: "off"}.get(value, value) if isinstance(value, bool) else value
 
 
 class FactoryConfig(Section):

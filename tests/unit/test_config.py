@@ -70,3 +70,8 @@ def test_pipeline_options_outside_a_pipeline_are_flagged():
     assert ineffective_options(load_config(None, ["parallel.strategy=pp", "pipeline.devices=[cpu]"])) == [
         "pipeline.devices has no effect with parallel.pp (each rank uses its own device); it is for model_parallel"]
     assert ineffective_options(load_config(None, ["parallel.strategy=pp", "pipeline.schedule=GPipe"])) == []
+
+
+def test_progress_bar_on_and_off_survive_yaml_reading_them_as_booleans():
+    assert load_config(None, ["log.progress_bar=off"]).log.progress_bar == "off"
+    assert load_config(None, ["log.progress_bar=on"]).log.progress_bar == "on"
