@@ -38,6 +38,6 @@ def broadcast_object(obj: T, *, src: int = 0) -> T:
     return holder[0]
 
 
-def barrier() -> None:
+def barrier(group: dist.ProcessGroup | None = None) -> None:
     if is_distributed():
-        dist.barrier()
+        dist.barrier(group=group)

@@ -167,6 +167,11 @@ class CheckpointConfig(Section):
     (refused if output_dir already has checkpoints). Anything else: path of a checkpoint to load."""
     save_final: bool = True
     """Save a checkpoint after the last step."""
+    async_save: bool = False
+    """Write periodic checkpoints in the background (DCP async_save): training continues once the state
+    is copied to CPU memory, which costs one more copy of model and optimizer state in host RAM. One
+    save at a time; a checkpoint counts (for resume) only once every rank finished writing it. The
+    last save of a run, and a save on SIGTERM/SIGUSR1, are written before going on."""
     allow_config_change: bool = False
     """Resume from a checkpoint trained with a config that changes what is trained (model, data, loss,
     optimizer, seed, global batch, grad clipping, or max_steps under the cosine schedule). Without it

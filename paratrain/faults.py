@@ -1,8 +1,10 @@
 """Fault injection for tests and the chaos benchmark: a real SIGKILL at a named point.
 
 ``PARATRAIN_FAULT=<point>:<step>[:<rank>]`` kills the process (rank ``rank``, default every rank) when
-it reaches ``point`` at ``step``. Points: ``after_step`` (the step and any checkpoint of it are done),
-``mid_save`` (this rank's checkpoint data is written, the completion manifest is not). With the
+it reaches ``point`` at ``step``. Points: ``after_step`` (the step and any checkpoint of it are done,
+or, for an asynchronous save, started), ``mid_save`` (this rank's checkpoint data is written, the
+completion manifest is not), ``mid_async_save`` (an asynchronous save's state is copied and its
+background write has begun; training would go on now). With the
 variable unset, nothing happens. A fault fires in the first attempt only: workers that torchrun
 restarts (``TORCHELASTIC_RESTART_COUNT`` > 0) run through, so a restart can be shown to recover.
 """

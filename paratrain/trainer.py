@@ -130,6 +130,7 @@ class Trainer:
                 faults.maybe_kill("after_step", step=self.progress.step, rank=self.ctx.rank)
                 if stop_signal is not None:
                     raise self._stopped(stop_signal.name, last_checkpoint, received=stop.received_name)
+            self.checkpointer.wait()  # an asynchronous save still in flight is complete before train() returns
         finally:
             stop.uninstall()
             metrics.close()
@@ -150,6 +151,7 @@ class Trainer:
 
     def close(self) -> None:
         """Releases the layout, then the process group. Call once training is over."""
+        self.checkpointer.close()  # a background save needs the process group until it is written
         # DDP's reducer must be freed while the group is still registered: a reducer that outlives
         # it destroys the gloo group while holding the GIL, and gloo's worker threads, which need the
         # GIL to free tensors, then deadlock with it (pytorch#56297).
@@ -276,8 +278,10 @@ class Trainer:
         final = options.save_final and step == self.config.train.max_steps
         if not (periodic or final or stopping):
             return None
-        path = self.checkpointer.save(step, self.checkpoint_state())
-        logger.info("saved checkpoint %s", path)
+        # The last save of a run is written before going on: the process is about to exit.
+        blocking = not options.async_save or stopping or step == self.config.train.max_steps
+        path = self.checkpointer.save(step, self.checkpoint_state(), blocking=blocking)
+        logger.info("saved checkpoint %s" if blocking else "saving checkpoint %s in the background", path)
         return path
 
     def _maybe_resume(self) -> None:
@@ -292,7 +296,7 @@ class Trainer:
     def _build_checkpointer(self) -> Checkpointer:
         return Checkpointer(self.config.run.output_dir / "checkpoints", keep_last=self.config.checkpoint.keep_last,
                             rank=self.ctx.rank, world_size=self.ctx.world_size,
-                            config=self.config.model_dump(mode="json"))
+                            config=self.config.model_dump(mode="json"), async_save=self.config.checkpoint.async_save)
 
     def _prepare_output_dir(self) -> None:
         if self.ctx.is_main:

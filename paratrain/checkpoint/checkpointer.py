@@ -1,4 +1,12 @@
-"""Saving, finding, verifying, loading and rotating checkpoints under ``output_dir/checkpoints/``."""
+"""Saving, finding, verifying, loading and rotating checkpoints under ``output_dir/checkpoints/``.
+
+A save is synchronous, or asynchronous through DCP's ``async_save``: the state is copied to CPU
+memory before the call returns (training may then change it), and a background thread writes the
+copy, waits for every rank to finish writing, and only then has rank 0 write the manifest that makes
+the checkpoint complete. At most one save is in flight: each save, the end of training and a
+preemption stop first wait for the previous one. A crash mid-write leaves no manifest, so the
+previous complete checkpoint stays the newest one ``resume: auto`` finds.
+"""
 
 from __future__ import annotations
 
@@ -6,10 +14,14 @@ import contextlib
 import logging
 import re
 import shutil
+import time
 import warnings
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.stateful import Stateful
@@ -42,31 +54,91 @@ class Checkpointer:
         rank: This process's global rank; rank 0 marks completion and rotates.
         world_size: Recorded in each manifest.
         config: The resolved config, recorded in each manifest.
+        async_save: Allow ``save(..., blocking=False)``; every rank must pass the same value, since
+            it creates a process group of its own for the background writes.
     """
 
-    def __init__(self, directory: Path, *, keep_last: int | None, rank: int, world_size: int, config: dict[str, Any]):
+    def __init__(self, directory: Path, *, keep_last: int | None, rank: int, world_size: int, config: dict[str, Any],
+                 async_save: bool = False):
         self.directory = directory
         self.keep_last = keep_last
         self.rank = rank
         self.world_size = world_size
         self.config = config
+        self.async_save = async_save
+        # Background writes synchronise ranks on a gloo group of their own: collectives issued from
+        # two threads on one group would interleave with training's and hang (and DCP's async_save
+        # refuses a group without a CPU backend, such as NCCL alone).
+        self._group = dist.new_group(backend="gloo") if async_save and is_distributed() else None
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="paratrain-checkpoint") if async_save else None
+        self._in_flight: _InFlightSave | None = None
 
-    def save(self, step: int, state: dict[str, Stateful]) -> Path:
+    def save(self, step: int, state: dict[str, Stateful], *, blocking: bool = True) -> Path:
+        """Writes ``step-<step>``; returns its path. Every rank calls it at the same step.
+
+        With ``blocking=False`` (needs ``async_save``) it returns once the state is copied to CPU
+        memory; the checkpoint is complete only after ``wait()``. Either way a save still in flight
+        is waited for first.
+        """
+        self.wait()
+        path = self._fresh_directory(step)
+        if blocking or not self.async_save:
+            with quiet_single_process():
+                dcp.save(state, storage_writer=FileSystemWriter(path), no_dist=not is_distributed())
+            faults.maybe_kill("mid_save", step=step, rank=self.rank)
+            self._mark_complete(path, step=step, group=None)
+            return path
+        started = time.perf_counter()
+        with quiet_single_process():
+            written = dcp.async_save(state, storage_writer=FileSystemWriter(path), process_group=self._group,
+                                     no_dist=not is_distributed())
+        faults.maybe_kill("mid_async_save", step=step, rank=self.rank)
+        assert self._executor is not None
+        done = self._executor.submit(self._finish_async, written, path, step, started)
+        self._in_flight = _InFlightSave(step, path, done)
+        return path
+
+    def wait(self) -> Path | None:
+        """Blocks until the save in flight, if any, is complete on every rank; returns its path.
+
+        Raises:
+            Exception: whatever failed in the background write, so a lost checkpoint is not silent.
+        """
+        in_flight, self._in_flight = self._in_flight, None
+        if in_flight is None:
+            return None
+        in_flight.done.result()
+        return in_flight.path
+
+    def close(self) -> None:
+        """Waits for the save in flight and stops the background thread."""
+        try:
+            self.wait()
+        finally:
+            if self._executor is not None:
+                self._executor.shutdown()
+
+    def _fresh_directory(self, step: int) -> Path:
         path = self.directory / f"step-{step}"
         if self.rank == 0:
             # DCP must write into a fresh directory; a leftover from a crashed attempt is not trusted.
             shutil.rmtree(path, ignore_errors=True)
             path.mkdir(parents=True)
         barrier()
-        with quiet_single_process():
-            dcp.save(state, storage_writer=FileSystemWriter(path), no_dist=not is_distributed())
-        faults.maybe_kill("mid_save", step=step, rank=self.rank)
-        barrier()  # every rank's data is on disk before rank 0 declares the checkpoint complete
+        return path
+
+    def _finish_async(self, written: Future, path: Path, step: int, started: float) -> None:
+        """In the background thread: waits for DCP's write, then marks the checkpoint complete."""
+        written.result()
+        self._mark_complete(path, step=step, group=self._group)
+        logger.info("checkpoint %s written in the background in %.2f s", path, time.perf_counter() - started)
+
+    def _mark_complete(self, path: Path, *, step: int, group: dist.ProcessGroup | None) -> None:
+        barrier(group)  # every rank's data is on disk before rank 0 declares the checkpoint complete
         if self.rank == 0:
             write_manifest(path, step=step, config=self.config, world_size=self.world_size)
             self._rotate()
-        barrier()
-        return path
+        barrier(group)
 
     def load(self, path: Path, state: dict[str, Stateful], *, optional: tuple[str, ...] = ()) -> None:
         """Loads state saved under any layout and world size into this one (DCP reshards).
@@ -126,7 +198,8 @@ class Checkpointer:
 
     def _rotate(self) -> None:
         """Deletes complete checkpoints beyond keep_last, and incomplete ones older than the newest
-        complete one (left by crashed saves). The newest complete one is never deleted."""
+        complete one (left by crashed saves). The newest complete one is never deleted, nor is a save
+        being written: rotation runs only as a save completes, and no other is in flight then."""
         all_found = find_checkpoints(self.directory)
         complete = [(step, path) for step, path in all_found if is_complete(path)]
         if not complete:
@@ -136,6 +209,13 @@ class Checkpointer:
         doomed += [(step, path) for step, path in all_found if step < newest_step and not is_complete(path)]
         for _, path in doomed:
             shutil.rmtree(path, ignore_errors=True)
+
+
+@dataclass(frozen=True)
+class _InFlightSave:
+    step: int
+    path: Path
+    done: Future  # resolves once the manifest is written
 
 
 def _saved(stateful: Stateful, name: str, saved_keys) -> bool:

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from paratrain.checkpoint import verify_checkpoint
+from paratrain.checkpoint import Checkpointer, verify_checkpoint
 from paratrain.errors import EXIT_REQUEUE
 from tests.harness import (checkpoint_weights, read_metrics, start_cli, tiny_config, train, wait_for_first_step,
                            worker_pid, write_config)
@@ -84,6 +84,36 @@ def test_kill_during_checkpoint_save_leaves_previous_checkpoint_chosen_by_auto(t
     resumed = train(config)
     assert "resumed from" in resumed.stderr and "step-20 at step 20" in resumed.stderr
     assert (tmp_path / "run/checkpoints/step-60/paratrain-manifest.json").is_file()
+
+
+def test_async_checkpoints_resume_after_sigkill_matches_uninterrupted_run_bit_for_bit(tmp_path, uninterrupted_run):
+    reference = uninterrupted_run("ddp", 2)  # saved synchronously
+    config = config_for(tmp_path, "async", "ddp")
+
+    # 15 steps after the step-30 save began: its background write has long finished.
+    killed = train(config, "checkpoint.async_save=true", nproc=2, env={"PARATRAIN_FAULT": "after_step:45:1"}, check=False)
+    assert killed.returncode != 0
+    assert "checkpoints/step-30 written in the background" in killed.stderr
+    verify_checkpoint(tmp_path / "async/checkpoints/step-30")
+
+    resumed = train(config, "checkpoint.async_save=true", nproc=2)
+    assert "resumed from" in resumed.stderr and "step-30 at step 30" in resumed.stderr
+    assert_same_final_weights(tmp_path / "async", reference)
+
+
+def test_kill_during_async_save_leaves_previous_checkpoint_chosen_by_auto(tmp_path):
+    config = write_config(tmp_path / "run.yaml", tiny_config(
+        tmp_path / "run", train={"max_steps": 30}, parallel={"strategy": "ddp"},
+        checkpoint={"every_steps": 10, "async_save": True}, log={"every_steps": 10}))
+
+    killed = train(config, env={"PARATRAIN_FAULT": "mid_async_save:20"}, check=False)
+    assert killed.returncode != 0
+    assert (tmp_path / "run/checkpoints/step-20").is_dir(), "the save had begun"
+    assert not (tmp_path / "run/checkpoints/step-20/paratrain-manifest.json").exists()
+
+    assert "checkpoints/step-10 written in the background" in killed.stderr
+    checkpoints = Checkpointer(tmp_path / "run/checkpoints", keep_last=None, rank=0, world_size=1, config={})
+    assert checkpoints.choose_resume("auto") == tmp_path / "run/checkpoints/step-10"  # what a resume loads
 
 
 def test_sigterm_to_one_worker_stops_every_rank_with_a_checkpoint_and_resume_matches_uninterrupted_run(

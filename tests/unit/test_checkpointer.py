@@ -1,9 +1,16 @@
 from __future__ import annotations
 
+import time
+from dataclasses import dataclass
+
 import pytest
 import torch
+from torch.distributed.checkpoint import FileSystemWriter
+from torch.distributed.checkpoint.stateful import Stateful
 
 from paratrain.checkpoint import Checkpointer, find_checkpoints, verify_checkpoint
+from paratrain.checkpoint import checkpointer as checkpointer_module
+from paratrain.checkpoint.manifest import is_complete
 from paratrain.checkpoint.state import ModelState, Progress
 from paratrain.errors import CheckpointError
 
@@ -87,3 +94,53 @@ def test_verify_names_a_missing_file(tmp_path):
 
 def test_fresh_directory_has_nothing_to_resume(tmp_path):
     assert make_checkpointer(tmp_path).choose_resume("auto") is None
+
+
+class SlowWriter(FileSystemWriter):
+    """Writes as DCP does, half a second late: a background save surely still in flight."""
+
+    def write_data(self, *args, **kwargs):
+        time.sleep(0.5)
+        return super().write_data(*args, **kwargs)
+
+
+@dataclass
+class CompletionProbe(Stateful):
+    """Records, when a save reads it, whether the checkpoint of step ``previous`` was complete."""
+
+    directory: object
+    previous: int
+    seen_complete: list
+
+    def state_dict(self):
+        self.seen_complete.append(is_complete(self.directory / f"step-{self.previous}"))
+        return {"previous": self.previous}
+
+    def load_state_dict(self, state_dict): ...
+
+
+def test_an_async_save_starts_only_once_the_previous_one_is_complete_and_holds_the_state_of_its_step(
+        tmp_path, monkeypatch):
+    monkeypatch.setattr(checkpointer_module, "FileSystemWriter", SlowWriter)
+    checkpointer = Checkpointer(tmp_path / "checkpoints", keep_last=1, rank=0, world_size=1, config={},
+                                async_save=True)
+    model, seen_complete = torch.nn.Linear(4, 2), []
+    expected = {}
+    for step in (10, 20, 30):
+        probe = CompletionProbe(checkpointer.directory, step - 10, seen_complete)
+        started = time.perf_counter()
+        checkpointer.save(step, {"model": ModelState(model), "progress": Progress(step), "probe": probe}, blocking=False)
+        if step == 10:
+            assert time.perf_counter() - started < 0.4, "the first save returned before its (slow) write"
+            assert not is_complete(checkpointer.directory / "step-10")
+        expected[step] = model.weight.detach().clone()
+        with torch.no_grad():
+            model.weight.add_(1.0)  # training goes on while the save is written
+    assert checkpointer.wait() == checkpointer.directory / "step-30"
+    checkpointer.close()
+
+    assert seen_complete == [False, True, True]  # no step-0; step-10 and step-20 complete before the next began
+    assert steps_on_disk(checkpointer) == [30]  # rotated as each save completed, never the one being written
+    restored = {"model": ModelState(torch.nn.Linear(4, 2)), "progress": Progress()}
+    checkpointer.load(checkpointer.directory / "step-30", restored)
+    assert torch.equal(restored["model"].model.weight, expected[30]), "the checkpoint holds the weights of its step"
