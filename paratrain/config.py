@@ -118,6 +118,9 @@ class ParallelConfig(Section):
     pp: int | None = None
     """Pipeline-parallel degree: ranks that each hold consecutive stages of the model (see pipeline.*).
     null: the strategy's default (pp: all ranks; others: 1); -1: fill the world size."""
+    collective_timeout_s: float = Field(600.0, gt=0)
+    """Timeout of the process group's collectives (init_process_group's timeout): a collective that
+    waits longer fails the run with torch's error instead of waiting for ever."""
     activation_checkpointing: bool = False
     """Recompute each block's activations in backward instead of storing them."""
     compile: bool = False
@@ -224,6 +227,11 @@ class DebugConfig(Section):
     dump_gradients_at_steps: list[int] = []
     """Write the full gradients (gathered from shards, before clipping) of these steps to
     output_dir/gradients/step-<N>.safetensors, to compare layouts tensor by tensor."""
+    step_timeout_s: float | None = Field(None, gt=0)
+    """If a step (with its checkpoint save and logging) takes longer, every rank writes its Python stacks
+    and the collective it waits in to output_dir/hang/rank<R>.txt, rank 0 prints where each rank is,
+    and the job exits 124 instead of hanging. null: no watchdog. Keep it below
+    parallel.collective_timeout_s, and above the first step's time (which may compile)."""
 
 
 class Config(Section):

@@ -7,6 +7,7 @@ from pathlib import Path
 
 EXIT_USER_ERROR = 2  # the documented exit code for bad input
 EXIT_REQUEUE = 75  # EX_TEMPFAIL: stopped on SIGTERM/SIGUSR1 after saving a checkpoint; requeue to continue
+EXIT_HANG = 124  # as timeout(1): a step exceeded debug.step_timeout_s; stacks in output_dir/hang/
 
 
 class ConfigError(ValueError):

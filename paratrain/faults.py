@@ -4,7 +4,8 @@
 it reaches ``point`` at ``step``. Points: ``after_step`` (the step and any checkpoint of it are done,
 or, for an asynchronous save, started), ``mid_save`` (this rank's checkpoint data is written, the
 completion manifest is not), ``mid_async_save`` (an asynchronous save's state is copied and its
-background write has begun; training would go on now). With the
+background write has begun; training would go on now). ``stall_in_step`` sleeps an hour at the
+start of the step instead of killing, for the hang watchdog. With the
 variable unset, nothing happens. A fault fires in the first attempt only: workers that torchrun
 restarts (``TORCHELASTIC_RESTART_COUNT`` > 0) run through, so a restart can be shown to recover.
 """
@@ -13,8 +14,18 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 
 ENV_VAR = "PARATRAIN_FAULT"
+STALL_S = 3600.0
+
+
+def maybe_stall(point: str, *, step: int, rank: int) -> None:
+    """Sleeps for an hour at ``point`` (e.g. ``stall_in_step``), as a rank stuck in a step would."""
+    spec = os.environ.get(ENV_VAR)
+    first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
+    if spec and first_attempt and _matches(spec, point=point, step=step, rank=rank):
+        time.sleep(STALL_S)
 
 
 def maybe_kill(point: str, *, step: int, rank: int) -> None:

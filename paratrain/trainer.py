@@ -43,6 +43,7 @@ from paratrain.pipeline.engine import PipelineEngine
 from paratrain.pipeline.recorder import TimelineRecorder
 from paratrain.precision import build_mixed_precision
 from paratrain.preemption import StopSignals, announce_stop
+from paratrain.watchdog import StepWatchdog
 
 logger = logging.getLogger("paratrain")
 
@@ -90,7 +91,8 @@ class Trainer:
         self.config = config
         self.dims = ParallelDims.resolve(config.parallel.strategy, world_size=world_size_from_env(),
                                          local_world_size=local_world_size_from_env(), degrees=config.parallel.degrees())
-        self.ctx: DistContext = init_distributed(device_kind=config.train.device, needs_group=self.dims.needs_process_group)
+        self.ctx: DistContext = init_distributed(device_kind=config.train.device, needs_group=self.dims.needs_process_group,
+                                                 timeout_s=config.parallel.collective_timeout_s)
         self.mesh = self.dims.build_mesh(self.ctx.device.type)
         logger.info("layout %s: %s on %s", config.parallel.strategy, self.dims.describe(), self.ctx.device)
         self.dp_rank, self.dp_size = data_parallel_coordinates(self.mesh)
@@ -117,6 +119,8 @@ class Trainer:
         window, last_loss, last_checkpoint = self._new_window(), None, None
         self._say_if_nothing_to_train()
         stop = StopSignals.install(self.ctx.device)
+        watchdog = StepWatchdog(self.config.debug.step_timeout_s, directory=self.config.run.output_dir / "hang",
+                                rank=self.ctx.rank, world_size=self.ctx.world_size)
         try:
             while self.progress.step < self.config.train.max_steps:
                 step = self.train_step(next(batches))
@@ -130,8 +134,10 @@ class Trainer:
                 faults.maybe_kill("after_step", step=self.progress.step, rank=self.ctx.rank)
                 if stop_signal is not None:
                     raise self._stopped(stop_signal.name, last_checkpoint, received=stop.received_name)
+                watchdog.step_done(self.progress.step)
             self.checkpointer.wait()  # an asynchronous save still in flight is complete before train() returns
         finally:
+            watchdog.stop()
             stop.uninstall()
             metrics.close()
             self.engine.flush()
@@ -139,6 +145,7 @@ class Trainer:
 
     def train_step(self, micro_batches: list[Any]) -> StepOutput:
         """One optimizer step over a global batch."""
+        faults.maybe_stall("stall_in_step", step=self.progress.step + 1, rank=self.ctx.rank)
         self.optimizer.zero_grad(set_to_none=True)
         loss = self.engine.forward_backward(micro_batches)
         self.precision.unscale_(self.optimizer)
