@@ -23,7 +23,7 @@ from paratrain.checkpoint import Checkpointer
 from paratrain.checkpoint.config_changes import check_resume_config
 from paratrain.checkpoint.manifest import read_manifest
 from paratrain.checkpoint.state import ModelState, OptimizerState, Progress, RNGState
-from paratrain.collectives import all_reduce_sum, broadcast_object
+from paratrain.collectives import all_reduce_sum
 from paratrain.config import Config, ParallelConfig, config_to_yaml
 from paratrain.data.loader import StepBatches
 from paratrain.data.sampler import DataPosition
@@ -38,9 +38,6 @@ from paratrain.metrics import MetricsLogger
 from paratrain.optim import build_lr_scheduler, build_optimizer
 from paratrain.parallel.dims import ParallelDims, data_parallel_coordinates
 from paratrain.parallel.model_parallel import apply_model_parallel
-from paratrain.pipeline.build import PipelineModel, build_pipeline_model, measure_piece_costs, pipeline_shape
-from paratrain.pipeline.engine import PipelineEngine
-from paratrain.pipeline.recorder import TimelineRecorder
 from paratrain.precision import build_mixed_precision
 from paratrain.preemption import StopSignals, announce_stop
 from paratrain.watchdog import StepWatchdog
@@ -171,16 +168,13 @@ class Trainer:
         and the engine that runs a step's forwards and backwards through it."""
         config, ctx = self.config, self.ctx
         if self.dims.pp > 1:
-            shape = pipeline_shape(config.pipeline, dims=self.dims, train=config.train)
-            pipeline = build_pipeline_model(model_factory, config.parallel, config.pipeline, shape=shape, dims=self.dims,
-                                            mesh=self.mesh, device=ctx.device, seed=config.train.seed,
-                                            autocast=self.precision.autocast, costs=self._measured_piece_costs(model_factory))
-            logger.info("pipeline %s; this rank holds stage(s) %s: %s", pipeline.shape.describe(),
-                        pipeline.stage_indices, "; ".join(", ".join(pipeline.stages[i]) for i in pipeline.stage_indices))
-            self.bare_model, self.model = pipeline.bare, nn.ModuleList(pipeline.stage_modules)
-            self.engine = PipelineEngine(pipeline.stage_modules, pipeline.stage_indices, pipeline.shape, loss_fn=loss_fn,
-                                         group=self.mesh["pp"].get_group(), device=ctx.device,
-                                         recorder=self._timeline_recorder(pipeline))
+            from paratrain.pipeline.runtime import build_pipeline_runtime  # loads torch._dynamo: only when used
+
+            runtime = build_pipeline_runtime(
+                model_factory, loss_fn, parallel=config.parallel, pipeline=config.pipeline, train=config.train,
+                output_dir=config.run.output_dir, dims=self.dims, mesh=self.mesh, device=ctx.device, rank=ctx.rank,
+                dp_rank=self.dp_rank, dataset=self.dataset, autocast=self.precision.autocast)
+            self.bare_model, self.model, self.engine = runtime.bare, nn.ModuleList(runtime.stage_modules), runtime.engine
             return
         built = build_model(model_factory, config.parallel, dims=self.dims, mesh=self.mesh, device=ctx.device,
                             seed=config.train.seed)
@@ -191,29 +185,6 @@ class Trainer:
             device = self.model.devices[-1]  # where the output, so the loss, is computed
         self.engine = MicroBatchEngine(self.model, loss_fn, self.precision, device=device,
                                        sync_every_micro_batch=_syncs_every_micro_batch(config.parallel))
-
-    def _measured_piece_costs(self, model_factory: Callable[[], nn.Module]) -> list[float] | None:
-        """pipeline.balance=time: rank 0 times each piece on a micro-batch, and every rank cuts by its numbers."""
-        if self.config.pipeline.balance != "time":
-            return None
-        costs = None
-        if self.ctx.is_main:
-            size = micro_batch_size(self.config.train, self.config.pipeline, dims=self.dims)
-            sample = torch.stack([self.dataset[index][0] for index in range(size)])
-            costs = measure_piece_costs(model_factory, sample, device=self.ctx.device, seed=self.config.train.seed)
-            logger.info("pipeline.balance=time: seconds per piece (forward + backward): %s",
-                        ", ".join(f"{cost:.4f}" for cost in costs))
-        return broadcast_object(costs)
-
-    def _timeline_recorder(self, pipeline: PipelineModel) -> TimelineRecorder | None:
-        if not self.config.pipeline.record_timeline:
-            return None
-        path = self.config.run.output_dir / "pipeline" / f"timeline-rank{self.ctx.rank}.json"
-        describe = {"replica": self.dp_rank, "pp_rank": self.mesh["pp"].get_local_rank(),
-                    "schedule": pipeline.shape.schedule, "pp": pipeline.shape.pp,
-                    "stages_per_rank": pipeline.shape.stages_per_rank, "microbatches": pipeline.shape.microbatches}
-        return TimelineRecorder(path, rank=self.ctx.rank, group=self.mesh["pp"].get_group(), device=self.ctx.device,
-                                describe=describe)
 
     def checkpoint_state(self) -> dict[str, Any]:
         """Every Stateful that a resume needs, under the names checkpoints store them by."""

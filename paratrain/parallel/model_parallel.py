@@ -17,7 +17,7 @@ from torch import nn
 from paratrain.config import PipelineConfig
 from paratrain.engine import move_to
 from paratrain.errors import ConfigError
-from paratrain.pipeline.build import cut_stages
+from paratrain.pipeline.split import cut_stages
 from paratrain.pipeline.stages import StageModule, stage_modules
 
 logger = logging.getLogger("paratrain")

@@ -16,7 +16,6 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from paratrain.config import ParallelConfig, PipelineConfig, TrainConfig
-from paratrain.errors import ConfigError
 from paratrain.models.init import materialize
 from paratrain.models.plan import ParallelPlan, plan_of
 from paratrain.parallel.activation import apply_activation_checkpointing, apply_compile
@@ -25,8 +24,7 @@ from paratrain.parallel.dims import ParallelDims
 from paratrain.parallel.fsdp import apply_fsdp
 from paratrain.parallel.tensor import apply_tensor_parallel, check_tensor_parallel_plan
 from paratrain.pipeline.schedules import PipelineShape, default_stages_per_rank
-from paratrain.pipeline.split import (Stage, balance, check_stage_count, measured_costs, parameter_costs, pipeline_sequence,
-                                      split_at)
+from paratrain.pipeline.split import Stage, cut_stages, measured_costs, pipeline_sequence
 from paratrain.pipeline.stages import StageModule, keep_only, stage_modules
 
 
@@ -54,23 +52,6 @@ def pipeline_shape(options: PipelineConfig, *, dims: ParallelDims, train: TrainC
     microbatches = options.microbatches or train.global_batch_size // (train.micro_batch_size * dims.dp)
     stages_per_rank = options.stages_per_rank or default_stages_per_rank(options.schedule)
     return PipelineShape(options.schedule, dims.pp, stages_per_rank, microbatches)
-
-
-def cut_stages(model: nn.Module, options: PipelineConfig, num_stages: int,
-               costs: list[float] | None = None) -> list[Stage]:
-    """Every stage's pieces: at the named split points, else balanced by cost (default: parameters)."""
-    sequence = pipeline_sequence(model)
-    if options.split_points:
-        stages = split_at(sequence, options.split_points, model=model)
-        if len(stages) != num_stages:
-            raise ConfigError(
-                f"pipeline.split_points names {len(options.split_points)} stage end(s), which makes {len(stages)} "
-                f"stages, but the pipeline has {num_stages} (parallel.pp x pipeline.stages_per_rank); "
-                f"name {num_stages - 1} split points, or none to cut automatically"
-            )
-        return stages
-    check_stage_count(len(sequence), num_stages, sequence)
-    return balance(sequence, costs if costs is not None else parameter_costs(model, sequence), num_stages)
 
 
 def build_pipeline_model(factory: Callable[[], nn.Module], options: ParallelConfig, pipeline: PipelineConfig, *,

@@ -8,8 +8,7 @@ from paratrain.config import Config
 from paratrain.errors import ConfigError
 from paratrain.factories import call_factory
 from paratrain.parallel.dims import ParallelDims
-from paratrain.pipeline.build import cut_stages, pipeline_shape
-from paratrain.pipeline.schedules import check_shape
+from paratrain.pipeline.split import cut_stages
 
 
 def check_pipeline(config: Config, dims: ParallelDims) -> None:
@@ -18,6 +17,10 @@ def check_pipeline(config: Config, dims: ParallelDims) -> None:
         _check_model_parallel(config)
     if dims.pp == 1:
         return
+    # Only now: torch.distributed.pipelining loads torch._dynamo, a second at start-up for every run.
+    from paratrain.pipeline.build import pipeline_shape
+    from paratrain.pipeline.schedules import check_shape
+
     _check_combinations(config)
     _check_microbatches(config, dims)
     shape = pipeline_shape(config.pipeline, dims=dims, train=config.train)

@@ -11,7 +11,8 @@ import torch
 from paratrain.config import Config
 from paratrain.factories import call_factory
 from paratrain.parallel.dims import ParallelDims
-from paratrain.pipeline.build import cut_stages, pipeline_shape
+from paratrain.pipeline.build import pipeline_shape
+from paratrain.pipeline.split import cut_stages
 from paratrain.pipeline.recorder import measured_bubble, read_timelines
 from paratrain.pipeline.schedules import PipelineShape, check_shape
 from paratrain.pipeline.timeline import Timeline, render_text, simulate, theoretical_bubble

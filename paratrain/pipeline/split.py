@@ -16,6 +16,7 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
+from paratrain.config import PipelineConfig
 from paratrain.errors import ConfigError
 from paratrain.models.plan import plan_of
 
@@ -39,6 +40,23 @@ def pipeline_sequence(model: nn.Module) -> tuple[str, ...]:
         _require_module(model, path, key="ParallelPlan.pipeline_sequence")
     _require_covers_parameters(model, sequence)
     return sequence
+
+
+def cut_stages(model: nn.Module, options: PipelineConfig, num_stages: int,
+               costs: list[float] | None = None) -> list[Stage]:
+    """Every stage's pieces: at the named split points, else balanced by cost (default: parameters)."""
+    sequence = pipeline_sequence(model)
+    if options.split_points:
+        stages = split_at(sequence, options.split_points, model=model)
+        if len(stages) != num_stages:
+            raise ConfigError(
+                f"pipeline.split_points names {len(options.split_points)} stage end(s), which makes {len(stages)} "
+                f"stages, but the pipeline has {num_stages} (parallel.pp x pipeline.stages_per_rank); "
+                f"name {num_stages - 1} split points, or none to cut automatically"
+            )
+        return stages
+    check_stage_count(len(sequence), num_stages, sequence)
+    return balance(sequence, costs if costs is not None else parameter_costs(model, sequence), num_stages)
 
 
 def split_at(sequence: Sequence[str], split_points: Sequence[str], *, model: nn.Module) -> list[Stage]:
