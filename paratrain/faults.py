@@ -5,7 +5,9 @@ it reaches ``point`` at ``step``. Points: ``after_step`` (the step and any check
 or, for an asynchronous save, started), ``mid_save`` (this rank's checkpoint data is written, the
 completion manifest is not), ``mid_async_save`` (an asynchronous save's state is copied and its
 background write has begun; training would go on now). ``stall_in_step`` sleeps an hour at the
-start of the step instead of killing, for the hang watchdog. With the
+start of the step instead of killing, for the hang watchdog. ``sigterm_after_step`` sends SIGTERM
+instead of SIGKILL, a preemption notice at a known step (a signal sent from outside lands at a step
+that depends on how fast the run goes). With the
 variable unset, nothing happens. A fault fires in the first attempt only: workers that torchrun
 restarts (``TORCHELASTIC_RESTART_COUNT`` > 0) run through, so a restart can be shown to recover.
 """
@@ -31,8 +33,12 @@ def maybe_stall(point: str, *, step: int, rank: int) -> None:
 def maybe_kill(point: str, *, step: int, rank: int) -> None:
     spec = os.environ.get(ENV_VAR)
     first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
-    if spec and first_attempt and _matches(spec, point=point, step=step, rank=rank):
+    if not (spec and first_attempt):
+        return
+    if _matches(spec, point=point, step=step, rank=rank):
         os.kill(os.getpid(), signal.SIGKILL)
+    elif _matches(spec, point=f"sigterm_{point}", step=step, rank=rank):
+        os.kill(os.getpid(), signal.SIGTERM)
 
 
 def _matches(spec: str, *, point: str, step: int, rank: int) -> bool:

@@ -75,14 +75,6 @@ def child_pids(pid: int) -> list[int]:
     return [int(child) for task in tasks.iterdir() for child in (task / "children").read_text().split()]
 
 
-def worker_pid(launcher_pid: int, *, rank: int) -> int:
-    """The pid of the worker with this RANK among the launcher's children."""
-    for child in child_pids(launcher_pid):
-        if f"RANK={rank}".encode() in Path(f"/proc/{child}/environ").read_bytes().split(b"\0"):
-            return child
-    raise AssertionError(f"no worker with RANK={rank} under launcher {launcher_pid}")
-
-
 def run_cli(args: list[str], *, env: dict[str, str] | None = None, timeout: float = 240, cwd: Path | None = None) -> subprocess.CompletedProcess:
     """Runs ``python -m paratrain.cli ARGS`` and returns it finished, output captured."""
     full_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}

@@ -61,3 +61,24 @@ def test_global_batch_larger_than_the_dataset_is_refused():
 def test_global_batch_not_divisible_by_micro_batch_times_ranks_is_refused():
     with pytest.raises(ConfigError, match="multiple of 8"):
         sampler(dp_size=4, global_batch=12, micro=2)
+
+
+@pytest.mark.parametrize("before,after", [(2, 4), (4, 1), (1, 2), (4, 2)])
+def test_resuming_on_another_data_parallel_size_sees_every_sample_of_the_epoch_exactly_once(before, after):
+    """Steps 1-3 on `before` ranks, a checkpointed position, then the rest of the epoch on `after`
+    ranks: the union over ranks and steps is the epoch's samples, each once (the tail excepted)."""
+    size, steps_before = 64, 3
+    per_step = 8 // 2  # micro-batches of 2 in a global batch of 8, summed over ranks
+
+    def read(dp_size: int, start: DataPosition, steps: int) -> list[int]:
+        ranks = [sampler(r, dp_size, size=size).iter_micro_batches(start) for r in range(dp_size)]
+        return [i for rank in ranks for micro in take(rank, steps * per_step // dp_size) for i in micro]
+
+    position = DataPosition()
+    seen = read(before, position, steps_before)
+    for _ in range(steps_before):
+        position.advance(sampler(size=size).batches_per_epoch)
+    restored = DataPosition()
+    restored.load_state_dict(position.state_dict())
+    seen += read(after, restored, sampler(size=size).batches_per_epoch - steps_before)
+    assert sorted(seen) == sorted(sampler(size=size).epoch_order(0).tolist())  # no repeats, no skips
