@@ -1,8 +1,10 @@
-"""Run under torchrun: trains through the Python API with a user model, dataset and loss, counting
-DDP's gradient all-reduces with a comm hook. Writes {"syncs": N, "steps": S} from rank 0 to argv[1]."""
+"""Run under torchrun: trains through the Python API with a user model, dataset and loss, once per
+micro-batch size given (one after the other in the same processes), counting DDP's gradient
+all-reduces with a comm hook. Writes {micro_batch_size: {"syncs": N, "steps": S}} from rank 0."""
 
 
 import json
+import os
 import sys
 
 import torch
@@ -22,7 +24,7 @@ def counting_allreduce(state: dict, bucket: dist.GradBucket) -> torch.futures.Fu
     return dist.all_reduce(buffer, async_op=True).get_future().then(lambda fut: fut.value()[0])
 
 
-def main(out_path: str, micro_batch_size: int, output_dir: str) -> None:
+def count(micro_batch_size: int, output_dir: str) -> dict:
     config = paratrain.load_config(None, [
         "parallel.strategy=ddp", "train.max_steps=3", "train.global_batch_size=16",
         f"train.micro_batch_size={micro_batch_size}", f"run.output_dir={output_dir}",
@@ -34,11 +36,18 @@ def main(out_path: str, micro_batch_size: int, output_dir: str) -> None:
     state = {"syncs": 0}
     trainer.model.register_comm_hook(state, counting_allreduce)
     result = trainer.train()
-    if dist.get_rank() == 0:
-        with open(out_path, "w") as handle:
-            json.dump({"syncs": state["syncs"], "steps": result.steps, "loss": result.final_loss}, handle)
+    counts = {"syncs": state["syncs"], "steps": result.steps, "loss": result.final_loss}
     trainer.close()
+    return counts
+
+
+def main(out_path: str, output_root: str, micro_batch_sizes: list[int]) -> None:
+    # One launch for all sizes: each Trainer joins the process group again after the last closed it.
+    counts = {size: count(size, f"{output_root}/run-{size}") for size in micro_batch_sizes}
+    if int(os.environ["RANK"]) == 0:
+        with open(out_path, "w") as handle:
+            json.dump(counts, handle)
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], int(sys.argv[2]), sys.argv[3])
+    main(sys.argv[1], sys.argv[2], [int(size) for size in sys.argv[3:]])

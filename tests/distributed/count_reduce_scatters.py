@@ -1,10 +1,11 @@
-"""Run under torchrun: trains fsdp through the Python API, counting FSDP2's gradient reduce-scatters
-through its public set_custom_reduce_scatter hook. Writes {"reduce_scatters": N, ...} from rank 0."""
+"""Run under torchrun: trains fsdp through the Python API under each grad_sync policy given, one after
+the other in the same processes, counting FSDP2's gradient reduce-scatters through its public
+set_custom_reduce_scatter hook. Writes {policy: {"reduce_scatters": N, ...}} from rank 0."""
 
 import json
+import os
 import sys
 
-import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultReduceScatter
 
@@ -13,14 +14,16 @@ from tests.harness import TINY_GPT, TINY_TEXT
 
 
 class CountingReduceScatter(DefaultReduceScatter):
-    calls = 0
+    def __init__(self, counter: dict):
+        super().__init__()
+        self.counter = counter
 
     def __call__(self, *args, **kwargs):
-        CountingReduceScatter.calls += 1
+        self.counter["calls"] += 1
         return super().__call__(*args, **kwargs)
 
 
-def main(out_path: str, policy: str, output_dir: str) -> None:
+def count(policy: str, output_dir: str) -> dict:
     config = paratrain.load_config(None, [
         "parallel.strategy=fsdp", "train.max_steps=3", "train.global_batch_size=16", "train.micro_batch_size=2",
         f"parallel.fsdp.grad_sync={policy}", f"run.output_dir={output_dir}", "checkpoint.save_final=false",
@@ -29,15 +32,23 @@ def main(out_path: str, policy: str, output_dir: str) -> None:
     ])
     trainer = paratrain.Trainer(config)
     units = [module for module in trainer.bare_model.modules() if isinstance(module, FSDPModule)]
+    counter = {"calls": 0}
     for unit in units:
-        unit.set_custom_reduce_scatter(CountingReduceScatter())
+        unit.set_custom_reduce_scatter(CountingReduceScatter(counter))
     result = trainer.train()
-    if dist.get_rank() == 0:
-        with open(out_path, "w") as handle:
-            json.dump({"reduce_scatters": CountingReduceScatter.calls, "steps": result.steps,
-                       "units": len(units), "accumulation": trainer.sampler.accumulation_steps}, handle)
+    counts = {"reduce_scatters": counter["calls"], "steps": result.steps, "units": len(units),
+              "accumulation": trainer.sampler.accumulation_steps}
     trainer.close()
+    return counts
+
+
+def main(out_path: str, output_root: str, policies: list[str]) -> None:
+    # One launch for all policies: each Trainer joins the process group again after the last closed it.
+    counts = {policy: count(policy, f"{output_root}/{policy}") for policy in policies}
+    if int(os.environ["RANK"]) == 0:
+        with open(out_path, "w") as handle:
+            json.dump(counts, handle)
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2], sys.argv[3])
+    main(sys.argv[1], sys.argv[2], sys.argv[3:])

@@ -11,10 +11,10 @@ from pathlib import Path
 SCRIPT = Path(__file__).with_name("count_gradient_syncs.py")
 
 
-def count_syncs(tmp_path: Path, micro_batch_size: int) -> dict:
-    out = tmp_path / f"syncs-{micro_batch_size}.json"
+def count_syncs(tmp_path: Path, *micro_batch_sizes: int) -> dict:
+    out = tmp_path / "syncs.json"
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--standalone",
-               str(SCRIPT), str(out), str(micro_batch_size), str(tmp_path / f"run-{micro_batch_size}")]
+               str(SCRIPT), str(out), str(tmp_path), *map(str, micro_batch_sizes)]
     result = subprocess.run(command, capture_output=True, text=True, timeout=180,
                             env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert result.returncode == 0, result.stderr[-3000:]
@@ -23,8 +23,8 @@ def count_syncs(tmp_path: Path, micro_batch_size: int) -> dict:
 
 def test_accumulating_four_micro_batches_syncs_gradients_as_often_as_one_micro_batch(tmp_path):
     # Global batch 16 on 2 ranks: micro-batch 8 is one micro-batch per step, micro-batch 2 is four.
-    one = count_syncs(tmp_path, micro_batch_size=8)
-    four = count_syncs(tmp_path, micro_batch_size=2)
+    counts = count_syncs(tmp_path, 8, 2)
+    one, four = counts["8"], counts["2"]
     assert one["steps"] == four["steps"] == 3
     # A tiny bucket cap gives several buckets per sync (after DDP's first step, which uses one), so
     # the counts are not trivially equal: syncing on every micro-batch would show as ~4x as many.
