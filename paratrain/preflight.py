@@ -18,7 +18,6 @@ from paratrain.errors import CheckpointError, ConfigError
 from paratrain.factories import call_factory, check_factory_args
 from paratrain.models.plan import plan_of
 from paratrain.parallel.dims import ParallelDims
-from paratrain.parallel.tensor import check_tensor_parallel_plan
 from paratrain.pipeline.checks import check_pipeline
 
 
@@ -62,6 +61,8 @@ def _check_layout(config: Config, world_size: int, nproc_per_node: int) -> None:
             f"use a multiple of {step_unit}"
         )
     if dims.tp > 1:
+        from paratrain.parallel.tensor import check_tensor_parallel_plan  # loads DTensor: only when used
+
         check_tensor_parallel_plan(plan_of(_model_on_meta(config)), dims.tp)
 
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import re
 import shutil
 import time
 import warnings
@@ -29,23 +28,12 @@ from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.stateful import Stateful
 
 from paratrain import faults
-from paratrain.checkpoint.manifest import is_complete, read_manifest, verify_checkpoint, write_manifest
+from paratrain.checkpoint.manifest import find_checkpoints, is_complete, read_manifest, verify_checkpoint, write_manifest
 from paratrain.checkpoint.safe_reader import SafeFileSystemReader, SafeLoadPlanner
 from paratrain.collectives import barrier, broadcast_object, is_distributed
 from paratrain.errors import CheckpointError
 
 logger = logging.getLogger(__name__)
-
-_STEP_DIR = re.compile(r"^step-(\d+)$")
-
-
-def find_checkpoints(directory: Path) -> list[tuple[int, Path]]:
-    """(step, path) of every step-<N> directory, complete or not, oldest first."""
-    if not directory.is_dir():
-        return []
-    found = [(int(m.group(1)), p) for p in directory.iterdir() if p.is_dir() and (m := _STEP_DIR.match(p.name))]
-    return sorted(found)
-
 
 class Checkpointer:
     """Writes step-<N> directories with DCP and decides which one a run resumes from.

@@ -11,15 +11,26 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 from pathlib import Path
 from typing import Any
 
-from paratrain.checkpoint.safe_reader import load_metadata_safely
 from paratrain.errors import CheckpointError
 
 MANIFEST_NAME = "paratrain-manifest.json"
 METADATA_NAME = ".metadata"  # DCP's own index of the checkpoint
 _FORMAT_VERSION = 1
+
+
+_STEP_DIR = re.compile(r"^step-(\d+)$")
+
+
+def find_checkpoints(directory: Path) -> list[tuple[int, Path]]:
+    """(step, path) of every step-<N> directory, complete or not, oldest first."""
+    if not directory.is_dir():
+        return []
+    found = [(int(m.group(1)), p) for p in directory.iterdir() if p.is_dir() and (m := _STEP_DIR.match(p.name))]
+    return sorted(found)
 
 
 def write_manifest(directory: Path, *, step: int, config: dict[str, Any], world_size: int) -> None:
@@ -62,6 +73,9 @@ def verify_checkpoint(directory: Path) -> dict[str, Any]:
     metadata_path = directory / METADATA_NAME
     if not metadata_path.is_file():
         raise CheckpointError(f"checkpoint file {metadata_path} is missing; use an earlier checkpoint")
+    # Imported here: it loads torch.distributed.checkpoint, a second at every CLI start otherwise.
+    from paratrain.checkpoint.safe_reader import load_metadata_safely
+
     load_metadata_safely(metadata_path.read_bytes(), path=str(metadata_path))  # refuses planted pickles
     return manifest
 
