@@ -116,3 +116,27 @@ def max_relative_difference(a: dict[int, float], b: dict[int, float]) -> float:
 def max_weight_difference(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
     assert a.keys() == b.keys()
     return max((a[k] - b[k]).abs().max().item() for k in a)
+
+
+class LayoutRuns:
+    """Trains each named layout at most once per test module, on demand, on the same tiny config.
+
+    Args:
+        layouts: name -> (overrides, processes).
+        sections: config sections every run shares (see tiny_config).
+    """
+
+    def __init__(self, root: Path, layouts: dict[str, tuple[list[str], int]], **sections: Any):
+        self.root, self.layouts, self.sections = root, layouts, sections
+        self.done: dict[str, Path] = {}
+
+    def get(self, layout: str, *extra: str, name: str | None = None) -> Path:
+        """The output_dir of ``layout`` trained with ``extra`` overrides (cached under ``name``)."""
+        name = name or layout
+        if name not in self.done:
+            overrides, nproc = self.layouts[layout]
+            output_dir = self.root / name.replace(" ", "_").replace("+", "_")
+            config = tiny_config(output_dir, **self.sections)
+            train(write_config(self.root / f"{output_dir.name}.yaml", config), *overrides, *extra, nproc=nproc)
+            self.done[name] = output_dir
+        return self.done[name]

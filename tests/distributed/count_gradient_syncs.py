@@ -3,8 +3,6 @@ micro-batch size given (one after the other in the same processes), counting DDP
 all-reduces with a comm hook. Writes {micro_batch_size: {"syncs": N, "steps": S}} from rank 0."""
 
 
-import json
-import os
 import sys
 
 import torch
@@ -12,6 +10,7 @@ import torch.distributed as dist
 from torch.utils.data import TensorDataset
 
 import paratrain
+from one_launch import count_each  # a sibling: torchrun puts this script's directory on sys.path
 
 
 def build_model() -> torch.nn.Module:
@@ -42,11 +41,7 @@ def count(micro_batch_size: int, output_dir: str) -> dict:
 
 
 def main(out_path: str, output_root: str, micro_batch_sizes: list[int]) -> None:
-    # One launch for all sizes: each Trainer joins the process group again after the last closed it.
-    counts = {size: count(size, f"{output_root}/run-{size}") for size in micro_batch_sizes}
-    if int(os.environ["RANK"]) == 0:
-        with open(out_path, "w") as handle:
-            json.dump(counts, handle)
+    count_each(lambda size: count(size, f"{output_root}/run-{size}"), micro_batch_sizes, out_path)
 
 
 if __name__ == "__main__":

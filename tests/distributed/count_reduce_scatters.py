@@ -2,14 +2,13 @@
 the other in the same processes, counting FSDP2's gradient reduce-scatters through its public
 set_custom_reduce_scatter hook. Writes {policy: {"reduce_scatters": N, ...}} from rank 0."""
 
-import json
-import os
 import sys
 
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultReduceScatter
 
 import paratrain
+from one_launch import count_each  # a sibling: torchrun puts this script's directory on sys.path
 from tests.harness import TINY_GPT, TINY_TEXT
 
 
@@ -43,11 +42,7 @@ def count(policy: str, output_dir: str) -> dict:
 
 
 def main(out_path: str, output_root: str, policies: list[str]) -> None:
-    # One launch for all policies: each Trainer joins the process group again after the last closed it.
-    counts = {policy: count(policy, f"{output_root}/{policy}") for policy in policies}
-    if int(os.environ["RANK"]) == 0:
-        with open(out_path, "w") as handle:
-            json.dump(counts, handle)
+    count_each(lambda policy: count(policy, f"{output_root}/{policy}"), policies, out_path)
 
 
 if __name__ == "__main__":

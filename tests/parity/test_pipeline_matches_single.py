@@ -13,7 +13,7 @@ from safetensors.torch import load_file
 
 from paratrain.pipeline.schedules import PipelineShape, action_table
 from paratrain.pipeline.timeline import LETTER
-from tests.harness import checkpoint_weights, losses_by_step, max_relative_difference, run_cli, tiny_config, train, write_config
+from tests.harness import LayoutRuns, checkpoint_weights, losses_by_step, max_relative_difference, run_cli
 
 STEPS = 20
 LOSS_RTOL = 1e-5
@@ -32,26 +32,10 @@ LAYOUTS = {
 }
 
 
-class Runs:
-    """Runs each layout at most once per module, on demand."""
-
-    def __init__(self, root: Path):
-        self.root, self.done = root, {}
-
-    def get(self, layout: str, *extra: str, name: str | None = None) -> Path:
-        name = name or layout
-        if name not in self.done:
-            overrides, nproc = LAYOUTS[layout]
-            output_dir = self.root / name.replace(" ", "_")
-            config = tiny_config(output_dir, train={"max_steps": STEPS}, checkpoint={"every_steps": 10, "keep_last": None})
-            train(write_config(self.root / f"{output_dir.name}.yaml", config), *overrides, *extra, nproc=nproc)
-            self.done[name] = output_dir
-        return self.done[name]
-
-
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory) -> Runs:
-    return Runs(tmp_path_factory.mktemp("pipeline"))
+def runs(tmp_path_factory) -> LayoutRuns:
+    return LayoutRuns(tmp_path_factory.mktemp("pipeline"), LAYOUTS, train={"max_steps": STEPS},
+                      checkpoint={"every_steps": 10, "keep_last": None})
 
 
 def assert_weights_close(actual_checkpoint: Path, expected_checkpoint: Path) -> None:

@@ -9,7 +9,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.harness import checkpoint_weights, losses_by_step, run_cli, tiny_config, train, write_config
+from tests.harness import LayoutRuns, checkpoint_weights, losses_by_step, run_cli
 
 STEPS = 20
 FIRST_STEP_RTOL = 1e-6
@@ -29,28 +29,10 @@ LAYOUTS = {
 }
 
 
-class Runs:
-    """Runs each layout at most once per test session, on demand."""
-
-    def __init__(self, root: Path):
-        self.root = root
-        self.done: dict[str, Path] = {}
-
-    def get(self, layout: str, *extra: str, name: str | None = None) -> Path:
-        name = name or layout
-        if name not in self.done:
-            overrides, nproc = LAYOUTS[layout]
-            output_dir = self.root / name.replace(" ", "_").replace("+", "_")
-            config = tiny_config(output_dir, train={"max_steps": STEPS}, checkpoint={"every_steps": 10, "keep_last": None},
-                                 debug={"dump_gradients_at_steps": [1]})
-            train(write_config(self.root / f"{output_dir.name}.yaml", config), *overrides, *extra, nproc=nproc)
-            self.done[name] = output_dir
-        return self.done[name]
-
-
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory) -> Runs:
-    return Runs(tmp_path_factory.mktemp("sharded"))
+def runs(tmp_path_factory) -> LayoutRuns:
+    return LayoutRuns(tmp_path_factory.mktemp("sharded"), LAYOUTS, train={"max_steps": STEPS},
+                      checkpoint={"every_steps": 10, "keep_last": None}, debug={"dump_gradients_at_steps": [1]})
 
 
 def relative_differences(a: dict[int, float], b: dict[int, float]) -> dict[int, float]:
@@ -83,7 +65,7 @@ def assert_states_equal(actual_checkpoint: Path, expected_checkpoint: Path) -> N
             torch.testing.assert_close(actual[name], expected[name], rtol=0, atol=STATE_ATOL, msg=f"{prefix}{name}")
 
 
-def resume_in(runs: Runs, layout: str, source_checkpoint: Path, *extra: str, name: str) -> Path:
+def resume_in(runs: LayoutRuns, layout: str, source_checkpoint: Path, *extra: str, name: str) -> Path:
     return runs.get(layout, f"checkpoint.resume={source_checkpoint}", *extra, name=name)
 
 
