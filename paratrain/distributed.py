@@ -27,6 +27,7 @@ class DistContext:
     local_rank: int
     device: torch.device
     backend: str | None  # None when no process group exists (a lone process that needs none)
+    owns_group: bool = False  # created the process group, so destroys it when done
 
     @property
     def is_main(self) -> bool:
@@ -76,13 +77,18 @@ def init_distributed(
         torch.cuda.set_device(device)
     backend = "nccl" if device.type == "cuda" else "gloo"
     timeout = datetime.timedelta(seconds=timeout_s)
+    if dist.is_initialized():
+        # The caller's own group (a script that trains several times, or sets the group up itself):
+        # join it, and leave it to the caller. Re-creating it under torchrun would reuse the
+        # launcher's store keys and can connect to the previous group's peers (cf. pytorch#135712).
+        return DistContext(rank, world_size, local_rank, device, dist.get_backend())
     if launched_by_torchrun():
         dist.init_process_group(backend, timeout=timeout, device_id=device if device.type == "cuda" else None)
     elif needs_group:
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
     else:
         backend = None
-    return DistContext(rank, world_size, local_rank, device, backend)
+    return DistContext(rank, world_size, local_rank, device, backend, owns_group=backend is not None)
 
 
 def destroy_distributed() -> None:

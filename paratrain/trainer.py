@@ -154,14 +154,15 @@ class Trainer:
         return StepOutput(loss, grad_norm, lr)
 
     def close(self) -> None:
-        """Releases the layout, then the process group. Call once training is over."""
+        """Releases the layout, then the process group if this Trainer created it. Call once training is over."""
         self.checkpointer.close()  # a background save needs the process group until it is written
         # DDP's reducer must be freed while the group is still registered: a reducer that outlives
         # it destroys the gloo group while holding the GIL, and gloo's worker threads, which need the
         # GIL to free tensors, then deadlock with it (pytorch#56297).
         self.model = self.engine = None
         gc.collect()
-        destroy_distributed()
+        if self.ctx.owns_group:
+            destroy_distributed()
 
     def _build_model_and_engine(self, model_factory: Callable[[], nn.Module], loss_fn: LossFn) -> None:
         """The layout's model (``bare_model``: parameters under the model's names; ``model``: what runs)
