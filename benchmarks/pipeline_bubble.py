@@ -121,10 +121,10 @@ def main() -> None:
 
 
 def draw_measured(result: dict, figure: Path) -> None:
-    from paratrain.pipeline.show import _measured_bars, draw
+    from paratrain.pipeline.show import measured_bars, draw
 
     timelines = read_timelines(Path(result["run_dir"]) / "pipeline")
-    draw(_measured_bars(timelines), figure,
+    draw(measured_bars(timelines), figure,
          title=f"1F1B, p=2, m=4, measured on CPU: bubble {result['measured']:.3f} (theory {result['theory']:.3f})")
     print(f"measured timeline drawn to {figure}")
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -13,6 +14,8 @@ from torch.utils.data import Dataset
 
 from paratrain.config import Config, ParallelConfig, PipelineConfig, TrainConfig
 from paratrain.data.sampler import GlobalBatchSampler
+from paratrain.distributed import DistContext
+from paratrain.engine import Engine, LossFn, MicroBatchEngine
 from paratrain.models.init import declares_init, materialize
 from paratrain.models.plan import plan_of
 from paratrain.parallel.activation import apply_activation_checkpointing, apply_compile
@@ -20,7 +23,9 @@ from paratrain.parallel.data_parallel import apply_data_parallel
 from paratrain.parallel.ddp import apply_ddp
 from paratrain.parallel.dims import ParallelDims
 from paratrain.parallel.fsdp import apply_fsdp
+from paratrain.parallel.model_parallel import apply_model_parallel
 from paratrain.parallel.tensor import apply_tensor_parallel, check_tensor_parallel_plan
+from paratrain.precision import MixedPrecision
 
 logger = logging.getLogger("paratrain")
 
@@ -53,6 +58,43 @@ def build_model(factory: Callable[[], nn.Module], options: ParallelConfig, *, di
         offload = options.strategy in ("fsdp", "hsdp") and options.fsdp.cpu_offload
         materialize(model, device=torch.device("cpu") if offload else device, seed=seed)
     return BuiltModel(model, _wrap_replicas(model, options, mesh=mesh, device=device))
+
+
+@dataclass(frozen=True)
+class Layout:
+    """A rank's model under its layout, and the engine that runs a step's forwards and backwards."""
+
+    bare: nn.Module  # parameters under the model's own names: what the optimizer and checkpoints see
+    runnable: nn.Module  # what forward runs through
+    engine: Engine
+
+
+def build_layout(model_factory: Callable[[], nn.Module], loss_fn: LossFn, *, parallel: ParallelConfig,
+                 pipeline: PipelineConfig, train: TrainConfig, output_dir: Path, dims: ParallelDims,
+                 mesh: DeviceMesh | None, ctx: DistContext, dp_rank: int, dataset: Dataset,
+                 precision: MixedPrecision) -> Layout:
+    """The model and engine of the layout: a pipeline schedule for pp, micro-batch accumulation otherwise."""
+    if dims.pp > 1:
+        from paratrain.pipeline.runtime import build_pipeline_runtime  # loads torch._dynamo: only when used
+
+        runtime = build_pipeline_runtime(
+            model_factory, loss_fn, parallel=parallel, pipeline=pipeline, train=train, output_dir=output_dir,
+            dims=dims, mesh=mesh, device=ctx.device, rank=ctx.rank, dp_rank=dp_rank, dataset=dataset,
+            autocast=precision.autocast)
+        return Layout(runtime.bare, nn.ModuleList(runtime.stage_modules), runtime.engine)
+    built = build_model(model_factory, parallel, dims=dims, mesh=mesh, device=ctx.device, seed=train.seed)
+    runnable, device = built.runnable, ctx.device
+    if parallel.strategy == "model_parallel":
+        runnable = apply_model_parallel(built.bare, pipeline)
+        device = runnable.devices[-1]  # where the output, so the loss, is computed
+    engine = MicroBatchEngine(runnable, loss_fn, precision, device=device,
+                              sync_every_micro_batch=_syncs_every_micro_batch(parallel))
+    return Layout(built.bare, runnable, engine)
+
+
+def _syncs_every_micro_batch(options: ParallelConfig) -> bool:
+    """FSDP's grad_sync policy; other layouts always sync on the last micro-batch only."""
+    return options.strategy in ("fsdp", "hsdp") and options.fsdp.grad_sync == "every_micro_batch"
 
 
 def _apply_sharding_and_wrappers(model: nn.Module, options: ParallelConfig, *, dims: ParallelDims,

@@ -18,26 +18,25 @@ from torch import nn
 from torch.utils.data import Dataset
 
 from paratrain import faults
-from paratrain.builders import build_model, build_sampler, micro_batch_size, tokens_per_sample
+from paratrain.builders import build_layout, build_sampler, micro_batch_size, tokens_per_sample
 from paratrain.checkpoint import Checkpointer
 from paratrain.checkpoint.config_changes import check_resume_config
 from paratrain.checkpoint.manifest import read_manifest
 from paratrain.checkpoint.state import ModelState, OptimizerState, Progress, RNGState
 from paratrain.collectives import all_reduce_sum
-from paratrain.config import Config, ParallelConfig, config_to_yaml
+from paratrain.config import Config, config_to_yaml
 from paratrain.data.loader import StepBatches
 from paratrain.data.sampler import DataPosition
 from paratrain.debug import dump_gradients
 from paratrain.distributed import (DistContext, destroy_distributed, init_distributed, local_world_size_from_env,
                                    world_size_from_env)
-from paratrain.engine import LossFn, MicroBatchEngine
+from paratrain.engine import LossFn
 from paratrain.errors import Preempted
 from paratrain.factories import call_factory
 from paratrain.gradients import clip_grad_norm
 from paratrain.metrics import MetricsLogger
 from paratrain.optim import build_lr_scheduler, build_optimizer
 from paratrain.parallel.dims import ParallelDims, data_parallel_coordinates
-from paratrain.parallel.model_parallel import apply_model_parallel
 from paratrain.precision import build_mixed_precision
 from paratrain.preemption import StopSignals, announce_stop
 from paratrain.watchdog import StepWatchdog
@@ -95,8 +94,12 @@ class Trainer:
         self.dp_rank, self.dp_size = data_parallel_coordinates(self.mesh)
         self.precision = build_mixed_precision(config.precision, device=self.ctx.device, sharded=self.dims.is_sharded)
         self.dataset = dataset if dataset is not None else call_factory(config.data, key="data")
-        self._build_model_and_engine(model_factory or (lambda: call_factory(config.model, key="model")),
-                                     loss_fn or call_factory(config.loss, key="loss"))
+        layout = build_layout(model_factory or (lambda: call_factory(config.model, key="model")),
+                              loss_fn or call_factory(config.loss, key="loss"), parallel=config.parallel,
+                              pipeline=config.pipeline, train=config.train, output_dir=config.run.output_dir,
+                              dims=self.dims, mesh=self.mesh, ctx=self.ctx, dp_rank=self.dp_rank, dataset=self.dataset,
+                              precision=self.precision)
+        self.bare_model, self.model, self.engine = layout.bare, layout.runnable, layout.engine
         # Data-parallel ranks draw different random numbers (e.g. dropout masks); tensor-parallel
         # ranks of one replica must draw the same, since they compute on the same activations.
         torch.manual_seed(config.train.seed + self.dp_rank)
@@ -163,29 +166,6 @@ class Trainer:
         gc.collect()
         if self.ctx.owns_group:
             destroy_distributed()
-
-    def _build_model_and_engine(self, model_factory: Callable[[], nn.Module], loss_fn: LossFn) -> None:
-        """The layout's model (``bare_model``: parameters under the model's names; ``model``: what runs)
-        and the engine that runs a step's forwards and backwards through it."""
-        config, ctx = self.config, self.ctx
-        if self.dims.pp > 1:
-            from paratrain.pipeline.runtime import build_pipeline_runtime  # loads torch._dynamo: only when used
-
-            runtime = build_pipeline_runtime(
-                model_factory, loss_fn, parallel=config.parallel, pipeline=config.pipeline, train=config.train,
-                output_dir=config.run.output_dir, dims=self.dims, mesh=self.mesh, device=ctx.device, rank=ctx.rank,
-                dp_rank=self.dp_rank, dataset=self.dataset, autocast=self.precision.autocast)
-            self.bare_model, self.model, self.engine = runtime.bare, nn.ModuleList(runtime.stage_modules), runtime.engine
-            return
-        built = build_model(model_factory, config.parallel, dims=self.dims, mesh=self.mesh, device=ctx.device,
-                            seed=config.train.seed)
-        self.bare_model, self.model = built.bare, built.runnable
-        device = ctx.device
-        if config.parallel.strategy == "model_parallel":
-            self.model = apply_model_parallel(self.bare_model, config.pipeline)
-            device = self.model.devices[-1]  # where the output, so the loss, is computed
-        self.engine = MicroBatchEngine(self.model, loss_fn, self.precision, device=device,
-                                       sync_every_micro_batch=_syncs_every_micro_batch(config.parallel))
 
     def checkpoint_state(self) -> dict[str, Any]:
         """Every Stateful that a resume needs, under the names checkpoints store them by."""
@@ -318,9 +298,3 @@ class _NoMetrics:
     def step_done(self) -> None: ...
 
     def close(self) -> None: ...
-
-
-
-def _syncs_every_micro_batch(options: ParallelConfig) -> bool:
-    """FSDP's grad_sync policy; other layouts always sync on the last micro-batch only."""
-    return options.strategy in ("fsdp", "hsdp") and options.fsdp.grad_sync == "every_micro_batch"

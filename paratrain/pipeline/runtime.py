@@ -15,6 +15,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.utils.data import Dataset
 
+from paratrain.builders import micro_batch_size
 from paratrain.collectives import broadcast_object
 from paratrain.config import ParallelConfig, PipelineConfig, TrainConfig
 from paratrain.engine import LossFn
@@ -38,8 +39,8 @@ def build_pipeline_runtime(model_factory: Callable[[], nn.Module], loss_fn: Loss
                            mesh: DeviceMesh, device: torch.device, rank: int, dp_rank: int, dataset: Dataset,
                            autocast: Callable[[], contextlib.AbstractContextManager]) -> PipelineRuntime:
     shape = pipeline_shape(pipeline, dims=dims, train=train)
-    costs = _measured_piece_costs(model_factory, pipeline, dataset, shape.microbatches, train=train, dims=dims,
-                                  device=device, is_main=rank == 0)
+    costs = _measured_piece_costs(model_factory, pipeline, dataset, train=train, dims=dims, device=device,
+                                  is_main=rank == 0)
     part = build_pipeline_model(model_factory, parallel, pipeline, shape=shape, dims=dims, mesh=mesh, device=device,
                                 seed=train.seed, autocast=autocast, costs=costs)
     logger.info("pipeline %s; this rank holds stage(s) %s: %s", shape.describe(), part.stage_indices,
@@ -51,16 +52,15 @@ def build_pipeline_runtime(model_factory: Callable[[], nn.Module], loss_fn: Loss
     return PipelineRuntime(part.bare, part.stage_modules, engine)
 
 
-def _measured_piece_costs(model_factory: Callable[[], nn.Module], pipeline: PipelineConfig, dataset: Dataset,
-                          microbatches: int, *, train: TrainConfig, dims: ParallelDims, device: torch.device,
+def _measured_piece_costs(model_factory: Callable[[], nn.Module], pipeline: PipelineConfig, dataset: Dataset, *,
+                          train: TrainConfig, dims: ParallelDims, device: torch.device,
                           is_main: bool) -> list[float] | None:
     """pipeline.balance=time: rank 0 times each piece on a micro-batch, and every rank cuts by its numbers."""
     if pipeline.balance != "time":
         return None
     costs = None
     if is_main:
-        size = train.global_batch_size // (dims.dp * microbatches)
-        sample = torch.stack([dataset[index][0] for index in range(size)])
+        sample = torch.stack([dataset[index][0] for index in range(micro_batch_size(train, pipeline, dims=dims))])
         costs = measure_piece_costs(model_factory, sample, device=device, seed=train.seed)
         logger.info("pipeline.balance=time: seconds per piece (forward + backward): %s",
                     ", ".join(f"{cost:.4f}" for cost in costs))

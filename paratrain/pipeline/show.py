@@ -78,7 +78,7 @@ def _measured_lines(run_dir: Path, out: Path, shape: PipelineShape) -> list[str]
         return [f"measured: {error}"]
     first = timelines[0]
     measured_png = out.with_name(out.stem + "-measured" + out.suffix)
-    draw(_measured_bars(timelines), measured_png, title=f"measured, last recorded step: bubble {bubble:.3f} (all steps)")
+    draw(measured_bars(timelines), measured_png, title=f"measured, last recorded step: bubble {bubble:.3f} (all steps)")
     steps = min(len(record["steps"]) for record in timelines)
     recorded = PipelineShape(first["schedule"], first["pp"], first["stages_per_rank"], first["microbatches"])
     lines = [f"bubble measured in {run_dir} ({recorded.describe()}, {steps - 1} steps after the first): {bubble:.3f}",
@@ -93,7 +93,7 @@ def _theory_bars(timeline: Timeline) -> list[list[Bar]]:
             for slots in timeline.ranks]
 
 
-def _measured_bars(timelines: list[dict]) -> list[list[Bar]]:
+def measured_bars(timelines: list[dict]) -> list[list[Bar]]:
     """The last recorded step of the first pipeline replica, in milliseconds from its start."""
     replica = [record for record in timelines if record["replica"] == timelines[0]["replica"]]
     replica.sort(key=lambda record: record["pp_rank"])
