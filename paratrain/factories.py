@@ -36,7 +36,10 @@ def resolve_factory(path: str, *, key: str) -> Callable[..., Any]:
 def check_factory_args(section: FactoryConfig, *, key: str) -> Callable[..., Any]:
     """Resolves the factory and checks ``args`` against its signature, before anything is built."""
     factory = resolve_factory(section.factory, key=f"{key}.factory")
-    signature = inspect.signature(factory)
+    try:
+        signature = inspect.signature(factory)
+    except (TypeError, ValueError):  # some builtins expose no signature: their args are checked by the call
+        return factory
     try:
         signature.bind(**section.args)
     except TypeError as error:
