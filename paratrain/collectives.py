@@ -29,6 +29,16 @@ def all_reduce_sum(tensor: torch.Tensor, group: dist.ProcessGroup | None = None)
     return tensor
 
 
+def all_reduce_min_max(values: torch.Tensor, group: dist.ProcessGroup | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Element-wise minimum and maximum of a 1-D tensor over the group's ranks, in one all-reduce (max of
+    the values and of their negatives)."""
+    both = torch.cat([values, -values])
+    if is_distributed():
+        dist.all_reduce(both, op=dist.ReduceOp.MAX, group=group)
+    maximum, negative_minimum = both.chunk(2)
+    return -negative_minimum, maximum
+
+
 def broadcast_object(obj: T, *, src: int = 0) -> T:
     """Rank src's obj on every rank (pickled between this job's own processes only)."""
     if not is_distributed():

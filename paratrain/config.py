@@ -234,6 +234,46 @@ class DebugConfig(Section):
     parallel.collective_timeout_s, and above the first step's time (which may compile)."""
 
 
+class CallbackConfig(FactoryConfig):
+    factory: str
+    """Import path of a Callback class (or a factory returning one), e.g.
+    'paratrain.callbacks.memory:MemoryMonitor'."""
+
+
+class EvalConfig(Section):
+    factory: str | None = None
+    """Import path of a callable returning the validation Dataset of (inputs, targets) pairs, like data.factory;
+    null: no evaluation."""
+    args: dict[str, Any] = {}
+    """Keyword arguments for eval.factory; checked against its signature before training."""
+    every_steps: int = Field(0, ge=0)
+    """Evaluate every N steps (such a step is also logged) and after the last step; 0 evaluates only after
+    the last step."""
+    max_batches: int | None = Field(None, gt=0)
+    """Evaluate at most this many batches of eval.batch_size samples per data-parallel rank; null: the whole
+    validation set."""
+    batch_size: int | None = Field(None, gt=0)
+    """Samples per forward on one rank while evaluating; null: train.micro_batch_size."""
+
+
+class ProfileConfig(Section):
+    enabled: bool = False
+    """Profile a window of steps with torch.profiler and write a Chrome trace per rank to
+    output_dir/profile/trace-rank<R>.json (open it in Perfetto or chrome://tracing)."""
+    wait: int = Field(1, ge=0)
+    """Steps to skip before the window (the first steps pay one-time costs)."""
+    warmup: int = Field(1, ge=0)
+    """Steps the profiler runs but discards, so its own start-up cost stays out of the trace."""
+    active: int = Field(2, gt=0)
+    """Steps recorded in the trace. wait + warmup + active must fit in train.max_steps."""
+    record_shapes: bool = False
+    """Record the input shapes of each operator (larger trace)."""
+    memory_snapshot: bool = False
+    """On GPU, also record the CUDA caching allocator's history from the start of training to the end of
+    the window and dump it to output_dir/profile/memory-rank<R>.pickle (view it at pytorch.org/memory_viz).
+    Skipped on CPU."""
+
+
 class Config(Section):
     """Root of the config tree. Only the CLI, the worker entry and the Trainer see all of it."""
 
@@ -251,6 +291,26 @@ class Config(Section):
     data: DataConfig = DataConfig()
     loss: LossConfig = LossConfig()
     debug: DebugConfig = DebugConfig()
+    callbacks: list[CallbackConfig] = []
+    """Callbacks called at train start and end, after each step, checkpoint and evaluation, in this order
+    on every rank: a list of {factory: 'package.module:Class', args: {...}}. Built-ins:
+    paratrain.callbacks.memory:MemoryMonitor, paratrain.callbacks.throughput:ThroughputMonitor,
+    paratrain.callbacks.early_stopping:EarlyStopping (see README, Callbacks, evaluation and profiling)."""
+    eval: EvalConfig = EvalConfig()
+    """Evaluation on a validation dataset, its loss averaged over the data-parallel ranks."""
+    profile: ProfileConfig = ProfileConfig()
+    """torch.profiler window and optional CUDA memory snapshot."""
+
+    @model_validator(mode="after")
+    def _profile_window_fits_the_run(self) -> Config:
+        window = self.profile.wait + self.profile.warmup + self.profile.active
+        if self.profile.enabled and window > self.train.max_steps:
+            raise ValueError(
+                f"the profiler window profile.wait={self.profile.wait} + profile.warmup={self.profile.warmup} + "
+                f"profile.active={self.profile.active} = {window} steps is longer than train.max_steps="
+                f"{self.train.max_steps}; shorten the window or train longer"
+            )
+        return self
 
     @model_validator(mode="after")
     def _micro_batch_fits_global_batch(self) -> Config:

@@ -24,6 +24,19 @@ def ineffective_options(config: Config) -> list[str]:
         warnings.append("optim.min_lr_ratio has no effect with optim.schedule=constant")
     if config.checkpoint.every_steps == 0 and not config.checkpoint.save_final:
         warnings.append("checkpoint.every_steps=0 with checkpoint.save_final=false: this run saves no checkpoint")
+    return warnings + _eval_and_profile_warnings(config)
+
+
+def _eval_and_profile_warnings(config: Config) -> list[str]:
+    warnings = []
+    eval_keys = config.eval.model_fields_set - {"factory"}
+    if config.eval.factory is None and eval_keys:
+        keys = ", ".join(f"eval.{name}" for name in sorted(eval_keys))
+        warnings.append(f"{keys} has no effect without eval.factory (Python API: Trainer(eval_dataset=...))")
+    profile_keys = config.profile.model_fields_set - {"enabled"}
+    if not config.profile.enabled and profile_keys:
+        keys = ", ".join(f"profile.{name}" for name in sorted(profile_keys))
+        warnings.append(f"{keys} has no effect without profile.enabled=true")
     return warnings
 
 

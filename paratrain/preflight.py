@@ -10,11 +10,13 @@ from typing import Callable
 import torch
 from torch import nn
 
+from paratrain.callbacks.build import check_callback_configs
 from paratrain.checkpoint import find_checkpoints, verify_checkpoint
 from paratrain.checkpoint.config_changes import check_resume_config
 from paratrain.checkpoint.manifest import is_complete, read_manifest
 from paratrain.config import Config
 from paratrain.errors import CheckpointError, ConfigError
+from paratrain.evaluation import check_evaluation
 from paratrain.factories import call_factory, check_factory_args
 from paratrain.models.plan import plan_of
 from paratrain.parallel.dims import ParallelDims
@@ -31,6 +33,8 @@ def preflight(config: Config, *, world_size: int, nproc_per_node: int) -> None:
         lambda: check_factory_args(config.model, key="model"),
         lambda: check_factory_args(config.data, key="data"),
         lambda: check_factory_args(config.loss, key="loss"),
+        lambda: check_callback_configs(config.callbacks),
+        lambda: _check_evaluation(config, _dims(config, world_size, nproc_per_node)),
         lambda: _check_writable(config.run.output_dir),
         lambda: _check_resume(config),
         lambda: _check_resume_config(config),
@@ -86,6 +90,12 @@ def _check_precision(config: Config, dims: ParallelDims) -> None:
             "precision=fp16 with parallel.fsdp.cpu_offload=true is not supported: the gradient scaler "
             "cannot unscale gradients offloaded to the CPU; use precision=bf16, or cpu_offload=false"
         )
+
+
+def _check_evaluation(config: Config, dims: ParallelDims) -> None:
+    check_evaluation(config.eval, dims)
+    if config.eval.factory is not None:
+        check_factory_args(config.eval, key="eval")
 
 
 def _check_devices(config: Config, nproc_per_node: int) -> None:

@@ -1,6 +1,6 @@
-"""The training loop: ``train()`` (loop, checkpoints), ``train_step()`` (one optimizer step) and the
-engine's ``forward_backward()`` (the step's micro-batches). The loop never asks which layout runs
-underneath: the layout is applied once, in ``build_parallel_model``.
+"""The training loop: ``train()`` (loop, evaluation, callbacks, checkpoints), ``train_step()`` (one optimizer
+step) and the engine's ``forward_backward()`` (the step's micro-batches). The loop never asks which layout
+runs underneath: the layout is applied once, in ``build_parallel_model``.
 """
 
 from __future__ import annotations
@@ -19,6 +19,8 @@ from torch.utils.data import Dataset
 
 from paratrain import faults
 from paratrain.builders import build_layout, build_sampler, micro_batch_size, tokens_per_sample
+from paratrain.callbacks.base import Callback, CallbackList
+from paratrain.callbacks.build import build_callbacks
 from paratrain.checkpoint import Checkpointer
 from paratrain.checkpoint.config_changes import check_resume_config
 from paratrain.checkpoint.manifest import read_manifest
@@ -31,6 +33,7 @@ from paratrain.debug import dump_gradients
 from paratrain.distributed import (DistContext, destroy_distributed, init_distributed, local_world_size_from_env,
                                    world_size_from_env)
 from paratrain.engine import LossFn
+from paratrain.evaluation import build_evaluator, check_evaluation
 from paratrain.errors import Preempted
 from paratrain.factories import call_factory
 from paratrain.gradients import clip_grad_norm
@@ -39,6 +42,7 @@ from paratrain.optim import build_lr_scheduler, build_optimizer
 from paratrain.parallel.dims import ParallelDims, data_parallel_coordinates
 from paratrain.precision import build_mixed_precision
 from paratrain.preemption import StopSignals, announce_stop
+from paratrain.profiling import maybe_profiler
 from paratrain.watchdog import StepWatchdog
 
 logger = logging.getLogger("paratrain")
@@ -80,13 +84,18 @@ class Trainer:
         model_factory: Builds the model; defaults to ``model.factory`` of the config.
         dataset: A map-style dataset of (inputs, targets); defaults to ``data.factory``.
         loss_fn: ``loss_fn(outputs, targets) -> mean loss``; defaults to ``loss.factory``.
+        callbacks: Called after the config's ``callbacks`` (see paratrain.callbacks.Callback).
+        eval_dataset: A validation dataset like ``dataset``; defaults to ``eval.factory`` (none if null).
     """
 
     def __init__(self, config: Config, *, model_factory: Callable[[], nn.Module] | None = None,
-                 dataset: Dataset | None = None, loss_fn: LossFn | None = None):
+                 dataset: Dataset | None = None, loss_fn: LossFn | None = None, callbacks: list[Callback] = (),
+                 eval_dataset: Dataset | None = None):
         self.config = config
         self.dims = ParallelDims.resolve(config.parallel.strategy, world_size=world_size_from_env(),
                                          local_world_size=local_world_size_from_env(), degrees=config.parallel.degrees())
+        check_evaluation(config.eval, self.dims, has_dataset=eval_dataset is not None)
+        user_callbacks = build_callbacks(config.callbacks, callbacks)
         self.ctx: DistContext = init_distributed(device_kind=config.train.device, needs_group=self.dims.needs_process_group,
                                                  timeout_s=config.parallel.collective_timeout_s)
         self.mesh = self.dims.build_mesh(self.ctx.device.type)
@@ -94,11 +103,11 @@ class Trainer:
         self.dp_rank, self.dp_size = data_parallel_coordinates(self.mesh)
         self.precision = build_mixed_precision(config.precision, device=self.ctx.device, sharded=self.dims.is_sharded)
         self.dataset = dataset if dataset is not None else call_factory(config.data, key="data")
-        layout = build_layout(model_factory or (lambda: call_factory(config.model, key="model")),
-                              loss_fn or call_factory(config.loss, key="loss"), parallel=config.parallel,
-                              pipeline=config.pipeline, train=config.train, output_dir=config.run.output_dir,
-                              dims=self.dims, mesh=self.mesh, ctx=self.ctx, dp_rank=self.dp_rank, dataset=self.dataset,
-                              precision=self.precision)
+        loss_fn = loss_fn or call_factory(config.loss, key="loss")
+        layout = build_layout(model_factory or (lambda: call_factory(config.model, key="model")), loss_fn,
+                              parallel=config.parallel, pipeline=config.pipeline, train=config.train,
+                              output_dir=config.run.output_dir, dims=self.dims, mesh=self.mesh, ctx=self.ctx,
+                              dp_rank=self.dp_rank, dataset=self.dataset, precision=self.precision)
         self.bare_model, self.model, self.engine = layout.bare, layout.runnable, layout.engine
         # Data-parallel ranks draw different random numbers (e.g. dropout masks); tensor-parallel
         # ranks of one replica must draw the same, since they compute on the same activations.
@@ -109,6 +118,11 @@ class Trainer:
                                      micro_batch_size=micro_batch_size(config.train, config.pipeline, dims=self.dims))
         self.tokens_per_sample = tokens_per_sample(self.dataset)
         self.progress, self.position = Progress(), DataPosition()
+        self.evaluator = build_evaluator(config.eval, eval_dataset, loss_fn, model=self.model, device=self.engine.device,
+                                         autocast=self.precision.autocast, dp_rank=self.dp_rank, dp_size=self.dp_size,
+                                         train=config.train)
+        self.callbacks = CallbackList([*maybe_profiler(config.profile, directory=config.run.output_dir / "profile",
+                                                       rank=self.ctx.rank, device=self.ctx.device), *user_callbacks], self)
         self.checkpointer = self._build_checkpointer()
         self._prepare_output_dir()
         self._maybe_resume()
@@ -121,21 +135,29 @@ class Trainer:
         stop = StopSignals.install(self.ctx.device)
         watchdog = StepWatchdog(self.config.debug.step_timeout_s, directory=self.config.run.output_dir / "hang",
                                 rank=self.ctx.rank, world_size=self.ctx.world_size)
+        self.callbacks.call("on_train_start")
         try:
             while self.progress.step < self.config.train.max_steps:
                 step = self.train_step(next(batches))
                 self._advance(window, step.loss)
                 metrics.step_done()
-                if self._should_log():
-                    last_loss = self._log(metrics, window, step)
+                eval_loss = self._maybe_evaluate(window)
+                if self._should_log() or eval_loss is not None:  # eval_loss is logged beside the training metrics
+                    last_loss = self._log(metrics, window, step, eval_loss=eval_loss)
                     window = self._new_window()
+                else:
+                    self.callbacks.call("on_step_end")
                 stop_signal = stop.agreed_signal() if self.progress.step < self.config.train.max_steps else None
                 last_checkpoint = self._maybe_checkpoint(stopping=stop_signal is not None) or last_checkpoint
                 faults.maybe_kill("after_step", step=self.progress.step, rank=self.ctx.rank)
                 if stop_signal is not None:
                     raise self._stopped(stop_signal.name, last_checkpoint, received=stop.received_name)
                 watchdog.step_done(self.progress.step)
+                if self.callbacks.stop_reason:
+                    logger.info("stopping early after step %d: %s", self.progress.step, self.callbacks.stop_reason)
+                    break
             self.checkpointer.wait()  # an asynchronous save still in flight is complete before train() returns
+            self.callbacks.call("on_train_end")
         finally:
             watchdog.stop()
             stop.uninstall()
@@ -213,10 +235,19 @@ class Trainer:
         step = self.progress.step
         return step % self.config.log.every_steps == 0 or step in (1, self.config.train.max_steps)
 
+    def _maybe_evaluate(self, window: _LogWindow) -> float | None:
+        if self.evaluator is None or not self.evaluator.is_due(self.progress.step):
+            return None
+        started = time.perf_counter()
+        eval_loss = self.evaluator.evaluate()
+        window.started += time.perf_counter() - started  # step time and throughput measure training alone
+        self.callbacks.call("on_evaluation", eval_loss=eval_loss)
+        return eval_loss
+
     def _new_window(self) -> _LogWindow:
         return _LogWindow(torch.zeros((), device=self.ctx.device), started=time.perf_counter())
 
-    def _log(self, metrics: MetricsLogger, window: _LogWindow, step: StepOutput) -> float:
+    def _log(self, metrics: MetricsLogger, window: _LogWindow, step: StepOutput, *, eval_loss: float | None) -> float:
         # Only ranks holding the last pipeline stage have a loss (all ranks, without a pipeline); the
         # others add zero. The reduction also waits for the window's work, for the step time.
         loss = all_reduce_sum(window.loss_sum / window.steps).item() / (self.ctx.world_size // self.dims.pp)
@@ -227,20 +258,24 @@ class Trainer:
                   "world_size": self.ctx.world_size, "time": time.time()}
         if self.tokens_per_sample:
             record["tokens_per_s"] = samples_per_s * self.tokens_per_sample
+        if eval_loss is not None:
+            record["eval_loss"] = eval_loss
+        self.callbacks.call("on_step_end", record=record)  # callbacks may add fields to what is logged
         if self.ctx.is_main:
             metrics.log(record)
         return loss
 
     def _maybe_checkpoint(self, *, stopping: bool = False) -> Path | None:
         step, options = self.progress.step, self.config.checkpoint
+        last = step == self.config.train.max_steps or self.callbacks.stop_reason is not None
         periodic = options.every_steps and step % options.every_steps == 0
-        final = options.save_final and step == self.config.train.max_steps
-        if not (periodic or final or stopping):
+        if not (periodic or (options.save_final and last) or stopping):
             return None
         # The last save of a run is written before going on: the process is about to exit.
-        blocking = not options.async_save or stopping or step == self.config.train.max_steps
+        blocking = not options.async_save or stopping or last
         path = self.checkpointer.save(step, self.checkpoint_state(), blocking=blocking)
         logger.info("saved checkpoint %s" if blocking else "saving checkpoint %s in the background", path)
+        self.callbacks.call("on_checkpoint_saved", checkpoint=path)
         return path
 
     def _maybe_resume(self) -> None:

@@ -127,6 +127,13 @@ class GPT(nn.Module):
             std = 0.02 / math.sqrt(2 * self.config.n_layer) if residual else 0.02
             nn.init.normal_(tensor, mean=0.0, std=std, generator=generator)
 
+    def flops_per_token(self, seq_len: int) -> float:
+        """Training FLOPs per token: 6·N for the non-embedding parameters' matmuls (forward 2·N, backward
+        4·N) plus 12·L·d·S for attention scores and their use (PaLM, appendix B). For throughput/MFU."""
+        # numel of a DTensor (fsdp, tp) is the full parameter's: every layout counts the whole model.
+        non_embedding = sum(p.numel() for name, p in self.named_parameters() if not name.startswith("embed."))
+        return 6.0 * non_embedding + 12.0 * self.config.n_layer * self.config.n_embd * seq_len
+
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         x = self.embed(tokens)
         for block in self.blocks:

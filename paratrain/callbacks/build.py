@@ -1,0 +1,50 @@
+"""Callbacks named in the config by import path, and the check that an object is one."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from paratrain.callbacks.base import HOOKS, Callback
+from paratrain.config import CallbackConfig
+from paratrain.errors import ConfigError
+from paratrain.factories import check_factory_args
+
+
+def build_callbacks(configs: list[CallbackConfig], given: list[Any] = ()) -> list[Callback]:
+    """The config's callbacks, built in order, then the ones passed to the Trainer.
+
+    Raises:
+        ConfigError: naming ``callbacks[i]`` when a factory does not import, does not take or refuses its
+            args, or returns an object lacking the hooks.
+    """
+    built = []
+    for index, section in enumerate(configs):
+        key = f"callbacks[{index}]"
+        factory = check_factory_args(section, key=key)
+        try:
+            callback = factory(**section.args)
+        except (TypeError, ValueError) as error:  # the constructor refusing its args names them
+            raise ConfigError(f"{key}.args: {section.factory} refused {section.args}: {error}") from None
+        built.append(check_callback(callback, key=f"{key}.factory", origin=section.factory))
+    for index, callback in enumerate(given):
+        built.append(check_callback(callback, key=f"Trainer(callbacks=[...])[{index}]", origin=type(callback).__name__))
+    return built
+
+
+def check_callback_configs(configs: list[CallbackConfig]) -> None:
+    """What preflight can check without building anything: each path imports, takes its args, and (for a
+    class) has every hook. A factory function's result is checked when the Trainer builds it."""
+    for index, section in enumerate(configs):
+        factory = check_factory_args(section, key=f"callbacks[{index}]")
+        if isinstance(factory, type):
+            check_callback(factory, key=f"callbacks[{index}].factory", origin=section.factory)
+
+
+def check_callback(callback: Any, *, key: str, origin: str) -> Any:
+    missing = [hook for hook in HOOKS if not callable(getattr(callback, hook, None))]
+    if missing:
+        raise ConfigError(
+            f"{key}={origin!r} is not a callback: it lacks {', '.join(missing)}; subclass "
+            f"paratrain.callbacks.Callback (its hooks do nothing until overridden)"
+        )
+    return callback

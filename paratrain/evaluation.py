@@ -1,0 +1,104 @@
+"""Evaluation on a validation dataset: its mean loss, exact over the samples of all data-parallel ranks.
+
+The validation set is read in global batches of ``eval.batch_size x data-parallel size`` samples, in
+order; data-parallel rank r takes every dp-th sample of each (tensor-parallel ranks of one replica take
+the same ones). Each rank adds up ``batch loss x samples``; one all-reduce of (loss sum, sample count)
+gives the sample-weighted mean, the loss one process would compute over the same samples.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+
+import torch
+from torch import nn
+from torch.utils.data import Dataset, default_collate
+
+from paratrain.collectives import all_reduce_sum
+from paratrain.config import EvalConfig, TrainConfig
+from paratrain.errors import ConfigError
+from paratrain.factories import call_factory
+from paratrain.losses import LossFn
+from paratrain.parallel.dims import ParallelDims
+
+
+def check_evaluation(options: EvalConfig, dims: ParallelDims, *, has_dataset: bool = False) -> None:
+    """Refuses evaluation under a pipeline layout, before training (the eval pass would need a
+    forward-only pipeline schedule, which paratrain does not run)."""
+    if (options.factory or has_dataset) and dims.pp > 1:
+        raise ConfigError(
+            f"eval.factory={options.factory!r}: evaluation is not supported with pipeline parallel "
+            f"(parallel.pp={dims.pp}); remove eval.factory, or evaluate the run's checkpoints with a "
+            f"single, ddp, fsdp or tp layout"
+        )
+
+
+def build_evaluator(options: EvalConfig, dataset: Dataset | None, loss_fn: LossFn, *, model: nn.Module,
+                    device: torch.device, autocast: Callable[[], contextlib.AbstractContextManager], dp_rank: int,
+                    dp_size: int, train: TrainConfig) -> Evaluator | None:
+    """An Evaluator over ``dataset`` (from the Python API) or eval.factory's; None when neither is given."""
+    if dataset is None and options.factory is None:
+        return None
+    dataset = dataset if dataset is not None else call_factory(options, key="eval")
+    return Evaluator(dataset, loss_fn, options, model=model, device=device, autocast=autocast, dp_rank=dp_rank,
+                     dp_size=dp_size, batch_size=options.batch_size or train.micro_batch_size, max_steps=train.max_steps)
+
+
+class Evaluator:
+    """Runs the validation pass when a step is due for it.
+
+    Args:
+        dataset: Map-style validation dataset of (inputs, targets).
+        loss_fn: ``loss_fn(outputs, targets) -> mean loss`` over a batch.
+        options: The ``eval`` config section.
+        model: The module forward runs through (the layout's wrapper, if any).
+        device: Where inputs, targets and the loss go.
+        autocast: The run's autocast context factory (mixed precision).
+        batch_size: Samples per forward on one rank.
+        max_steps: The last step, which is always evaluated.
+    """
+
+    def __init__(self, dataset: Dataset, loss_fn: LossFn, options: EvalConfig, *, model: nn.Module, device: torch.device,
+                 autocast: Callable[[], contextlib.AbstractContextManager], dp_rank: int, dp_size: int, batch_size: int,
+                 max_steps: int):
+        self.dataset, self.loss_fn, self.options, self.model, self.device = dataset, loss_fn, options, model, device
+        self.autocast, self.dp_rank, self.dp_size = autocast, dp_rank, dp_size
+        self.batch_size, self.max_steps = batch_size, max_steps
+
+    def is_due(self, step: int) -> bool:
+        every = self.options.every_steps
+        return step == self.max_steps or bool(every and step % every == 0)
+
+    @torch.no_grad()
+    def evaluate(self) -> float:
+        """The mean loss over the validation samples of every rank (the same value on every rank)."""
+        from paratrain.engine import move_to  # the engine loads FSDP: preflight imports this module without it
+        was_training = self.model.training
+        self.model.eval()
+        totals = torch.zeros(2, dtype=torch.float64, device=self.device)  # loss x samples, samples
+        try:
+            for indices, weight in self._rank_batches():
+                batch = default_collate([self.dataset[i] for i in indices])
+                inputs, targets = move_to(batch, self.device)
+                with self.autocast():
+                    loss = self.loss_fn(self.model(inputs), targets)
+                samples = len(indices) * weight
+                totals += torch.stack([loss.double() * samples, torch.tensor(float(samples), device=self.device)])
+        finally:
+            self.model.train(was_training)
+        loss_sum, samples = all_reduce_sum(totals).tolist()
+        return loss_sum / samples
+
+    def _rank_batches(self) -> Iterator[tuple[list[int], int]]:
+        """This rank's sample indices of each global batch, with weight 1; a rank left without samples in
+        the last batch still runs a forward (sharded layouts gather parameters in it), on one sample with
+        weight 0."""
+        size = len(self.dataset)
+        step = self.batch_size * self.dp_size
+        starts = range(0, size, step)
+        if self.options.max_batches is not None:
+            starts = starts[: self.options.max_batches]
+        for start in starts:
+            indices = list(range(start + self.dp_rank, min(start + step, size), self.dp_size))
+            yield (indices, 1) if indices else ([start], 0)
