@@ -141,9 +141,9 @@ class Trainer:
                 step = self.train_step(next(batches))
                 self._advance(window, step.loss)
                 metrics.step_done()
-                eval_loss = self._maybe_evaluate(window)
-                if self._should_log() or eval_loss is not None:  # eval_loss is logged beside the training metrics
-                    last_loss = self._log(metrics, window, step, eval_loss=eval_loss)
+                evaluated = self._maybe_evaluate(window)
+                if self._should_log() or evaluated:  # eval_loss is logged beside the training metrics
+                    last_loss = self._log(metrics, window, step, evaluated=evaluated)
                     window = self._new_window()
                 else:
                     self.callbacks.call("on_step_end")
@@ -235,19 +235,21 @@ class Trainer:
         step = self.progress.step
         return step % self.config.log.every_steps == 0 or step in (1, self.config.train.max_steps)
 
-    def _maybe_evaluate(self, window: _LogWindow) -> float | None:
+    def _maybe_evaluate(self, window: _LogWindow) -> dict[str, float]:
+        """{eval_loss, eval_time_s} on evaluation steps, else {}."""
         if self.evaluator is None or not self.evaluator.is_due(self.progress.step):
-            return None
+            return {}
         started = time.perf_counter()
         eval_loss = self.evaluator.evaluate()
-        window.started += time.perf_counter() - started  # step time and throughput measure training alone
+        eval_time = time.perf_counter() - started
+        window.started += eval_time  # step time and throughput measure training alone
         self.callbacks.call("on_evaluation", eval_loss=eval_loss)
-        return eval_loss
+        return {"eval_loss": eval_loss, "eval_time_s": eval_time}
 
     def _new_window(self) -> _LogWindow:
         return _LogWindow(torch.zeros((), device=self.ctx.device), started=time.perf_counter())
 
-    def _log(self, metrics: MetricsLogger, window: _LogWindow, step: StepOutput, *, eval_loss: float | None) -> float:
+    def _log(self, metrics: MetricsLogger, window: _LogWindow, step: StepOutput, *, evaluated: dict[str, float]) -> float:
         # Only ranks holding the last pipeline stage have a loss (all ranks, without a pipeline); the
         # others add zero. The reduction also waits for the window's work, for the step time.
         loss = all_reduce_sum(window.loss_sum / window.steps).item() / (self.ctx.world_size // self.dims.pp)
@@ -258,8 +260,7 @@ class Trainer:
                   "world_size": self.ctx.world_size, "time": time.time()}
         if self.tokens_per_sample:
             record["tokens_per_s"] = samples_per_s * self.tokens_per_sample
-        if eval_loss is not None:
-            record["eval_loss"] = eval_loss
+        record.update(evaluated)
         self.callbacks.call("on_step_end", record=record)  # callbacks may add fields to what is logged
         if self.ctx.is_main:
             metrics.log(record)

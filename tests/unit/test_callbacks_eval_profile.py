@@ -75,10 +75,12 @@ def test_early_stopping_ends_the_run_with_a_final_checkpoint(run):
 def test_eval_loss_equals_the_loss_computed_by_hand_over_the_evaluated_samples(run):
     output_dir, recorder, _ = run
     assert [e["step"] for e in recorder.evaluations] == [2, 4]
-    logged = {record["step"]: record.get("eval_loss") for record in read_metrics(output_dir)}
+    records = {record["step"]: record for record in read_metrics(output_dir)}
+    logged = {step: record.get("eval_loss") for step, record in records.items()}
     for e in recorder.evaluations:
         assert e["eval_loss"] == pytest.approx(e["by_hand"], rel=1e-6)
         assert logged[e["step"]] == e["eval_loss"]
+        assert 0 < records[e["step"]]["eval_time_s"] < 10
     assert logged[1] is None and logged[3] is None  # logged beside training metrics only where evaluated
 
 
