@@ -41,6 +41,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def train_command(args: argparse.Namespace) -> int:
     options = LaunchOptions(args.nproc_per_node, args.nnodes, args.node_rank, args.rdzv_endpoint, args.max_restarts)
+    if args.dry_run:  # before options.validate(): planning a multi-node world needs no rendezvous endpoint
+        return dry_run_command(args)
     options.validate()
     config = load_config(args.config, args.overrides)
     from paratrain.preflight import preflight  # imported once the config parses: it loads torch.distributed
@@ -58,6 +60,14 @@ def train_command(args: argparse.Namespace) -> int:
     from paratrain.train import PREFLIGHT_DONE_ENV
 
     return launch(options, [args.config, *args.overrides], env={PREFLIGHT_DONE_ENV: "1"})
+
+
+def dry_run_command(args: argparse.Namespace) -> int:
+    config = load_config(args.config, args.overrides)
+    from paratrain.planner.dry_run import dry_run  # loads torch.distributed
+
+    print(dry_run(config, nproc_per_node=args.nproc_per_node, nnodes=args.nnodes))
+    return 0
 
 
 def config_show_command(args: argparse.Namespace) -> int:
@@ -110,6 +120,16 @@ def verify_command(args: argparse.Namespace) -> int:
     return verify(args.config, args.overrides, nproc_per_node=args.nproc_per_node, steps=args.steps)
 
 
+def plan_command(args: argparse.Namespace) -> int:
+    config = load_config(args.config, args.overrides)
+    from paratrain.planner.plan import plan_command_text  # loads torch
+
+    text, code = plan_command_text(config, config_path=args.config, gpus=args.gpus, gpu_memory=args.gpu_memory,
+                                   nodes=args.nodes)
+    print(text)
+    return code
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="paratrain", description="PyTorch-native distributed training.")
     commands = parser.add_subparsers(dest="command", required=True)
@@ -122,6 +142,9 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--node-rank", type=int, default=0, help="this node's rank, 0..nnodes-1")
     train.add_argument("--rdzv-endpoint", help="HOST:PORT of node 0, the same on every node (multi-node)")
     train.add_argument("--max-restarts", type=int, default=0, help="restart the group this often after a failure")
+    train.add_argument("--dry-run", action="store_true",
+                       help="build the mesh (fake process group), the model on meta and the layout for the whole world in "
+                            "this one process; print each rank's place and expected memory; train nothing")
     train.set_defaults(handler=train_command)
 
     config = commands.add_parser("config", help="inspect configs")
@@ -170,6 +193,14 @@ def build_parser() -> argparse.ArgumentParser:
     verify.add_argument("--nproc-per-node", type=int, help="processes for the layout (default: 2, or 1 for single, dp, model_parallel)")
     verify.add_argument("--steps", type=int, default=20, help="optimizer steps each run trains (default 20)")
     verify.set_defaults(handler=verify_command)
+
+    plan = commands.add_parser("plan", help="memory per GPU of every layout a cluster allows, ranked, with a recommendation")
+    plan.add_argument("config", help="YAML config file")
+    plan.add_argument("overrides", nargs="*", metavar="key=value", help="dotted config overrides, as for train")
+    plan.add_argument("--gpus", type=int, required=True, help="GPUs in the cluster (all nodes)")
+    plan.add_argument("--gpu-memory", required=True, help="memory per GPU, e.g. 80GB (10^9 B) or 80GiB (2^30 B)")
+    plan.add_argument("--nodes", type=int, default=1, help="nodes the GPUs are spread over evenly (tensor parallel stays in one)")
+    plan.set_defaults(handler=plan_command)
     return parser
 
 

@@ -11,8 +11,13 @@ from paratrain.parallel.dims import ParallelDims
 from paratrain.pipeline.split import cut_stages
 
 
-def check_pipeline(config: Config, dims: ParallelDims) -> None:
-    """Raises ConfigError for pipeline settings that cannot run (only when the layout has a pipeline)."""
+def check_pipeline(config: Config, dims: ParallelDims, *, model: torch.nn.Module | None = None) -> None:
+    """Raises ConfigError for pipeline settings that cannot run (only when the layout has a pipeline).
+
+    Args:
+        model: The config's model already built on the meta device, to cut stages from (the planner checks
+            dozens of layouts); None builds it.
+    """
     if config.parallel.strategy == "model_parallel":
         _check_model_parallel(config)
     if dims.pp == 1:
@@ -25,8 +30,9 @@ def check_pipeline(config: Config, dims: ParallelDims) -> None:
     _check_microbatches(config, dims)
     shape = pipeline_shape(config.pipeline, dims=dims, train=config.train)
     check_shape(shape)
-    with torch.device("meta"):
-        model = call_factory(config.model, key="model")
+    if model is None:
+        with torch.device("meta"):
+            model = call_factory(config.model, key="model")
     cut_stages(model, config.pipeline, shape.num_stages)
 
 

@@ -1,0 +1,168 @@
+"""Memory per rank of one layout: ZeRO-style model-state accounting (../shared/REFERENCE.md, after
+Rajbhandari et al. 2020) plus activations and the working set a layout gathers. Formulas: docs/planner.md.
+
+paratrain keeps parameters, gradients and optimizer state in fp32 under every ``precision``
+(autocast lowers only the compute; FSDP's ``param_dtype`` only the gathered copies), so model state
+is 4 + 4 + optimizer bytes per parameter a rank holds: 16Ψ for AdamW under DDP, 16Ψ/N under FSDP.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from paratrain.builders import micro_batch_size
+from paratrain.config import Config, FSDPConfig, OptimConfig
+from paratrain.parallel.dims import ParallelDims
+from paratrain.planner.activations import ActivationShape, head_bytes, layer_bytes, recompute_bytes
+from paratrain.planner.model_facts import ModelFacts, ParamFacts
+
+FP32 = 4
+DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+
+
+@dataclass(frozen=True)
+class RankMemory:
+    """Bytes one rank holds, by kind. ``working`` is what the layout gathers or keeps unsharded for
+    a while (FSDP's gathered parameters and not yet reduced gradients, DDP's separate buckets)."""
+
+    params: int
+    grads: int
+    optimizer: int
+    activations: int
+    working: int
+
+    @property
+    def model_state(self) -> int:
+        return self.params + self.grads + self.optimizer
+
+    @property
+    def total(self) -> int:
+        return self.model_state + self.activations + self.working
+
+
+@dataclass(frozen=True)
+class StageShare:
+    """What one pipeline rank holds: its pieces, their parameters and transformer layers."""
+
+    pp_rank: int
+    pieces: tuple[str, ...]
+    params: tuple[ParamFacts, ...]
+    layers: int
+    has_head: bool  # holds the last piece, so computes the logits and the loss
+
+
+def fsdp_degree(dims: ParallelDims) -> int:
+    """Ranks each parameter is cut across by FSDP (1 when the layout does not use it)."""
+    return dims.dp_shard if dims.strategy in ("fsdp", "hsdp") else 1
+
+
+def model_state_bytes(params: list[ParamFacts] | tuple[ParamFacts, ...], *, dims: ParallelDims,
+                      optim: OptimConfig) -> tuple[int, int, int]:
+    """(parameter, gradient, optimizer-state) bytes one rank holds for these parameters."""
+    numel = sum(param.local_numel(tp=dims.tp, dp_shard=fsdp_degree(dims)) for param in params)
+    return FP32 * numel, FP32 * numel, optimizer_bytes(numel, num_tensors=len(params), optim=optim)
+
+
+def optimizer_bytes(numel: int, *, num_tensors: int, optim: OptimConfig) -> int:
+    """AdamW: exp_avg and exp_avg_sq in fp32, and a 4-byte ``step`` per parameter tensor.
+    SGD: one fp32 momentum buffer with momentum, nothing without."""
+    if optim.name == "adamw":
+        return 2 * FP32 * numel + FP32 * num_tensors
+    return FP32 * numel if optim.momentum > 0 else 0
+
+
+def stage_shares(facts: ModelFacts, config: Config, dims: ParallelDims) -> list[StageShare]:
+    """Each pipeline rank's share; one share holding everything without a pipeline."""
+    sequence = facts.plan.pipeline_sequence
+    if dims.pp == 1:
+        return [StageShare(0, sequence, facts.params, len(facts.plan.blocks), True)]
+    from paratrain.pipeline.build import pipeline_shape  # loads torch.distributed.pipelining: pp only
+    from paratrain.pipeline.split import cut_stages
+
+    shape = pipeline_shape(config.pipeline, dims=dims, train=config.train)
+    stages = cut_stages(facts.model, config.pipeline, shape.num_stages)
+    shares = []
+    for pp_rank in range(dims.pp):
+        pieces = tuple(piece for index in shape.stages_of_rank(pp_rank) for piece in stages[index])
+        shares.append(StageShare(pp_rank, pieces, tuple(facts.params_in(pieces)), facts.blocks_in(pieces),
+                                 sequence[-1] in pieces))
+    return shares
+
+
+def micro_batches_in_flight(config: Config, dims: ParallelDims) -> int:
+    """Micro-batches whose activations a rank holds at once: 1 without a pipeline (each backward frees
+    its micro-batch), all m under GPipe, at most p under 1F1B and the other schedules (first stage)."""
+    if dims.pp == 1:
+        return 1
+    microbatches = config.train.global_batch_size // (micro_batch_size(config.train, config.pipeline, dims=dims) * dims.dp)
+    return microbatches if config.pipeline.schedule == "GPipe" else min(dims.pp, microbatches)
+
+
+def activation_shape(config: Config, dims: ParallelDims) -> ActivationShape:
+    return ActivationShape(
+        micro_batch=micro_batch_size(config.train, config.pipeline, dims=dims),
+        element_bytes=DTYPE_BYTES[config.precision], tp=dims.tp,
+        sequence_parallel=config.parallel.sequence_parallel and dims.tp > 1,
+        checkpointing=config.parallel.activation_checkpointing)
+
+
+def activation_bytes(facts: ModelFacts, share: StageShare, config: Config, dims: ParallelDims, *,
+                     measured_per_sample: float | None) -> int:
+    """Activations of one pipeline rank: the transformer formula, or for other models the bytes measured
+    per sample on the meta device (fp32), scaled by micro-batch, compute dtype and the share of parameters."""
+    shape = activation_shape(config, dims)
+    in_flight = micro_batches_in_flight(config, dims)
+    sizes = facts.transformer
+    if sizes is not None:
+        held = share.layers * layer_bytes(sizes, shape) * in_flight
+        return int(held + recompute_bytes(sizes, shape) + (head_bytes(sizes, shape) if share.has_head else 0))
+    if measured_per_sample is None:
+        return 0
+    fraction = sum(param.numel for param in share.params) / facts.num_params
+    return int(measured_per_sample * shape.micro_batch * shape.element_bytes / FP32 * fraction * in_flight)
+
+
+def working_bytes(facts: ModelFacts, share: StageShare, config: Config, dims: ParallelDims) -> int:
+    """FSDP: the root's parameters (kept gathered from forward into backward), two blocks gathered at once
+    (the one computing and the one prefetched), and one block's unsharded gradient before its reduce-scatter;
+    under grad_sync=last_micro_batch with accumulation, every unsharded gradient between micro-batches.
+    DDP without gradient_as_bucket_view: a second copy of the gradients in its buckets."""
+    parallel = config.parallel
+    if dims.strategy == "ddp" and not parallel.ddp.gradient_as_bucket_view:
+        return FP32 * sum(param.numel for param in share.params)
+    if dims.strategy not in ("fsdp", "hsdp"):
+        return 0
+    return _fsdp_working_bytes(facts, share, parallel.fsdp, dims=dims, accumulating=_accumulates(config, dims))
+
+
+def _fsdp_working_bytes(facts: ModelFacts, share: StageShare, fsdp: FSDPConfig, *, dims: ParallelDims,
+                        accumulating: bool) -> int:
+    gathered = DTYPE_BYTES[fsdp.param_dtype] if fsdp.param_dtype else FP32
+    reduced = DTYPE_BYTES[fsdp.reduce_dtype or fsdp.param_dtype or "fp32"]
+    block_names = [block for block in facts.plan.blocks if block in share.pieces]
+    block_sizes = sorted((_tp_numel(facts.params_in([block]), dims.tp) for block in block_names), reverse=True)
+    everything = _tp_numel(share.params, dims.tp)
+    root = everything - sum(block_sizes)
+    if not block_sizes:  # the model is one unit: gathered whole
+        return (gathered + reduced) * everything
+    held_gradients = everything if accumulating and fsdp.grad_sync == "last_micro_batch" else block_sizes[0]
+    return gathered * (root + sum(block_sizes[:2])) + reduced * held_gradients
+
+
+def _tp_numel(params, tp: int) -> int:
+    return sum(param.local_numel(tp=tp) for param in params)
+
+
+def _accumulates(config: Config, dims: ParallelDims) -> bool:
+    """More than one micro-batch per step on a rank (outside a pipeline, which accumulates itself)."""
+    return dims.pp == 1 and config.train.global_batch_size > config.train.micro_batch_size * dims.dp
+
+
+def rank_memory(facts: ModelFacts, share: StageShare, config: Config, dims: ParallelDims, *,
+                measured_per_sample: float | None) -> RankMemory:
+    """Everything one rank of this pipeline rank's share holds (the same on every data/tensor-parallel rank,
+    up to FSDP's padding: this is rank 0's, the largest)."""
+    params, grads, optimizer = model_state_bytes(share.params, dims=dims, optim=config.optim)
+    return RankMemory(params, grads, optimizer,
+                      activation_bytes(facts, share, config, dims, measured_per_sample=measured_per_sample),
+                      working_bytes(facts, share, config, dims))

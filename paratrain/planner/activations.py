@@ -1,0 +1,88 @@
+"""Activation memory per rank: a formula for GPT-like models, a measurement on the meta device for others.
+
+GPT-like models (see docs/planner.md): each transformer layer keeps, per micro-batch, 18 tensors of
+s x b x h elements for backward (counted from paratrain's GPT block after Korthikanti et al. 2022,
+"Reducing Activation Recomputation in Large Transformer Models", Table 2, without dropout masks and
+without the s x s score matrix, which fused scaled_dot_product_attention kernels do not keep):
+
+    norm inputs 2 + attention input 1 + q, k, v 3 + attention output 1 + out_proj input 1
+    + MLP input 1 + GELU input 4 + down_proj input 4 = 18
+
+Tensor parallel splits the 14 inside the column/row-parallel pair; sequence parallel also the 4 left.
+Activation checkpointing keeps only each layer's input (1), and recomputes one layer at a time.
+The head adds the final norm's and LM head's inputs, the logits (b x s x vocab, in the compute dtype)
+and the loss's fp32 log-softmax.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.autograd.graph import saved_tensors_hooks
+
+from paratrain.planner.model_facts import TransformerSizes
+
+LAYER_TENSORS = 18  # s x b x h tensors one layer keeps for backward
+LAYER_TENSORS_OUTSIDE_TP = 4  # of which outside the tensor-parallel region: two norm inputs, qkv and MLP inputs
+
+
+@dataclass(frozen=True)
+class ActivationShape:
+    """What decides one rank's activations: sizes, micro-batch, layout options."""
+
+    micro_batch: int
+    element_bytes: int  # 2 under bf16/fp16 autocast, 4 in fp32
+    tp: int = 1
+    sequence_parallel: bool = False
+    checkpointing: bool = False
+
+
+def layer_bytes(sizes: TransformerSizes, shape: ActivationShape) -> float:
+    """Bytes one transformer layer keeps for backward for one micro-batch (see the module docstring)."""
+    tensor = sizes.seq_len * shape.micro_batch * sizes.hidden * shape.element_bytes
+    if shape.checkpointing:
+        return tensor / (shape.tp if shape.sequence_parallel else 1)
+    if shape.sequence_parallel:
+        return LAYER_TENSORS * tensor / shape.tp
+    inside = LAYER_TENSORS - LAYER_TENSORS_OUTSIDE_TP
+    return (LAYER_TENSORS_OUTSIDE_TP + inside / shape.tp) * tensor
+
+
+def recompute_bytes(sizes: TransformerSizes, shape: ActivationShape) -> float:
+    """Under checkpointing, backward rebuilds one layer's full activations at a time."""
+    if not shape.checkpointing:
+        return 0.0
+    full = ActivationShape(shape.micro_batch, shape.element_bytes, shape.tp, shape.sequence_parallel)
+    return layer_bytes(sizes, full)
+
+
+def head_bytes(sizes: TransformerSizes, shape: ActivationShape) -> float:
+    """The final norm's and LM head's inputs, the logits (compute dtype) and the loss's fp32 log-softmax
+    (the head is not tensor parallel)."""
+    tokens = sizes.seq_len * shape.micro_batch
+    return tokens * (2 * sizes.hidden * shape.element_bytes + sizes.vocab * (shape.element_bytes + 4))
+
+
+def measure_saved_bytes(model: nn.Module, inputs: torch.Tensor) -> int:
+    """Bytes of the tensors autograd saves for backward in one forward of ``model`` on ``inputs``,
+    plus the output: the activations of any model, measured without memory when both are on meta.
+
+    Parameters (and views of them) are left out: they are counted as model state. Views of one tensor
+    (q, k and v projections all save views of the same norm output) count once, at the base's size.
+    On the meta device scaled_dot_product_attention takes its math path, which keeps the s x s scores
+    that fused GPU kernels do not.
+    """
+    params = {id(param) for param in model.parameters()}
+    saved: dict[int, int] = {}
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        base = tensor._base if tensor._base is not None else tensor
+        if id(base) not in params:
+            saved[id(base)] = base.numel() * base.element_size()
+        return tensor
+
+    with saved_tensors_hooks(pack, lambda tensor: tensor):
+        output = model(inputs)
+    return sum(saved.values()) + output.numel() * output.element_size()

@@ -1,0 +1,123 @@
+"""Bytes each rank sends per optimizer step under a layout, split into traffic within a node and
+across nodes, and the time that takes at nominal link speeds. Used only to rank layouts.
+
+Ring collectives over n ranks (what NCCL's bus bandwidth assumes): an all-reduce of S bytes sends
+2(n-1)/n x S per rank, an all-gather or reduce-scatter (n-1)/n x S. A group stays within a node when
+its ranks' span on the mesh ``arange(world).view(pp, dp_replicate, dp_shard, tp)`` fits in one node
+(tensor parallel is innermost); otherwise its ring crosses nodes and runs at the slower speed. Each
+collective or send also costs a fixed latency, so many small messages (a pipeline's per-micro-batch
+sends, tensor parallel's per-layer all-reduces) are not free for small models.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from paratrain.builders import micro_batch_size
+from paratrain.config import Config
+from paratrain.parallel.dims import ParallelDims
+from paratrain.planner.accounting import DTYPE_BYTES, FP32, StageShare, activation_shape
+from paratrain.planner.model_facts import ModelFacts
+
+# Nominal per-GPU bandwidths (bytes/s): NVLink-class within a node, one 200 Gb/s NIC per GPU across nodes.
+INTRA_NODE_BYTES_PER_S = 150e9
+INTER_NODE_BYTES_PER_S = 25e9
+LATENCY_S = 20e-6  # per collective or send: launch and synchronisation, whatever its size
+DDP_BUCKET_BYTES = 25 * 2**20  # DDP's default bucket_cap_mb: one all-reduce per bucket
+
+TP_ALL_REDUCES_PER_LAYER = 4  # attention and MLP outputs in forward, their inputs' gradients in backward
+
+
+@dataclass(frozen=True)
+class Traffic:
+    """Bytes one rank sends per step."""
+
+    intra_node: float = 0.0
+    inter_node: float = 0.0
+    messages: int = 0  # collectives and sends issued
+
+    def __add__(self, other: Traffic) -> Traffic:
+        return Traffic(self.intra_node + other.intra_node, self.inter_node + other.inter_node,
+                       self.messages + other.messages)
+
+    @property
+    def total(self) -> float:
+        return self.intra_node + self.inter_node
+
+    @property
+    def seconds(self) -> float:
+        return (self.intra_node / INTRA_NODE_BYTES_PER_S + self.inter_node / INTER_NODE_BYTES_PER_S
+                + self.messages * LATENCY_S)
+
+
+def group_spans_nodes(dims: ParallelDims, axis: str, *, gpus_per_node: int) -> bool:
+    """Whether the ranks of one group along ``axis`` lie on more than one node."""
+    stride = {"tp": 1, "dp_shard": dims.tp, "dp_replicate": dims.tp * dims.dp_shard,
+              "pp": dims.tp * dims.dp}[axis]
+    return stride * getattr(dims, axis) > gpus_per_node
+
+
+def _sent(num_bytes: float, dims: ParallelDims, axis: str, *, gpus_per_node: int, messages: int) -> Traffic:
+    if getattr(dims, axis) == 1 or num_bytes == 0:
+        return Traffic()
+    if group_spans_nodes(dims, axis, gpus_per_node=gpus_per_node):
+        return Traffic(inter_node=num_bytes, messages=messages)
+    return Traffic(intra_node=num_bytes, messages=messages)
+
+
+def ring_factor(n: int, *, all_reduce: bool) -> float:
+    return (2.0 if all_reduce else 1.0) * (n - 1) / n
+
+
+def step_traffic(facts: ModelFacts, share: StageShare, config: Config, dims: ParallelDims, *,
+                 gpus_per_node: int) -> Traffic:
+    """What one rank of this pipeline share sends in one optimizer step."""
+    micro_batches = config.train.global_batch_size // (micro_batch_size(config.train, config.pipeline, dims=dims) * dims.dp)
+    numel = sum(param.local_numel(tp=dims.tp) for param in share.params)  # before FSDP cuts it
+    units = sum(1 for block in facts.plan.blocks if block in share.pieces) + 1  # FSDP: each block, and the root
+    traffic = _data_parallel_traffic(numel, config, dims, micro_batches=micro_batches, units=units,
+                                     gpus_per_node=gpus_per_node)
+    return traffic + _activation_traffic(facts, share, config, dims, micro_batches=micro_batches,
+                                         gpus_per_node=gpus_per_node)
+
+
+def _data_parallel_traffic(numel: int, config: Config, dims: ParallelDims, *, micro_batches: int, units: int,
+                           gpus_per_node: int) -> Traffic:
+    """DDP all-reduces fp32 gradients once per step. FSDP all-gathers parameters for every micro-batch's
+    forward (and again for backward when it reshards after forward) and reduce-scatters gradients (every
+    micro-batch, or once); HSDP then all-reduces its shard across replicas."""
+    if dims.strategy == "ddp":
+        buckets = -(-FP32 * numel // DDP_BUCKET_BYTES)
+        return _sent(ring_factor(dims.dp_replicate, all_reduce=True) * FP32 * numel, dims, "dp_replicate",
+                     gpus_per_node=gpus_per_node, messages=buckets)
+    if dims.strategy not in ("fsdp", "hsdp"):
+        return Traffic()
+    fsdp = config.parallel.fsdp
+    gathered = DTYPE_BYTES[fsdp.param_dtype] if fsdp.param_dtype else FP32
+    reduced = DTYPE_BYTES[fsdp.reduce_dtype or fsdp.param_dtype or "fp32"]
+    accumulation = micro_batches if dims.pp == 1 else 1  # a pipeline's stages gather once per step
+    gathers = accumulation * (2 if fsdp.reshard_after_forward else 1)
+    reductions = accumulation if fsdp.grad_sync == "every_micro_batch" else 1
+    shard = ring_factor(dims.dp_shard, all_reduce=False) * numel
+    traffic = _sent((gathers * gathered + reductions * reduced) * shard, dims, "dp_shard", gpus_per_node=gpus_per_node,
+                    messages=(gathers + reductions) * units)
+    replicas = ring_factor(dims.dp_replicate, all_reduce=True) * reduced * numel / dims.dp_shard
+    return traffic + _sent(reductions * replicas, dims, "dp_replicate", gpus_per_node=gpus_per_node,
+                           messages=reductions * units)
+
+
+def _activation_traffic(facts: ModelFacts, share: StageShare, config: Config, dims: ParallelDims, *,
+                        micro_batches: int, gpus_per_node: int) -> Traffic:
+    """Tensor parallel all-reduces each layer's activations; a pipeline sends each micro-batch's activations
+    forward and their gradients back. Needs the transformer sizes (other models: no tp plan, pp not counted)."""
+    sizes = facts.transformer
+    if sizes is None:
+        return Traffic()
+    shape = activation_shape(config, dims)
+    activation = sizes.seq_len * shape.micro_batch * sizes.hidden * shape.element_bytes
+    tp_messages = TP_ALL_REDUCES_PER_LAYER * share.layers * micro_batches
+    tp_bytes = tp_messages * ring_factor(dims.tp, all_reduce=True) * activation if dims.tp > 1 else 0.0
+    pp_messages = 2 * micro_batches
+    pp_bytes = pp_messages * activation if dims.pp > 1 else 0.0
+    return (_sent(tp_bytes, dims, "tp", gpus_per_node=gpus_per_node, messages=tp_messages)
+            + _sent(pp_bytes, dims, "pp", gpus_per_node=gpus_per_node, messages=pp_messages))

@@ -1,0 +1,182 @@
+"""``paratrain train CONFIG --dry-run``: the layout of a world larger than this machine, in one process.
+
+A fake process group (``torch.testing._internal.distributed.fake_pg``: collectives that move no data)
+stands in for the world, so the real DeviceMesh is built and rank 0's model is laid out on the meta
+device by the same apply_* functions training uses. Nothing is trained: no data is read, no
+checkpoint or output directory is written, no memory is allocated for the model.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import replace
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from paratrain.config import Config
+from paratrain.errors import ConfigError
+from paratrain.factories import call_factory
+from paratrain.models.plan import plan_of
+from paratrain.parallel.dims import MESH_DIMS, ParallelDims
+from paratrain.planner.accounting import FP32, StageShare, rank_memory, stage_shares
+from paratrain.planner.layouts import check_layout
+from paratrain.planner.model_facts import read_model_facts
+from paratrain.planner.plan import activation_source
+from paratrain.planner.units import format_bytes
+
+
+@contextlib.contextmanager
+def fake_process_group(world_size: int, *, rank: int = 0) -> Iterator[None]:
+    """This process as ``rank`` of a ``world_size`` group whose collectives do nothing."""
+    if dist.is_initialized():
+        raise ConfigError("--dry-run runs in a process of its own; a process group already exists here")
+    from torch.testing._internal.distributed.fake_pg import FakeStore  # registers the "fake" backend
+
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def dry_run(config: Config, *, nproc_per_node: int, nnodes: int) -> str:
+    """The layout per rank and the expected memory, as text.
+
+    Raises:
+        ConfigError: the layout does not fit the world size or the model (as ``paratrain train`` would say).
+    """
+    if nproc_per_node < 1 or nnodes < 1:
+        raise ConfigError("--nproc-per-node and --nnodes must be >= 1")
+    world_size = nproc_per_node * nnodes
+    facts = read_model_facts(config.model, seq_len=config.data.args.get("block_size"))
+    dims = check_layout(config, facts, world_size=world_size, gpus_per_node=nproc_per_node)
+    measured, source = activation_source(facts, config, read_data_sample=False)
+    shares = stage_shares(facts, config, dims)
+    memory = [rank_memory(facts, share, config, dims, measured_per_sample=measured) for share in shares]
+    lines = [f"dry run: {world_size} ranks ({nnodes} node(s) x {nproc_per_node}), parallel.strategy="
+             f"{config.parallel.strategy}: {dims.describe()}; nothing trained (no data read, nothing written)"]
+    if not dims.needs_process_group:
+        return "\n".join([*lines, "one process, no process group", *_memory_lines(shares, memory, source)])
+    with fake_process_group(world_size):
+        mesh = dims.build_mesh("cpu")
+        model = build_rank0_on_meta(config, dims, mesh)
+        ranks = mesh.mesh.clone()
+    lines += _parameter_lines(model, dims)
+    lines += [f"rank 0 built on meta: {format_bytes(_local_bytes(model))} of fp32 parameters; "
+              f"planner: {format_bytes(memory[0].params)}"]
+    lines += _memory_lines(shares, memory, source)
+    lines += _group_lines(ranks, dims)
+    lines += _rank_lines(ranks, shares, memory, nproc_per_node=nproc_per_node)
+    return "\n".join(lines)
+
+
+def build_rank0_on_meta(config: Config, dims: ParallelDims, mesh) -> nn.Module:
+    """Rank 0's model on meta: its pipeline stages only, then tensor parallel and FSDP, in the order
+    ``builders.build_model`` and ``pipeline.build`` apply them (checkpointing and compile move no parameters)."""
+    from paratrain.parallel.fsdp import apply_fsdp
+    from paratrain.parallel.tensor import apply_tensor_parallel
+
+    with torch.device("meta"):
+        model = call_factory(config.model, key="model")
+    plan, roots = plan_of(model), None
+    if dims.pp > 1:
+        model, plan, roots = _keep_rank0_stages(model, plan, config, dims)
+    parallel = config.parallel
+    if dims.tp > 1:
+        apply_tensor_parallel(model, mesh["tp"], plan=plan, sequence_parallel=parallel.sequence_parallel and dims.pp == 1)
+    if dims.strategy in ("fsdp", "hsdp"):
+        fsdp_mesh = mesh["dp_shard"] if dims.strategy == "fsdp" else mesh["dp_replicate", "dp_shard"]
+        apply_fsdp(model, fsdp_mesh, plan=plan, options=parallel.fsdp, roots=roots)
+    return model
+
+
+def _keep_rank0_stages(model: nn.Module, plan, config: Config, dims: ParallelDims):
+    from paratrain.pipeline.build import pipeline_shape
+    from paratrain.pipeline.split import cut_stages, pipeline_sequence
+    from paratrain.pipeline.stages import keep_only, stage_modules
+
+    shape = pipeline_shape(config.pipeline, dims=dims, train=config.train)
+    stages = cut_stages(model, config.pipeline, shape.num_stages)
+    mine = shape.stages_of_rank(0)
+    kept = {piece for index in mine for piece in stages[index]}
+    keep_only(model, pipeline_sequence(model), kept)
+    blocks = tuple(block for block in plan.blocks if any(block == p or block.startswith(p + ".") for p in kept))
+    roots = stage_modules(model, [stages[index] for index in mine], contextlib.nullcontext)
+    return model, replace(plan, blocks=blocks), list(roots)
+
+
+def _local_bytes(model: nn.Module) -> int:
+    return sum(_local(param).numel() * FP32 for param in model.parameters())
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def _parameter_lines(model: nn.Module, dims: ParallelDims) -> list[str]:
+    """How rank 0 holds each kind of parameter (blocks shown once, as blocks.*)."""
+    replicated_over = [name for name in MESH_DIMS if getattr(dims, name) > 1]
+    lines, seen = ["parameters on rank 0 (full shape -> local shape: placement per mesh dimension):"], set()
+    for name, param in model.named_parameters():
+        pattern = ".".join("*" if part.isdigit() else part for part in name.split("."))
+        if pattern in seen:
+            continue
+        seen.add(pattern)
+        if isinstance(param, DTensor):
+            placements = ", ".join(f"{placement} on {dim}" for placement, dim
+                                   in zip(param.placements, param.device_mesh.mesh_dim_names))
+        else:
+            placements = "whole on this rank, replicated over " + (" x ".join(replicated_over) or "nothing")
+        lines.append(f"  {pattern}: {list(param.shape)} -> {list(_local(param).shape)}: {placements}")
+    return lines
+
+
+def _memory_lines(shares: list[StageShare], memory, source: str) -> list[str]:
+    lines = [f"expected memory per rank (planner; activations: {source}):"]
+    for share, rank in zip(shares, memory):
+        where = f"pp rank {share.pp_rank}" if len(shares) > 1 else "every rank"
+        lines.append(f"  {where}: params {format_bytes(rank.params)}, grads {format_bytes(rank.grads)}, optimizer "
+                     f"{format_bytes(rank.optimizer)}, activations {format_bytes(rank.activations)}, working "
+                     f"{format_bytes(rank.working)}: total {format_bytes(rank.total)}")
+    return lines
+
+
+def _group_lines(ranks: torch.Tensor, dims: ParallelDims) -> list[str]:
+    """The rank groups along each mesh dimension of size > 1, as the mesh lays them out."""
+    lines = ["rank groups (from the mesh):"]
+    for axis, name in enumerate(MESH_DIMS):
+        size = getattr(dims, name)
+        if size == 1:
+            continue
+        groups = ranks.movedim(axis, -1).reshape(-1, size).tolist()
+        shown = "; ".join(_span(group) for group in groups[:3]) + ("; ..." if len(groups) > 3 else "")
+        lines.append(f"  {name}: {len(groups)} group(s) of {size}: {shown}")
+    return lines
+
+
+def _span(group: list[int]) -> str:
+    step = group[1] - group[0] if len(group) > 1 else 1
+    if len(group) > 3 and all(b - a == step for a, b in zip(group, group[1:])):
+        return f"[{group[0]}, {group[1]}, ..., {group[-1]}]"
+    return str(group)
+
+
+def _rank_lines(ranks: torch.Tensor, shares: list[StageShare], memory, *, nproc_per_node: int) -> list[str]:
+    lines = ["ranks (node/local: mesh coordinates pp, dp_replicate, dp_shard, tp; pipeline pieces; expected memory):"]
+    for rank in range(ranks.numel()):
+        coords = [int(value) for value in (ranks == rank).nonzero()[0]]
+        share, held = shares[coords[0]], memory[coords[0]]
+        pieces = _pieces_text(share.pieces)
+        lines.append(f"  rank {rank:>4} node {rank // nproc_per_node}/{rank % nproc_per_node}: "
+                     f"({', '.join(map(str, coords))})  {pieces}  {format_bytes(held.total)}")
+    return lines
+
+
+def _pieces_text(pieces: tuple[str, ...]) -> str:
+    if len(pieces) <= 3:
+        return ", ".join(pieces)
+    return f"{pieces[0]} .. {pieces[-1]} ({len(pieces)} pieces)"

@@ -1,0 +1,117 @@
+"""The layouts a number of GPUs allows: every pp x dp_replicate x dp_shard x tp whose product is the GPU
+count, under each strategy that can run it, with tensor parallel kept within a node.
+
+Each candidate is checked by the same rules ``paratrain train`` applies before launching (degrees,
+batch divisibility, the model's tensor-parallel plan, pipeline settings), so a layout the planner
+ranks is one that would start.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+from paratrain.config import Config
+from paratrain.errors import ConfigError
+from paratrain.parallel.dims import MESH_DIMS, ParallelDims
+from paratrain.planner.model_facts import ModelFacts
+
+
+@dataclass(frozen=True)
+class Cluster:
+    """GPUs of equal memory, spread evenly over nodes."""
+
+    gpus: int
+    nodes: int
+    gpu_memory: int  # bytes per GPU
+
+    @property
+    def gpus_per_node(self) -> int:
+        return self.gpus // self.nodes
+
+    def check(self) -> None:
+        if self.gpus < 1 or self.nodes < 1:
+            raise ConfigError(f"--gpus={self.gpus} --nodes={self.nodes}: both must be at least 1")
+        if self.gpus % self.nodes:
+            raise ConfigError(f"--gpus={self.gpus} does not split evenly over --nodes={self.nodes}; "
+                              f"give a GPU count that is a multiple of the node count")
+
+
+def divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def candidate_layouts(cluster: Cluster) -> Iterator[ParallelDims]:
+    """Every strategy and degree combination for the cluster, tensor parallel within a node."""
+    for pp in divisors(cluster.gpus):
+        for tp in divisors(cluster.gpus // pp):
+            if cluster.gpus_per_node % tp:
+                continue
+            yield from _data_parallel_choices(pp, tp, cluster.gpus // (pp * tp))
+
+
+def _data_parallel_choices(pp: int, tp: int, dp: int) -> Iterator[ParallelDims]:
+    if dp == 1:
+        if tp > 1:
+            yield ParallelDims("tp", pp=pp, tp=tp)
+        else:
+            yield ParallelDims("pp" if pp > 1 else "single", pp=pp)
+        return
+    if tp == 1:
+        yield ParallelDims("ddp", pp=pp, dp_replicate=dp)
+    yield ParallelDims("fsdp", pp=pp, dp_shard=dp, tp=tp)
+    for shard in divisors(dp)[1:-1]:
+        yield ParallelDims("hsdp", pp=pp, dp_replicate=dp // shard, dp_shard=shard, tp=tp)
+
+
+def layout_overrides(dims: ParallelDims) -> list[str]:
+    """Config overrides that select this layout, every degree explicit (so the file's own degrees do not mix in)."""
+    return [f"parallel.strategy={dims.strategy}", *(f"parallel.{name}={getattr(dims, name)}" for name in MESH_DIMS)]
+
+
+def describe_layout(dims: ParallelDims) -> str:
+    """Short name: the strategy and the degrees above 1, e.g. ``fsdp dp_shard=8 tp=8``."""
+    degrees = [f"{name}={getattr(dims, name)}" for name in MESH_DIMS if getattr(dims, name) > 1]
+    return " ".join([dims.strategy, *degrees])
+
+
+def with_layout(config: Config, dims: ParallelDims) -> Config:
+    """The config with its parallel degrees and strategy replaced by this layout's."""
+    degrees = {name: getattr(dims, name) for name in MESH_DIMS}
+    return config.model_copy(update={"parallel": config.parallel.model_copy(update={"strategy": dims.strategy, **degrees})})
+
+
+def layout_problem(config: Config, facts: ModelFacts, dims: ParallelDims, *, gpus_per_node: int) -> str | None:
+    """Why ``paratrain train`` would refuse this layout, or None when it would start."""
+    try:
+        check_layout(with_layout(config, dims), facts, world_size=dims.world_size, gpus_per_node=gpus_per_node)
+    except ConfigError as error:
+        return str(error)
+    return None
+
+
+def check_layout(config: Config, facts: ModelFacts, *, world_size: int, gpus_per_node: int) -> ParallelDims:
+    """The checks preflight makes of a layout, without those about this machine (devices, output_dir).
+
+    Returns:
+        The layout resolved from the config's parallel section (degrees filled in).
+
+    Raises:
+        ConfigError: naming the key and the fix.
+    """
+    resolved = ParallelDims.resolve(config.parallel.strategy, world_size=world_size,
+                                    local_world_size=gpus_per_node, degrees=config.parallel.degrees())
+    step_unit = config.train.micro_batch_size * resolved.dp
+    if config.train.global_batch_size % step_unit:
+        raise ConfigError(
+            f"train.global_batch_size={config.train.global_batch_size} is not divisible by train.micro_batch_size="
+            f"{config.train.micro_batch_size} x data-parallel size {resolved.dp}; use a multiple of {step_unit}")
+    if resolved.tp > 1:
+        from paratrain.parallel.tensor import check_tensor_parallel_plan  # loads DTensor: only when used
+
+        check_tensor_parallel_plan(facts.plan, resolved.tp)
+    if resolved.pp > 1:
+        from paratrain.pipeline.checks import check_pipeline
+
+        check_pipeline(config, resolved, model=facts.model)
+    return resolved

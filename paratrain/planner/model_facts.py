@@ -1,0 +1,136 @@
+"""What the planner knows about a model, read from one build on the meta device (no memory): every
+parameter's shape, which of them tensor parallel splits and how, the pipeline pieces, and the
+transformer sizes its activation formula needs."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from paratrain.config import ModelConfig
+from paratrain.errors import ConfigError
+from paratrain.factories import call_factory
+from paratrain.models.plan import ParallelPlan, TensorParallelStyle, plan_of
+
+
+@dataclass(frozen=True)
+class ParamFacts:
+    """One parameter: its full shape and how tensor parallel splits it (None: replicated)."""
+
+    name: str
+    shape: tuple[int, ...]
+    tp_style: TensorParallelStyle | None = None
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    def local_numel(self, *, tp: int = 1, dp_shard: int = 1) -> int:
+        """Elements one rank holds: tensor parallel splits a colwise weight or bias on dim 0 and a
+        rowwise weight on dim 1 (a rowwise bias stays whole); FSDP then cuts dim 0 of that piece into
+        ``dp_shard`` parts, padded up (FSDP2's uneven shards: rank 0 holds the largest)."""
+        shape = list(self.shape) or [1]
+        if tp > 1 and self.tp_style == "colwise":
+            shape[0] //= tp
+        elif tp > 1 and self.tp_style == "rowwise" and len(shape) > 1:
+            shape[1] //= tp
+        shape[0] = -(-shape[0] // dp_shard)
+        return math.prod(shape)
+
+
+@dataclass(frozen=True)
+class TransformerSizes:
+    """Sizes of a GPT-style model, for the activation formula (see docs/planner.md)."""
+
+    num_layers: int
+    hidden: int
+    heads: int
+    seq_len: int
+    vocab: int
+
+
+@dataclass(frozen=True)
+class ModelFacts:
+    """The model as the planner sees it.
+
+    Attributes:
+        model: The model on the meta device (pipeline stages are cut from it).
+        params: Every parameter, in the model's order.
+        plan: The parallel plan the model declares.
+        transformer: Its sizes when it is GPT-like, else None.
+    """
+
+    model: nn.Module
+    params: tuple[ParamFacts, ...]
+    plan: ParallelPlan
+    transformer: TransformerSizes | None
+
+    @property
+    def num_params(self) -> int:
+        return sum(param.numel for param in self.params)
+
+    def params_in(self, pieces: Iterable[str]) -> list[ParamFacts]:
+        """Parameters that live in any of these module paths (a pipeline stage's pieces)."""
+        prefixes = tuple(f"{piece}." for piece in pieces)
+        return [param for param in self.params if param.name.startswith(prefixes)]
+
+    def blocks_in(self, pieces: Iterable[str]) -> int:
+        """How many of the model's blocks (transformer layers) these pieces hold."""
+        pieces = set(pieces)
+        return sum(1 for block in self.plan.blocks if block in pieces)
+
+
+def read_model_facts(model_config: ModelConfig, *, seq_len: int | None = None) -> ModelFacts:
+    """Builds ``model.factory`` on the meta device and reads its sizes.
+
+    Args:
+        seq_len: Sequence length of the data, when the data config names one (else the model's block_size).
+
+    Raises:
+        ConfigError: the model does not build on the meta device, or has no parameters to count.
+    """
+    try:
+        with torch.device("meta"):
+            model = call_factory(model_config, key="model")
+    except ConfigError:
+        raise
+    except Exception as error:  # the user's constructor may fail in any way on meta tensors
+        raise ConfigError(
+            f"model.factory={model_config.factory!r} does not build on the meta device ({type(error).__name__}: "
+            f"{error}); the planner counts parameters without allocating them, so the constructor must not "
+            f"need real tensor values or a fixed device") from None
+    if not isinstance(model, nn.Module) or not any(True for _ in model.parameters()):
+        raise ConfigError(
+            f"model.factory={model_config.factory!r} gives a model with no size information (no parameters to "
+            f"count); the planner needs an nn.Module whose parameters exist once it is constructed (not created "
+            f"lazily in forward, e.g. nn.LazyLinear)")
+    if any(isinstance(param, nn.parameter.UninitializedParameter) for param in model.parameters()):
+        raise ConfigError(
+            f"model.factory={model_config.factory!r} has lazy parameters whose size is unknown until the first "
+            f"forward; give every layer its sizes (nn.Linear instead of nn.LazyLinear) so the planner can count them")
+    plan = plan_of(model)
+    return ModelFacts(model, tuple(_param_facts(model, plan)), plan, transformer_sizes(model, seq_len=seq_len))
+
+
+def transformer_sizes(model: nn.Module, *, seq_len: int | None = None) -> TransformerSizes | None:
+    """GPT-like sizes from ``model.config`` (n_layer, n_embd, n_head, block_size, vocab_size), or None."""
+    config: Any = getattr(model, "config", None)
+    names = ("n_layer", "n_embd", "n_head", "block_size", "vocab_size")
+    if config is None or not all(isinstance(getattr(config, name, None), int) for name in names):
+        return None
+    return TransformerSizes(config.n_layer, config.n_embd, config.n_head, seq_len or config.block_size, config.vocab_size)
+
+
+def _param_facts(model: nn.Module, plan: ParallelPlan) -> Iterable[ParamFacts]:
+    styles = {f"{block}.{layer}.{kind}": style for block in plan.blocks
+              for layer, style in plan.block_tp_plan.items() for kind in ("weight", "bias")}
+    for name, param in model.named_parameters():
+        style = styles.get(name)
+        if style == "rowwise" and name.endswith(".bias"):
+            style = None  # a rowwise layer adds its bias once, after the reduction: kept whole
+        yield ParamFacts(name, tuple(param.shape), style)

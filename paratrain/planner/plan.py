@@ -1,0 +1,60 @@
+"""``paratrain plan CONFIG --gpus N --gpu-memory 80GB [--nodes K]``: read the model, estimate every layout, print."""
+
+from __future__ import annotations
+
+import torch
+
+from paratrain.config import Config
+from paratrain.errors import ConfigError
+from paratrain.factories import call_factory
+from paratrain.planner.activations import measure_saved_bytes
+from paratrain.planner.layouts import Cluster
+from paratrain.planner.model_facts import ModelFacts, read_model_facts
+from paratrain.planner.ranking import Plan, rank_layouts
+from paratrain.planner.report import format_plan
+from paratrain.planner.units import parse_memory
+
+
+def plan_layouts(config: Config, *, gpus: int, gpu_memory: str, nodes: int = 1,
+                 read_data_sample: bool = True) -> tuple[Plan, ModelFacts, str]:
+    """Ranks the layouts for ``config``'s model on the cluster.
+
+    Args:
+        gpu_memory: Memory per GPU as the user wrote it ("80GB", "80GiB").
+        read_data_sample: For a model that is not GPT-like, read one sample of the dataset to measure its
+            activations (otherwise they are left out).
+
+    Returns:
+        The plan, the model facts, and a phrase saying where the activation estimate comes from.
+
+    Raises:
+        ConfigError: unparsable memory, a cluster that does not divide, or a model with no size information.
+    """
+    cluster = Cluster(gpus, nodes, parse_memory(gpu_memory, argument="--gpu-memory"))
+    cluster.check()
+    facts = read_model_facts(config.model, seq_len=config.data.args.get("block_size"))
+    measured, source = activation_source(facts, config, read_data_sample=read_data_sample)
+    return rank_layouts(facts, config, cluster, measured_per_sample=measured), facts, source
+
+
+def activation_source(facts: ModelFacts, config: Config, *, read_data_sample: bool) -> tuple[float | None, str]:
+    """Bytes per sample measured on the meta device for models the formula does not cover, and how it was found."""
+    sizes = facts.transformer
+    if sizes is not None:
+        return None, (f"transformer formula (layers {sizes.num_layers}, hidden {sizes.hidden}, heads {sizes.heads}, "
+                      f"sequence {sizes.seq_len}, vocab {sizes.vocab})")
+    if not read_data_sample:
+        return None, "not estimated (the model is not GPT-like; `paratrain plan` measures them from one data sample)"
+    inputs = call_factory(config.data, key="data")[0][0]
+    if not isinstance(inputs, torch.Tensor):
+        raise ConfigError(f"data.factory={config.data.factory!r}: the planner measures activations of models that are "
+                          f"not GPT-like from one sample, which must be a tensor (got {type(inputs).__name__})")
+    per_sample = measure_saved_bytes(facts.model, inputs.unsqueeze(0).to("meta"))
+    return float(per_sample), "measured: tensors autograd saves in one forward on the meta device, per sample"
+
+
+def plan_command_text(config: Config, *, config_path: str, gpus: int, gpu_memory: str, nodes: int) -> tuple[str, int]:
+    """The report, and the exit code: 0 when a layout fits, 1 when none does."""
+    plan, facts, source = plan_layouts(config, gpus=gpus, gpu_memory=gpu_memory, nodes=nodes)
+    text = format_plan(plan, facts, config, config_path=config_path, activation_source=source)
+    return text, 0 if plan.recommended else 1

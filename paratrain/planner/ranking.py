@@ -1,0 +1,130 @@
+"""Estimates for every candidate layout, which of them fit, and the one to recommend.
+
+A layout fits when its fullest rank needs at most ``USABLE_FRACTION`` of a GPU's memory: the rest is
+headroom for the CUDA context, the allocator's fragmentation and temporary buffers the estimate
+leaves out. Layouts that fit are ranked by their estimated overhead per step, then by memory:
+
+    overhead = communication time (not overlapped, at the nominal link speeds of communication.py)
+             + pipeline bubble (p-1)/(v·m + p-1) x compute time
+    compute time = 6 x Ψ x tokens per step / (GPUs x NOMINAL_FLOPS)
+
+(6Ψ FLOPs per token for forward and backward; samples instead of tokens for models that are not
+GPT-like). Only the comparison between layouts matters: the same compute time is in every one.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from paratrain.config import Config
+from paratrain.parallel.dims import ParallelDims
+from paratrain.planner.accounting import RankMemory, rank_memory, stage_shares
+from paratrain.planner.communication import Traffic, step_traffic
+from paratrain.planner.layouts import Cluster, candidate_layouts, describe_layout, layout_problem, with_layout
+from paratrain.planner.model_facts import ModelFacts
+from paratrain.planner.units import format_seconds
+
+USABLE_FRACTION = 0.9
+NOMINAL_FLOPS = 400e12  # achieved FLOP/s per GPU: about 40 % of an H100's dense bf16 peak (REFERENCE.md)
+
+
+@dataclass(frozen=True)
+class LayoutEstimate:
+    """One layout: the memory of its fullest rank, each pipeline rank's, and its traffic per step."""
+
+    dims: ParallelDims
+    per_pp_rank: tuple[RankMemory, ...]
+    traffic: Traffic  # of the pipeline rank that sends most
+    bubble_seconds: float  # pipeline idle time per step (0 without a pipeline)
+
+    @property
+    def overhead_seconds(self) -> float:
+        return self.traffic.seconds + self.bubble_seconds
+
+    @property
+    def peak(self) -> RankMemory:
+        return max(self.per_pp_rank, key=lambda memory: memory.total)
+
+    def fits(self, gpu_memory: int) -> bool:
+        return self.peak.total <= USABLE_FRACTION * gpu_memory
+
+    def sort_key(self, gpu_memory: int) -> tuple:
+        return (not self.fits(gpu_memory), self.overhead_seconds, self.peak.total)
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Every layout the cluster allows, ranked; and those ``paratrain train`` would refuse, with why."""
+
+    cluster: Cluster
+    ranked: tuple[LayoutEstimate, ...]
+    refused: tuple[tuple[ParallelDims, str], ...]
+
+    @property
+    def fitting(self) -> tuple[LayoutEstimate, ...]:
+        return tuple(estimate for estimate in self.ranked if estimate.fits(self.cluster.gpu_memory))
+
+    @property
+    def recommended(self) -> LayoutEstimate | None:
+        return self.fitting[0] if self.fitting else None
+
+
+def estimate_layout(facts: ModelFacts, config: Config, dims: ParallelDims, *, gpus_per_node: int,
+                    measured_per_sample: float | None) -> LayoutEstimate:
+    """Memory and traffic of one layout (config's parallel section is replaced by it)."""
+    config = with_layout(config, dims)
+    shares = stage_shares(facts, config, dims)
+    memory = tuple(rank_memory(facts, share, config, dims, measured_per_sample=measured_per_sample) for share in shares)
+    traffic = max((step_traffic(facts, share, config, dims, gpus_per_node=gpus_per_node) for share in shares),
+                  key=lambda sent: sent.seconds)
+    return LayoutEstimate(dims, memory, traffic, bubble_fraction(config, dims) * compute_seconds(facts, config, dims))
+
+
+def compute_seconds(facts: ModelFacts, config: Config, dims: ParallelDims) -> float:
+    """Forward and backward time of one step on each GPU at NOMINAL_FLOPS (6Ψ FLOPs per token, or per sample)."""
+    per_sample = facts.transformer.seq_len if facts.transformer else 1
+    work = 6.0 * facts.num_params * config.train.global_batch_size * per_sample
+    return work / (dims.world_size * NOMINAL_FLOPS)
+
+
+def bubble_fraction(config: Config, dims: ParallelDims) -> float:
+    """Idle share of a pipeline step: (p-1)/(v·m + p-1), REFERENCE.md's GPipe/1F1B/interleaved formula."""
+    if dims.pp == 1:
+        return 0.0
+    from paratrain.pipeline.build import pipeline_shape  # loads torch.distributed.pipelining: pp only
+
+    shape = pipeline_shape(config.pipeline, dims=dims, train=config.train)
+    return (dims.pp - 1) / (shape.stages_per_rank * shape.microbatches + dims.pp - 1)
+
+
+def rank_layouts(facts: ModelFacts, config: Config, cluster: Cluster, *, measured_per_sample: float | None) -> Plan:
+    """Estimates every runnable candidate layout and ranks them (see the module docstring)."""
+    cluster.check()
+    estimates, refused = [], []
+    for dims in candidate_layouts(cluster):
+        problem = layout_problem(config, facts, dims, gpus_per_node=cluster.gpus_per_node)
+        if problem:
+            refused.append((dims, problem))
+            continue
+        estimates.append(estimate_layout(facts, config, dims, gpus_per_node=cluster.gpus_per_node,
+                                         measured_per_sample=measured_per_sample))
+    estimates.sort(key=lambda estimate: estimate.sort_key(cluster.gpu_memory))
+    return Plan(cluster, tuple(estimates), tuple(refused))
+
+
+def recommendation_reason(plan: Plan) -> str:
+    """Why the first layout that fits is the one to use, in a sentence or two."""
+    best = plan.recommended
+    if best is None:
+        return "no layout fits"
+    gpu = plan.cluster.gpu_memory
+    reason = (f"its fullest rank needs {best.peak.total / gpu:.0%} of a GPU's memory (at most {USABLE_FRACTION:.0%} "
+              f"counts as fitting), and of the {len(plan.fitting)} layout(s) that fit it has the least estimated "
+              f"overhead per step: {format_seconds(best.traffic.seconds)} of communication")
+    if best.dims.pp > 1:
+        reason += f" + {format_seconds(best.bubble_seconds)} of pipeline bubble"
+    others = [estimate for estimate in plan.fitting[1:] if estimate.traffic.seconds < best.traffic.seconds]
+    if others:
+        reason += (f"; {describe_layout(others[0].dims)} sends less but idles {format_seconds(others[0].bubble_seconds)} "
+                   f"in its pipeline bubble")
+    return reason

@@ -1,0 +1,79 @@
+"""The planner's printed report: a header, a table of the layouts ranked, and the recommendation."""
+
+from __future__ import annotations
+
+from paratrain.config import Config
+from paratrain.parallel.dims import MESH_DIMS
+from paratrain.planner.layouts import describe_layout, layout_overrides
+from paratrain.planner.model_facts import ModelFacts
+from paratrain.planner.ranking import USABLE_FRACTION, LayoutEstimate, Plan, recommendation_reason
+from paratrain.planner.units import format_bytes, format_seconds
+
+SHOWN_LAYOUTS = 12
+
+
+def format_plan(plan: Plan, facts: ModelFacts, config: Config, *, config_path: str, activation_source: str) -> str:
+    lines = [*_header(plan, facts, config, activation_source), "", *_table(plan), *_refused(plan), "",
+             *_verdict(plan, config_path)]
+    return "\n".join(lines)
+
+
+def _refused(plan: Plan, shown: int = 3) -> list[str]:
+    """A few layouts paratrain train would refuse, with the first line of its reason."""
+    lines = [f"  refused: {describe_layout(dims)}: {reason.splitlines()[0]}" for dims, reason in plan.refused[:shown]]
+    if len(plan.refused) > shown:
+        lines.append(f"  refused: ... {len(plan.refused) - shown} more")
+    return lines
+
+
+def _header(plan: Plan, facts: ModelFacts, config: Config, activation_source: str) -> list[str]:
+    cluster = plan.cluster
+    optimizer = config.optim.name + (f" (momentum {config.optim.momentum})" if config.optim.name == "sgd" else "")
+    return [
+        f"model: {config.model.factory}, {facts.num_params:,} parameters ({len(facts.params)} tensors); "
+        f"optimizer {optimizer}; precision {config.precision} (weights, gradients, optimizer state fp32)",
+        f"batch: global {config.train.global_batch_size}, micro {config.train.micro_batch_size}; activation "
+        f"checkpointing {'on' if config.parallel.activation_checkpointing else 'off'}; activations: {activation_source}",
+        f"cluster: {cluster.gpus} GPU(s) on {cluster.nodes} node(s), {format_bytes(cluster.gpu_memory)} each "
+        f"({USABLE_FRACTION:.0%} usable: {format_bytes(USABLE_FRACTION * cluster.gpu_memory)})",
+        f"{len(plan.ranked)} layout(s) estimated, {len(plan.fitting)} fit; {len(plan.refused)} refused by "
+        f"paratrain's checks",
+    ]
+
+
+def _table(plan: Plan) -> list[str]:
+    header = (f"{'#':>3}  {'layout':<38} {'params':>10} {'grads':>10} {'optim':>10} {'activ.':>10} {'working':>10} "
+              f"{'total':>10} {'of GPU':>6}  {'comm/step':>10} {'x-node':>10} {'overhead':>9}  fits")
+    rows = [header]
+    for index, estimate in enumerate(plan.ranked[:SHOWN_LAYOUTS], start=1):
+        rows.append(_row(index, estimate, plan.cluster.gpu_memory))
+    if len(plan.ranked) > SHOWN_LAYOUTS:
+        rows.append(f"  ... {len(plan.ranked) - SHOWN_LAYOUTS} more")
+    return rows
+
+
+def _row(index: int, estimate: LayoutEstimate, gpu_memory: int) -> str:
+    peak, traffic = estimate.peak, estimate.traffic
+    cells = [format_bytes(value) for value in (peak.params, peak.grads, peak.optimizer, peak.activations,
+                                                 peak.working, peak.total)]
+    return (f"{index:>3}  {describe_layout(estimate.dims):<38} " + " ".join(f"{cell:>10}" for cell in cells)
+            + f" {peak.total / gpu_memory:>6.0%}  {format_bytes(traffic.total):>10} {format_bytes(traffic.inter_node):>10}"
+            + f" {format_seconds(estimate.overhead_seconds):>9}"
+            + f"  {'yes' if estimate.fits(gpu_memory) else 'no'}")
+
+
+def _verdict(plan: Plan, config_path: str) -> list[str]:
+    best = plan.recommended
+    if best is None:
+        smallest = min(plan.ranked, key=lambda estimate: estimate.peak.total, default=None)
+        hint = (f" the least memory is {describe_layout(smallest.dims)} at {format_bytes(smallest.peak.total)} per rank"
+                if smallest else "")
+        return [f"no layout fits in {format_bytes(USABLE_FRACTION * plan.cluster.gpu_memory)} per GPU;{hint}. Try "
+                f"parallel.activation_checkpointing=true, a smaller train.micro_batch_size, or more GPUs."]
+    cluster = plan.cluster
+    command = (f"paratrain train {config_path} --nproc-per-node {cluster.gpus_per_node} --nnodes {cluster.nodes} "
+               + " ".join(layout_overrides(best.dims)))
+    degrees = " x ".join(f"{name}={getattr(best.dims, name)}" for name in MESH_DIMS)
+    return [f"recommended: {describe_layout(best.dims)} ({degrees}), {format_bytes(best.peak.total)} per rank",
+            f"why: {recommendation_reason(plan)}.",
+            f"run it: {command}"]

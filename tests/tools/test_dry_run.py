@@ -1,0 +1,74 @@
+"""paratrain train --dry-run: a 64-rank layout laid out in this one process, and its bad input."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch.distributed as dist
+
+from paratrain.cli import main
+from tests.harness import tiny_config, write_config
+
+# 4 heads and 4 layers: tp=4 divides the heads, and 6 pipeline pieces can make 4 stages.
+MODEL = "model.args={block_size: 16, n_layer: 4, n_head: 4, n_embd: 64}"
+
+
+@pytest.fixture(scope="module")
+def config_path(tmp_path_factory):
+    root = tmp_path_factory.mktemp("dry_run")
+    return write_config(root / "c.yaml", tiny_config(root / "run", train={"global_batch_size": 64, "micro_batch_size": 2}))
+
+
+def dry_run(capsys, config_path, *overrides, nproc=8, nnodes=8) -> tuple[int, str, str]:
+    code = main(["train", str(config_path), "--dry-run", "--nproc-per-node", str(nproc), "--nnodes", str(nnodes),
+                 MODEL, *overrides])
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+def test_a_64_rank_pipeline_fsdp_tensor_parallel_layout_is_laid_out_in_one_process(capsys, config_path):
+    code, out, err = dry_run(capsys, config_path, "parallel.strategy=fsdp", "parallel.pp=4", "parallel.tp=4")
+    assert code == 0, err
+    assert "64 ranks (8 node(s) x 8), parallel.strategy=fsdp: pp=4 x dp_replicate=1 x dp_shard=4 x tp=4" in out
+    assert "nothing trained (no data read, nothing written)" in out
+    # Rank 0 holds pipeline stage 0 only (embedding and first block), sharded over dp_shard and tp.
+    parameters = out.split("rank 0 built on meta")[0]
+    assert re.search(r"embed\.tok\.weight: \[128, 64\] -> \[32, 64\]: S\(0\) on dp_shard\n", parameters)
+    assert "blocks.*.attn.out_proj.weight: [64, 64] -> [16, 16]: S(0) on dp_shard, S(1) on tp" in parameters
+    assert "lm_head" not in parameters and "final_norm" not in parameters
+    # One line per rank, coordinates from the mesh: tp innermost, pp outermost.
+    rank_lines = [line for line in out.splitlines() if line.startswith("  rank ")]
+    assert len(rank_lines) == 64
+    assert rank_lines[0].startswith("  rank    0 node 0/0: (0, 0, 0, 0)  embed, blocks.0  ")
+    assert rank_lines[5].startswith("  rank    5 node 0/5: (0, 0, 1, 1)")
+    assert rank_lines[63].startswith("  rank   63 node 7/7: (3, 0, 3, 3)  blocks.3, final_norm, lm_head  ")
+    assert "tp: 16 group(s) of 4: [0, 1, ..., 3]; [4, 5, ..., 7]" in out
+    assert "pp: 16 group(s) of 4: [0, 16, ..., 48]" in out
+    assert "dp_shard: 16 group(s) of 4: [0, 4, ..., 12]" in out
+    # The sharding built on meta holds what the planner expects rank 0 to hold.
+    built, planned = re.search(r"rank 0 built on meta: (.+) of fp32 parameters; planner: (.+)", out).groups()
+    assert built == planned
+    assert len(re.findall(r"  pp rank \d: params", out)) == 4
+    assert not dist.is_initialized()  # the fake group is gone
+    assert not (config_path.parent / "run").exists()
+
+
+def test_fsdp_8_by_tensor_parallel_8_shards_every_block_linear_64_ways(capsys, config_path):
+    code, out, err = dry_run(capsys, config_path, "parallel.strategy=fsdp", "parallel.tp=8", "model.args.n_head=8")
+    assert code == 0, err
+    assert re.search(r"blocks\.\*\.mlp\.up_proj\.weight: \[256, 64\] -> \[4, 64\]: .* on dp_shard, S\(0\) on tp", out)
+    assert re.search(r"blocks\.\*\.attn\.out_proj\.weight: \[64, 64\] -> \[8, 8\]: S\(0\) on dp_shard, S\(1\) on tp", out)
+    assert "every rank: params" in out and len([line for line in out.splitlines() if line.startswith("  rank ")]) == 64
+
+
+@pytest.mark.parametrize("overrides, nproc, message", [
+    (["parallel.strategy=fsdp", "parallel.tp=3"], 8, "does not fit the world size 64: the other degrees (3) do not divide it"),
+    (["parallel.strategy=tp", "parallel.tp=16"], 1, "parallel.tp=16 does not fit the world size 8: their product is 16"),
+    (["parallel.strategy=fsdp", "parallel.tp=8"], 8, "parallel.tp=8 does not divide model.args.n_head=4"),
+    (["parallel.strategy=pp", "parallel.pp=-1"], 1, "the pipeline needs 8 stages"),
+    (["parallel.strategy=ddp", "parallel.tp=2"], 8, "parallel.strategy=ddp replicates whole models"),
+])
+def test_a_layout_that_cannot_run_is_refused_before_anything_is_built(capsys, config_path, overrides, nproc, message):
+    code, out, err = dry_run(capsys, config_path, *overrides, nproc=nproc)
+    assert code == 2 and message in err and out == ""

@@ -1,0 +1,185 @@
+"""paratrain plan: the accounting against hand numbers and against what a real run holds, the ranking,
+and its bad input."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from paratrain.cli import main
+from paratrain.config import OptimConfig, load_config
+from paratrain.errors import ConfigError
+from paratrain.models.gpt import build_gpt
+from paratrain.parallel.dims import ParallelDims
+from paratrain.planner.accounting import model_state_bytes
+from paratrain.planner.activations import ActivationShape, head_bytes, layer_bytes, measure_saved_bytes
+from paratrain.planner.model_facts import ParamFacts, read_model_facts, transformer_sizes
+from paratrain.planner.plan import plan_layouts
+from paratrain.planner.units import parse_memory
+from tests.distributed.count_model_state import LAYOUTS, layout_config
+from tests.harness import tiny_config, write_config
+
+SCRIPT = Path(__file__).parents[1] / "distributed" / "count_model_state.py"
+
+
+def test_memory_strings_read_decimal_and_binary_units():
+    assert parse_memory("80GB", argument="--gpu-memory") == 80 * 10**9
+    assert parse_memory("80GiB", argument="--gpu-memory") == 80 * 2**30
+    assert parse_memory("512MB", argument="--gpu-memory") == 512 * 10**6
+    assert parse_memory("1.5TB", argument="--gpu-memory") == 1_500_000_000_000
+    assert parse_memory(" 24 gib ", argument="--gpu-memory") == 24 * 2**30
+
+
+@pytest.mark.parametrize("text", ["80", "eighty GB", "80XB", "-4GB", "0GB", ""])
+def test_a_memory_string_without_a_known_unit_is_refused_naming_the_argument_and_an_example(text):
+    with pytest.raises(ConfigError, match=r"--gpu-memory=.* is not a memory size.*e\.g\. --gpu-memory 80GB"):
+        parse_memory(text, argument="--gpu-memory")
+
+
+def test_model_state_matches_hand_counted_bytes_per_layout():
+    # A colwise 8x4 layer (weight + bias) feeding a rowwise 4x8 layer (weight + bias) and a norm of 4.
+    params = [ParamFacts("up.weight", (8, 4), "colwise"), ParamFacts("up.bias", (8,), "colwise"),
+              ParamFacts("down.weight", (4, 8), "rowwise"), ParamFacts("down.bias", (4,)), ParamFacts("norm", (4,))]
+    adamw, sgd = OptimConfig(name="adamw"), OptimConfig(name="sgd", momentum=0.9)
+    psi = 32 + 8 + 32 + 4 + 4  # 80 parameters, 5 tensors
+    assert model_state_bytes(params, dims=ParallelDims("ddp", dp_replicate=4), optim=adamw) == (4 * psi, 4 * psi, 8 * psi + 4 * 5)
+    # FSDP over 4: dim 0 of each tensor cut in 4 (8x4 -> 2x4, 8 -> 2, 4x8 -> 1x8, 4 -> 1, 4 -> 1) = 20 elements.
+    assert model_state_bytes(params, dims=ParallelDims("fsdp", dp_shard=4), optim=adamw) == (80, 80, 160 + 20)
+    # FSDP over 3 pads up: 8 -> 3 rows, 4 -> 2 rows: 12 + 3 + 16 + 2 + 2 = 35 elements on rank 0.
+    assert model_state_bytes(params, dims=ParallelDims("fsdp", dp_shard=3), optim=adamw)[0] == 4 * 35
+    # TP over 2: up split on rows (16 + 4), down on columns (16), its bias and the norm whole (4 + 4) = 44.
+    assert model_state_bytes(params, dims=ParallelDims("tp", tp=2), optim=sgd) == (176, 176, 176)
+    assert model_state_bytes(params, dims=ParallelDims("tp", tp=2), optim=OptimConfig(name="sgd"))[2] == 0
+
+
+def test_fsdp_holds_a_quarter_of_ddp_model_state_on_four_ranks_as_zero_3_says():
+    facts = read_model_facts(load_config(None, ["model.args={n_layer: 2, n_head: 4, n_embd: 64}"]).model)
+    ddp = sum(model_state_bytes(facts.params, dims=ParallelDims("ddp", dp_replicate=4), optim=OptimConfig()))
+    fsdp = sum(model_state_bytes(facts.params, dims=ParallelDims("fsdp", dp_shard=4), optim=OptimConfig()))
+    assert ddp == 16 * facts.num_params + 4 * len(facts.params)  # REFERENCE.md: 16Ψ (+ AdamW's step counters)
+    assert fsdp == pytest.approx(ddp / 4, rel=0.01)
+
+
+def test_activation_formula_is_within_ten_percent_of_the_tensors_autograd_saves():
+    # hidden 256, sequence 16, 4 heads: the s x s scores the meta device's attention keeps are 1 / 64 of a layer.
+    with torch.device("meta"):
+        model = build_gpt(n_layer=3, n_head=4, n_embd=256, block_size=16, vocab_size=512)
+        tokens = torch.zeros(4, 16, dtype=torch.long)
+    sizes, shape = transformer_sizes(model), ActivationShape(micro_batch=4, element_bytes=4)
+    formula = 3 * layer_bytes(sizes, shape) + head_bytes(sizes, shape) - 4 * 16 * 512 * 4  # the loss's log-softmax
+    assert measure_saved_bytes(model, tokens) == pytest.approx(formula, rel=0.1)
+    checkpointed = ActivationShape(micro_batch=4, element_bytes=4, checkpointing=True)
+    assert layer_bytes(sizes, checkpointed) == 16 * 4 * 256 * 4  # the layer input alone
+    assert layer_bytes(sizes, ActivationShape(4, 4, tp=2)) == (4 + 14 / 2) * 16 * 4 * 256 * 4
+
+
+def test_ddp_is_recommended_when_it_fits_and_sharding_when_it_does_not():
+    config = load_config(None, ["model.args={n_layer: 2, n_head: 4, n_embd: 64}", "train.global_batch_size=8",
+                                "train.micro_batch_size=2"])
+    plan, facts, _ = plan_layouts(config, gpus=4, gpu_memory="80GB")
+    assert plan.recommended.dims == ParallelDims("ddp", dp_replicate=4)
+    # A GPU between fsdp's and ddp's need: ddp no longer fits, and the recommendation shards.
+    ddp, fsdp = ParallelDims("ddp", dp_replicate=4), ParallelDims("fsdp", dp_shard=4)
+    need = {estimate.dims: estimate.peak.total for estimate in plan.ranked}
+    assert need[fsdp] < need[ddp]
+    memory = f"{int((need[fsdp] + need[ddp]) / 2 / 0.9)}B"
+    plan, _, _ = plan_layouts(config, gpus=4, gpu_memory=memory)
+    fitting = [estimate.dims for estimate in plan.fitting]
+    assert fsdp in fitting and ddp not in fitting
+    assert plan.recommended.dims != ddp and plan.recommended.peak.total <= 0.9 * parse_memory(memory, argument="m")
+    # Ranked by estimated overhead: communication time, plus a pipeline's bubble.
+    overheads = [estimate.overhead_seconds for estimate in plan.fitting]
+    assert overheads == sorted(overheads) and any(estimate.dims.pp > 1 for estimate in plan.fitting)
+    assert all(estimate.bubble_seconds > 0 for estimate in plan.fitting if estimate.dims.pp > 1)
+
+
+def test_plan_command_prints_the_layouts_and_the_command_to_run_the_recommended_one(tmp_path, capsys):
+    config = write_config(tmp_path / "c.yaml", tiny_config(tmp_path / "run", train={"global_batch_size": 16}))
+    # One node of 8 and a tiny model: ddp's one all-reduce costs least, and it fits.
+    assert main(["plan", str(config), "--gpus", "8", "--gpu-memory", "16GiB"]) == 0
+    out = capsys.readouterr().out
+    assert "cluster: 8 GPU(s) on 1 node(s), 16.00 GiB each (90% usable: 14.40 GiB)" in out
+    assert "recommended: ddp dp_replicate=8 (pp=1 x dp_replicate=8 x dp_shard=1 x tp=1)" in out
+    assert (f"run it: paratrain train {config} --nproc-per-node 8 --nnodes 1 parallel.strategy=ddp parallel.pp=1 "
+            f"parallel.dp_replicate=8 parallel.dp_shard=1 parallel.tp=1") in out
+    assert "fsdp dp_shard=8 " in out and "tp=2" in out
+    assert "refused: tp tp=8: parallel.tp=8 does not divide model.args.n_head=2" in out
+    assert not (tmp_path / "run").exists()
+
+
+def test_on_two_nodes_the_recommendation_sends_less_across_them_and_tensor_parallel_stays_in_one():
+    config = load_config(None, ["model.args={block_size: 16, n_layer: 2, n_head: 8, n_embd: 512}",
+                                "train.global_batch_size=16", "train.micro_batch_size=2"])
+    plan, _, _ = plan_layouts(config, gpus=8, nodes=2, gpu_memory="16GiB")
+    ddp = next(estimate for estimate in plan.ranked if estimate.dims == ParallelDims("ddp", dp_replicate=8))
+    best = plan.recommended
+    assert ddp.traffic.inter_node > 0 and best.traffic.inter_node < ddp.traffic.inter_node / 10
+    assert best.overhead_seconds < ddp.overhead_seconds
+    assert max(estimate.dims.tp for estimate in plan.ranked) == 4  # 8 heads would allow 8; a node has 4 GPUs
+
+
+def test_plan_exits_1_when_no_layout_fits(tmp_path, capsys):
+    config = write_config(tmp_path / "c.yaml", tiny_config(tmp_path / "run"))
+    assert main(["plan", str(config), "--gpus", "2", "--gpu-memory", "100KB"]) == 1
+    assert "no layout fits in" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("factory, message", [
+    ("tests.tools.planner_models:build_lazy_mlp", "lazy parameters whose size is unknown"),
+    ("tests.tools.planner_models:build_parameterless", "no size information"),
+])
+def test_a_model_without_size_information_is_refused(tmp_path, capsys, factory, message):
+    config = write_config(tmp_path / "c.yaml", tiny_config(tmp_path / "run", model={"factory": factory, "args": {}}))
+    assert main(["plan", str(config), "--gpus", "2", "--gpu-memory", "80GB"]) == 2
+    err = capsys.readouterr().err
+    assert message in err and f"model.factory='{factory}'" in err
+
+
+def test_unparsable_gpu_memory_and_uneven_nodes_are_refused_on_the_command_line(tmp_path, capsys):
+    config = write_config(tmp_path / "c.yaml", tiny_config(tmp_path / "run"))
+    assert main(["plan", str(config), "--gpus", "8", "--gpu-memory", "lots"]) == 2
+    assert "--gpu-memory='lots' is not a memory size" in capsys.readouterr().err
+    assert main(["plan", str(config), "--gpus", "6", "--nodes", "4", "--gpu-memory", "80GB"]) == 2
+    assert "--gpus=6 does not split evenly over --nodes=4" in capsys.readouterr().err
+
+
+def test_a_model_that_is_not_a_transformer_gets_activations_measured_on_meta():
+    config = load_config(None, ["model.factory=paratrain.models.mlp:build_mlp", "data.factory=paratrain.data.regression:build_regression_dataset"])
+    plan, facts, source = plan_layouts(config, gpus=2, gpu_memory="1GB")
+    assert facts.transformer is None and source.startswith("measured")
+    assert plan.recommended.peak.activations > 0
+
+
+@pytest.fixture(scope="module")
+def measured_model_state(tmp_path_factory) -> dict:
+    """Every rank's bytes after one step of each layout, from ONE torchrun launch of 4 processes."""
+    root = tmp_path_factory.mktemp("model_state")
+    out = root / "bytes.json"
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "4", "--standalone",
+               str(SCRIPT), str(out), str(root), *LAYOUTS]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=240, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert result.returncode == 0, result.stderr[-3000:]
+    return json.loads(out.read_text())
+
+
+@pytest.mark.parametrize("layout, dims", [
+    ("ddp", ParallelDims("ddp", dp_replicate=4)),
+    ("fsdp", ParallelDims("fsdp", dp_shard=4)),
+    ("fsdp2", ParallelDims("hsdp", dp_replicate=2, dp_shard=2)),  # each parameter cut across 2 ranks
+    ("tp", ParallelDims("tp", tp=4)),
+])
+def test_planned_bytes_per_rank_are_within_ten_percent_of_what_a_real_step_holds(measured_model_state, layout, dims, tmp_path):
+    config = layout_config(layout, str(tmp_path))
+    facts = read_model_facts(config.model)
+    planned = dict(zip(("params", "grads", "optimizer"), model_state_bytes(facts.params, dims=dims, optim=config.optim)))
+    for rank, measured in enumerate(measured_model_state[layout]):
+        for kind, planned_bytes in planned.items():
+            assert measured[kind] == pytest.approx(planned_bytes, rel=0.10), f"{layout} rank {rank} {kind}"
+    if layout in ("fsdp", "fsdp2", "tp"):  # sharding really happened: fewer bytes than ddp's
+        assert measured_model_state[layout][0]["params"] < 0.6 * measured_model_state["ddp"][0]["params"]
