@@ -4,7 +4,8 @@ Python API::
 
     import paratrain
     config = paratrain.load_config("config.yaml", ["train.max_steps=100"])
-    trainer = paratrain.Trainer(config, model_factory=build_model, dataset=my_dataset, loss_fn=my_loss)
+    trainer = paratrain.Trainer(config, model_factory=build_model, dataset=my_dataset, loss_fn=my_loss,
+                                eval_dataset=my_validation_set, callbacks=[MyCallback()])
     result = trainer.train()
     trainer.close()
 """

@@ -10,7 +10,7 @@ Model FLOPs per sample, in order of preference:
    non-token inputs counts as one token.
 
 Fields added to the metrics record: ``flops_per_s`` (whole job: FLOPs per sample x samples/s),
-``flops_per_s_per_device`` (divided by the world size) and, where the peak is known, ``mfu``
+``flops_per_s_per_device`` (divided by the number of processes, or of GPUs for DataParallel) and, where the peak is known, ``mfu``
 (per-device FLOP/s over the device's dense peak for the run's compute dtype, from ``PEAK_FLOPS``). On
 CPU, or on a GPU not in the table, MFU is unavailable unless ``peak_flops_per_device`` is given; the
 log says so once.
@@ -52,6 +52,7 @@ class ThroughputMonitor(Callback):
     def __init__(self, *, flops_per_sample: float | None = None, peak_flops_per_device: float | None = None):
         self.flops_per_sample = flops_per_sample
         self.peak_flops_per_device = peak_flops_per_device
+        self.num_devices = 1  # set at train start
 
     def on_train_start(self, context: CallbackContext) -> None:
         trainer = context.trainer
@@ -61,6 +62,9 @@ class ThroughputMonitor(Callback):
                                                            pipeline_group=pipeline_group, device=trainer.ctx.device)
         if self.peak_flops_per_device is None:
             self.peak_flops_per_device = peak_flops(trainer.ctx.device, compute_dtype(trainer.config))
+        # One device per process, except DataParallel, whose one process drives every visible GPU.
+        gpus_per_process = torch.cuda.device_count() if trainer.config.parallel.strategy == "dp" else 1
+        self.num_devices = trainer.ctx.world_size * max(gpus_per_process, 1)
         if self.peak_flops_per_device is None and trainer.ctx.is_main:
             logger.info("MFU unavailable on %s: no peak FLOP/s known for it (pass the ThroughputMonitor's "
                         "peak_flops_per_device); logging achieved FLOP/s only", device_name(trainer.ctx.device))
@@ -69,7 +73,7 @@ class ThroughputMonitor(Callback):
         if context.record is None:
             return
         total = self.flops_per_sample * context.record["samples_per_s"]
-        per_device = total / context.trainer.ctx.world_size
+        per_device = total / self.num_devices
         context.record["flops_per_s"], context.record["flops_per_s_per_device"] = total, per_device
         if self.peak_flops_per_device:
             context.record["mfu"] = per_device / self.peak_flops_per_device
