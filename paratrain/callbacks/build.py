@@ -33,11 +33,18 @@ def build_callbacks(configs: list[CallbackConfig], given: list[Any] = ()) -> lis
 
 def check_callback_configs(configs: list[CallbackConfig]) -> None:
     """What preflight can check without building anything: each path imports, takes its args, and (for a
-    class) has every hook. A factory function's result is checked when the Trainer builds it."""
+    class) has every hook; every problem at once. A factory function's result is checked when the Trainer
+    builds it."""
+    problems = []
     for index, section in enumerate(configs):
-        factory = check_factory_args(section, key=f"callbacks[{index}]")
-        if isinstance(factory, type):
-            check_callback(factory, key=f"callbacks[{index}].factory", origin=section.factory)
+        try:
+            factory = check_factory_args(section, key=f"callbacks[{index}]")
+            if isinstance(factory, type):
+                check_callback(factory, key=f"callbacks[{index}].factory", origin=section.factory)
+        except ConfigError as error:
+            problems.append(str(error))
+    if problems:
+        raise ConfigError("\n".join(problems))
 
 
 def check_callback(callback: Any, *, key: str, origin: str) -> Any:

@@ -126,6 +126,9 @@ PREFLIGHT_CASES = {
     "callback class without the hooks": (["callbacks=[{factory: 'argparse:Namespace'}]"], 1,
                                          ["callbacks[0].factory='argparse:Namespace' is not a callback",
                                           "lacks on_train_start, on_step_end", "subclass paratrain.callbacks.Callback"]),
+    "two bad callbacks, both reported": (
+        ["callbacks=[{factory: 'no_such_package.cb:Monitor'}, {factory: 'argparse:Namespace'}]"], 1,
+        ["callbacks[0].factory='no_such_package.cb:Monitor'", "callbacks[1].factory='argparse:Namespace' is not a callback"]),
     "callback argument it does not take": (
         ["callbacks=[{factory: 'paratrain.callbacks.early_stopping:EarlyStopping', args: {patient: 3}}]"], 1,
         ["callbacks[0].args", "patient", "it accepts: monitor, patience"]),
