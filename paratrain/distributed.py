@@ -1,8 +1,10 @@
 """Process-group set-up and tear-down, and the device and backend each rank uses.
 
 A process started by torchrun (``RANK``/``WORLD_SIZE``/``LOCAL_RANK`` in the environment) joins the
-group through ``env://``. A lone process that still needs a group (``ddp`` on one process) gets a
-one-rank group over an in-memory store, so it opens no port.
+group through the store torchrun's agent hosts, under a prefix of its own per restart attempt (see
+``_attempt_store``), or through ``env://`` where no agent store is shared. A lone process that still
+needs a group (``ddp`` on one process) gets a one-rank group over an in-memory store, so it opens no
+port.
 """
 
 from __future__ import annotations
@@ -83,12 +85,34 @@ def init_distributed(
         # launcher's store keys and can connect to the previous group's peers (cf. pytorch#135712).
         return DistContext(rank, world_size, local_rank, device, dist.get_backend())
     if launched_by_torchrun():
-        dist.init_process_group(backend, timeout=timeout, device_id=device if device.type == "cuda" else None)
+        device_id = device if device.type == "cuda" else None
+        store = _attempt_store(timeout)
+        if store is None:
+            dist.init_process_group(backend, timeout=timeout, device_id=device_id)
+        else:
+            dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout,
+                                    device_id=device_id)
     elif needs_group:
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
     else:
         backend = None
     return DistContext(rank, world_size, local_rank, device, backend, owns_group=backend is not None)
+
+
+def _attempt_store(timeout: datetime.timedelta) -> dist.Store | None:
+    """The agent's store under ``paratrain/attempt_<TORCHELASTIC_RESTART_COUNT>/``, when torchrun shares one.
+
+    torch's workers join the agent's store with no per-attempt prefix, on the promise that every
+    restart gets a fresh store; the static rendezvous (multi-node) keeps its first store for the
+    whole job (pytorch#135712), so a group restarted by ``--max-restarts`` read the failed attempt's
+    addresses and could not connect. The agents of every node restart once per failure, so the
+    attempt numbers agree across nodes.
+    """
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != str(True):
+        return None
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    client = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False, timeout=timeout)
+    return dist.PrefixStore(f"paratrain/attempt_{attempt}/", client)
 
 
 def destroy_distributed() -> None:

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils.data import Dataset
+from torch.utils.data import Dataset, default_collate
 
 from paratrain import faults
 from paratrain.builders import build_layout, build_sampler, micro_batch_size, tokens_per_sample
@@ -39,6 +39,7 @@ from paratrain.factories import call_factory
 from paratrain.gradients import clip_grad_norm
 from paratrain.metrics import MetricsLogger
 from paratrain.optim import build_lr_scheduler, build_optimizer
+from paratrain.parallel.ddp import settle_buckets
 from paratrain.parallel.dims import ParallelDims, data_parallel_coordinates
 from paratrain.precision import build_mixed_precision
 from paratrain.preemption import StopSignals, announce_stop
@@ -288,6 +289,10 @@ class Trainer:
         # A run switched to fp16 resumes a checkpoint without a gradient scaler: its scaler starts fresh.
         self.checkpointer.load(path, self.checkpoint_state(), optional=("rng", "grad_scaler"))
         logger.info("resumed from %s at step %d (epoch %d)", path, self.progress.step, self.position.epoch)
+        # Any samples do: only the order in which gradients become ready matters (see settle_buckets).
+        samples = range(self.sampler.micro_batch_size)
+        settle_buckets(self.model, lambda: self.engine.forward_backward([default_collate([self.dataset[i] for i in samples])]),
+                       device=self.ctx.device)
 
     def _build_checkpointer(self) -> Checkpointer:
         return Checkpointer(self.config.run.output_dir / "checkpoints", keep_last=self.config.checkpoint.keep_last,
