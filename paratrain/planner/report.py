@@ -20,7 +20,7 @@ def format_plan(plan: Plan, facts: ModelFacts, config: Config, *, config_path: s
 
 def _refused(plan: Plan, shown: int = 3) -> list[str]:
     """A few layouts paratrain train would refuse, with the first line of its reason."""
-    lines = [f"  refused: {describe_layout(dims)}: {reason.splitlines()[0]}" for dims, reason in plan.refused[:shown]]
+    lines = [f"  refused: {describe_layout(dims)}: {_shorten(reason.splitlines()[0])}" for dims, reason in plan.refused[:shown]]
     if len(plan.refused) > shown:
         lines.append(f"  refused: ... {len(plan.refused) - shown} more")
     return lines
@@ -60,6 +60,10 @@ def _row(index: int, estimate: LayoutEstimate, gpu_memory: int) -> str:
             + f" {peak.total / gpu_memory:>6.0%}  {format_bytes(traffic.total):>10} {format_bytes(traffic.inter_node):>10}"
             + f" {format_seconds(estimate.overhead_seconds):>9}"
             + f"  {'yes' if estimate.fits(gpu_memory) else 'no'}")
+
+
+def _shorten(text: str, limit: int = 160) -> str:
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def _verdict(plan: Plan, config_path: str) -> list[str]:
