@@ -118,14 +118,14 @@ def _local(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def _parameter_lines(model: nn.Module, dims: ParallelDims) -> list[str]:
-    """How rank 0 holds each kind of parameter (blocks shown once, as blocks.*)."""
+    """How rank 0 holds each kind of parameter (repeated blocks shown once, as blocks.*, per distinct shape)."""
     replicated_over = [name for name in MESH_DIMS if getattr(dims, name) > 1]
     lines, seen = ["parameters on rank 0 (full shape -> local shape: placement per mesh dimension):"], set()
     for name, param in model.named_parameters():
         pattern = ".".join("*" if part.isdigit() else part for part in name.split("."))
-        if pattern in seen:
+        if (pattern, param.shape) in seen:
             continue
-        seen.add(pattern)
+        seen.add((pattern, param.shape))
         if isinstance(param, DTensor):
             placements = ", ".join(f"{placement} on {dim}" for placement, dim
                                    in zip(param.placements, param.device_mesh.mesh_dim_names))
