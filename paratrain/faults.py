@@ -7,9 +7,12 @@ completion manifest is not), ``mid_async_save`` (an asynchronous save's state is
 background write has begun; training would go on now). ``stall_in_step`` sleeps an hour at the
 start of the step instead of killing, for the hang watchdog. ``sigterm_after_step`` sends SIGTERM
 instead of SIGKILL, a preemption notice at a known step (a signal sent from outside lands at a step
-that depends on how fast the run goes). With the
-variable unset, nothing happens. A fault fires in the first attempt only: workers that torchrun
-restarts (``TORCHELASTIC_RESTART_COUNT`` > 0) run through, so a restart can be shown to recover.
+that depends on how fast the run goes). ``slow_async_save``
+delays the background write of an asynchronous save by ``SLOW_WRITE_S`` before it completes, so
+that something can happen while a save is in flight. Several faults are separated by commas
+(``sigterm_mid_async_save:20:1,slow_async_save:20``). With the variable unset, nothing happens. A
+fault fires in the first attempt only: workers that torchrun restarts (``TORCHELASTIC_RESTART_COUNT``
+> 0) run through, so a restart can be shown to recover.
 """
 
 from __future__ import annotations
@@ -20,25 +23,35 @@ import time
 
 ENV_VAR = "PARATRAIN_FAULT"
 STALL_S = 3600.0
+SLOW_WRITE_S = 2.0
 
 
 def maybe_stall(point: str, *, step: int, rank: int) -> None:
     """Sleeps for an hour at ``point`` (e.g. ``stall_in_step``), as a rank stuck in a step would."""
-    spec = os.environ.get(ENV_VAR)
-    first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
-    if spec and first_attempt and _matches(spec, point=point, step=step, rank=rank):
+    if _fires(point, step=step, rank=rank):
         time.sleep(STALL_S)
 
 
+def maybe_slow_down(point: str, *, step: int, rank: int) -> None:
+    """Sleeps SLOW_WRITE_S at ``point`` (e.g. ``slow_async_save``), as slow storage would."""
+    if _fires(point, step=step, rank=rank):
+        time.sleep(SLOW_WRITE_S)
+
+
 def maybe_kill(point: str, *, step: int, rank: int) -> None:
+    """SIGKILL at ``point``, or SIGTERM where the fault is named ``sigterm_<point>``."""
+    if _fires(point, step=step, rank=rank):
+        os.kill(os.getpid(), signal.SIGKILL)
+    elif _fires(f"sigterm_{point}", step=step, rank=rank):
+        os.kill(os.getpid(), signal.SIGTERM)
+
+
+def _fires(point: str, *, step: int, rank: int) -> bool:
     spec = os.environ.get(ENV_VAR)
     first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
     if not (spec and first_attempt):
-        return
-    if _matches(spec, point=point, step=step, rank=rank):
-        os.kill(os.getpid(), signal.SIGKILL)
-    elif _matches(spec, point=f"sigterm_{point}", step=step, rank=rank):
-        os.kill(os.getpid(), signal.SIGTERM)
+        return False
+    return any(_matches(one, point=point, step=step, rank=rank) for one in spec.split(","))
 
 
 def _matches(spec: str, *, point: str, step: int, rank: int) -> bool:

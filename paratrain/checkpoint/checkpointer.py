@@ -102,6 +102,8 @@ class Checkpointer:
         in_flight, self._in_flight = self._in_flight, None
         if in_flight is None:
             return None
+        if not in_flight.done.done():
+            logger.info("waiting for checkpoint %s, still being written in the background", in_flight.path)
         in_flight.done.result()
         return in_flight.path
 
@@ -127,6 +129,7 @@ class Checkpointer:
     def _finish_async(self, written: Future, path: Path, step: int, started: float) -> None:
         """In the background thread: waits for DCP's write, then marks the checkpoint complete."""
         written.result()
+        faults.maybe_slow_down("slow_async_save", step=step, rank=self.rank)
         self._mark_complete(path, step=step, group=self._group)
         logger.info("checkpoint %s written in the background in %.2f s", path, time.perf_counter() - started)
 

@@ -148,3 +148,28 @@ def test_sigterm_to_one_worker_stops_every_rank_with_a_checkpoint_and_resume_mat
     assert f"resumed from {stop_checkpoint} at step {stop_step}" in resumed.stderr
     assert_same_final_weights(tmp_path / "preempted", reference)
 
+
+
+def test_sigterm_while_an_async_save_is_written_waits_for_it_then_stops_with_a_checkpoint_and_resume_matches(
+        tmp_path, uninterrupted_run):
+    reference = uninterrupted_run("ddp", 2)  # saved synchronously
+    config = config_for(tmp_path, "async_preempted", "ddp")
+    # Rank 1 raises SIGTERM just after the step-30 save went to the background, and that save's
+    # background write takes 2 s longer on every rank: the stop, agreed a step or two later, finds
+    # it still being written.
+    fault = f"sigterm_mid_async_save:{EVERY}:1,slow_async_save:{EVERY}"
+    preempted = train(config, "checkpoint.async_save=true", nproc=2, env={"PARATRAIN_FAULT": fault}, check=False)
+    stderr = preempted.stderr
+    assert preempted.returncode == EXIT_REQUEUE, stderr[-3000:]
+    in_flight = tmp_path / "async_preempted" / "checkpoints" / f"step-{EVERY}"
+    stop_step = int(re.search(r"stopped at step (\d+) on SIGTERM", stderr).group(1))
+    assert EVERY < stop_step < STEPS
+    waited = stderr.index(f"waiting for checkpoint {in_flight}, still being written")
+    assert waited < stderr.index(f"checkpoint {in_flight} written in the background") < stderr.index("stopped at step")
+    verify_checkpoint(in_flight)  # the save in flight was finished, not abandoned half-written
+    stop_checkpoint = in_flight.parent / f"step-{stop_step}"
+    verify_checkpoint(stop_checkpoint)
+
+    resumed = train(config, "checkpoint.async_save=true", nproc=2)
+    assert f"resumed from {stop_checkpoint} at step {stop_step}" in resumed.stderr
+    assert_same_final_weights(tmp_path / "async_preempted", reference)
