@@ -180,22 +180,9 @@ def run_benchmark(*, nproc_per_node: int, sizes: list[str] | None, iters: int, w
 
 def _launch(nproc_per_node: int, worker_args: list[str]) -> int:
     """torchrun in this process, on the loopback-only rendezvous ``paratrain train`` uses."""
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.run import get_args_parser, run
+    from paratrain.launch import LaunchOptions, launch
 
-    from paratrain.launch import LaunchOptions, torchrun_argv
-    from paratrain.rendezvous import LOOPBACK_ENV, register_loopback_rendezvous
-
-    argv = torchrun_argv(LaunchOptions(nproc_per_node=nproc_per_node), [])
-    assert argv[-2:] == ["-m", "paratrain.train"], argv  # the training entry point, swapped for this module's
-    argv[-1] = __name__
-    register_loopback_rendezvous()
-    os.environ.update(LOOPBACK_ENV)
-    try:
-        run(get_args_parser().parse_args([*argv, *worker_args]))
-    except ChildFailedError as error:
-        return next(iter(error.failures.values())).exitcode or 1
-    return 0
+    return launch(LaunchOptions(nproc_per_node=nproc_per_node), worker_args, env={}, worker_module=__name__)
 
 
 # ---- the workers' side -------------------------------------------------------------------------

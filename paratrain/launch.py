@@ -39,8 +39,8 @@ class LaunchOptions:
             raise ConfigError(f"--node-rank {self.node_rank} must be between 0 and --nnodes - 1 = {self.nnodes - 1}")
 
 
-def torchrun_argv(options: LaunchOptions, worker_args: list[str]) -> list[str]:
-    """torchrun's arguments for running ``python -m paratrain.train WORKER_ARGS`` on this node."""
+def torchrun_argv(options: LaunchOptions, worker_args: list[str], *, worker_module: str = "paratrain.train") -> list[str]:
+    """torchrun's arguments for running ``python -m WORKER_MODULE WORKER_ARGS`` on this node."""
     from paratrain.rendezvous import BACKEND_NAME, LOOPBACK_ADDR  # loads torch.distributed.elastic
 
     argv = ["--nproc-per-node", str(options.nproc_per_node), "--nnodes", str(options.nnodes),
@@ -51,11 +51,13 @@ def torchrun_argv(options: LaunchOptions, worker_args: list[str]) -> list[str]:
                  "--local-addr", LOOPBACK_ADDR]
     else:
         argv += ["--rdzv-backend", "static", "--rdzv-endpoint", options.rdzv_endpoint, "--node-rank", str(options.node_rank)]
-    return argv + ["-m", "paratrain.train", *worker_args]
+    return argv + ["-m", worker_module, *worker_args]
 
 
-def launch(options: LaunchOptions, worker_args: list[str], *, env: dict[str, str]) -> int:
-    """Runs the workers under torchrun in this process; returns an exit code for the CLI."""
+def launch(options: LaunchOptions, worker_args: list[str], *, env: dict[str, str],
+           worker_module: str = "paratrain.train") -> int:
+    """Runs the workers (``python -m WORKER_MODULE WORKER_ARGS``) under torchrun in this process; returns
+    an exit code for the CLI. Other worker modules get the same loopback-only stores (tests use them)."""
     from torch.distributed.elastic.multiprocessing import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import get_args_parser, run
@@ -68,7 +70,7 @@ def launch(options: LaunchOptions, worker_args: list[str], *, env: dict[str, str
         register_loopback_rendezvous()
         os.environ.update(LOOPBACK_ENV)
     os.environ[LAUNCHER_PID_ENV] = str(os.getpid())
-    args = get_args_parser().parse_args(torchrun_argv(options, worker_args))
+    args = get_args_parser().parse_args(torchrun_argv(options, worker_args, worker_module=worker_module))
     requests = _StopRequests.install()
     try:
         run(args)

@@ -123,20 +123,44 @@ class LayoutRuns:
 
     Args:
         layouts: name -> (overrides, processes).
+        together: layouts trained in one launch per process count, all of them on the first request
+            for any: start-up is most of a tiny run's time (see tests/train_many.py).
         sections: config sections every run shares (see tiny_config).
     """
 
-    def __init__(self, root: Path, layouts: dict[str, tuple[list[str], int]], **sections: Any):
-        self.root, self.layouts, self.sections = root, layouts, sections
+    def __init__(self, root: Path, layouts: dict[str, tuple[list[str], int]], *, together: tuple[str, ...] = (),
+                 **sections: Any):
+        self.root, self.layouts, self.together, self.sections = root, layouts, together, sections
         self.done: dict[str, Path] = {}
 
     def get(self, layout: str, *extra: str, name: str | None = None) -> Path:
         """The output_dir of ``layout`` trained with ``extra`` overrides (cached under ``name``)."""
         name = name or layout
         if name not in self.done:
-            overrides, nproc = self.layouts[layout]
-            output_dir = self.root / name.replace(" ", "_").replace("+", "_")
-            config = tiny_config(output_dir, **self.sections)
-            train(write_config(self.root / f"{output_dir.name}.yaml", config), *overrides, *extra, nproc=nproc)
-            self.done[name] = output_dir
+            if name == layout and layout in self.together:
+                self._train_together(self.layouts[layout][1])
+            else:
+                overrides, nproc = self.layouts[layout]
+                config_path, output_dir = self._write_config(name)
+                train(config_path, *overrides, *extra, nproc=nproc)
+                self.done[name] = output_dir
         return self.done[name]
+
+    def _train_together(self, nproc: int) -> None:
+        names = [name for name in self.together if name not in self.done and self.layouts[name][1] == nproc]
+        runs, output_dirs = [], {}
+        for name in names:
+            config_path, output_dirs[name] = self._write_config(name)
+            runs.append([str(config_path), self.layouts[name][0]])
+        runs_file = self.root / f"together-{nproc}-{len(self.done)}.json"
+        runs_file.write_text(json.dumps(runs))
+        result = subprocess.run([sys.executable, "-m", "tests.launch_workers", str(nproc), "tests.train_many", str(runs_file)],
+                                capture_output=True, text=True, timeout=600, cwd=REPO_ROOT,
+                                env={**os.environ, "OMP_NUM_THREADS": "1"})
+        assert result.returncode == 0, f"training {names} together failed ({result.returncode}):\n{result.stderr[-4000:]}"
+        self.done.update(output_dirs)
+
+    def _write_config(self, name: str) -> tuple[Path, Path]:
+        output_dir = self.root / name.replace(" ", "_").replace("+", "_")
+        config = tiny_config(output_dir, **self.sections)
+        return write_config(self.root / f"{output_dir.name}.yaml", config), output_dir

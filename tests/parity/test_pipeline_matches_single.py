@@ -34,7 +34,8 @@ LAYOUTS = {
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> LayoutRuns:
-    return LayoutRuns(tmp_path_factory.mktemp("pipeline"), LAYOUTS, train={"max_steps": STEPS},
+    together = tuple(name for name, (_, nproc) in LAYOUTS.items() if nproc > 1)
+    return LayoutRuns(tmp_path_factory.mktemp("pipeline"), LAYOUTS, together=together, train={"max_steps": STEPS},
                       checkpoint={"every_steps": 10, "keep_last": None})
 
 
