@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -92,6 +93,27 @@ def train(config_path: Path, *extra: str, nproc: int = 1, env: dict[str, str] | 
     return result
 
 
+def launch_workers(nproc: int, module: str, *args: str, timeout: float = 240) -> subprocess.CompletedProcess:
+    """Runs ``python -m MODULE ARGS`` on nproc processes through paratrain's launcher, whose stores
+    listen on loopback only (see tests/launch_workers.py), and returns it finished."""
+    return subprocess.run([sys.executable, "-m", "tests.launch_workers", str(nproc), module, *args], capture_output=True,
+                          text=True, timeout=timeout, cwd=REPO_ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"})
+
+
+def in_private_network(command: list[str]) -> list[str]:
+    """command, run in a new network namespace that holds only loopback: a server that listens on every
+    interface (plain torchrun's stores, pytorch#173909) can then be reached from nowhere else."""
+    return ["unshare", "--net", "sh", "-c", 'ip link set lo up && exec "$@"', "sh", *command]
+
+
+def private_network_unavailable() -> str | None:
+    """Why in_private_network cannot run here (not root, no unshare or ip), or None when it can."""
+    probe = subprocess.run(in_private_network(["true"]), capture_output=True, text=True) if shutil.which("unshare") else None
+    if probe is None or probe.returncode != 0:
+        return "needs `unshare --net` and `ip` (root) to keep torchrun's stores off every interface but loopback"
+    return None
+
+
 def read_metrics(output_dir: Path) -> list[dict[str, Any]]:
     lines = (output_dir / "metrics.jsonl").read_text().splitlines()
     return [json.loads(line) for line in lines]
@@ -154,9 +176,7 @@ class LayoutRuns:
             runs.append([str(config_path), self.layouts[name][0]])
         runs_file = self.root / f"together-{nproc}-{len(self.done)}.json"
         runs_file.write_text(json.dumps(runs))
-        result = subprocess.run([sys.executable, "-m", "tests.launch_workers", str(nproc), "tests.train_many", str(runs_file)],
-                                capture_output=True, text=True, timeout=600, cwd=REPO_ROOT,
-                                env={**os.environ, "OMP_NUM_THREADS": "1"})
+        result = launch_workers(nproc, "tests.train_many", str(runs_file), timeout=600)
         assert result.returncode == 0, f"training {names} together failed ({result.returncode}):\n{result.stderr[-4000:]}"
         self.done.update(output_dirs)
 

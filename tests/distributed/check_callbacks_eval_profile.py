@@ -11,12 +11,12 @@ from pathlib import Path
 import torch.distributed as dist
 
 import paratrain
-from one_launch import count_each  # siblings: torchrun puts this script's directory on sys.path
+from tests.distributed.one_launch import count_each
 from paratrain.callbacks.early_stopping import EarlyStopping
 from paratrain.data.regression import build_regression_dataset
 from paratrain.losses import mse
 from paratrain.models.mlp import build_mlp
-from recording_callback import RecordingCallback
+from tests.distributed.recording_callback import RecordingCallback
 
 MODEL_ARGS = {"in_features": 4, "hidden_features": 8, "num_hidden_layers": 2}
 # 33 samples in global eval batches of 4 x 2 ranks: the last holds one sample, so rank 1 has none in it.

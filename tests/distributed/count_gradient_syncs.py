@@ -10,7 +10,7 @@ import torch.distributed as dist
 from torch.utils.data import TensorDataset
 
 import paratrain
-from one_launch import count_each  # a sibling: torchrun puts this script's directory on sys.path
+from tests.distributed.one_launch import count_each
 
 
 def build_model() -> torch.nn.Module:

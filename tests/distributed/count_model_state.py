@@ -12,10 +12,11 @@ from torch.utils.data import TensorDataset
 
 import paratrain
 
-# Siblings and the benchmark's own counting; also importable from the test, which shares LAYOUTS.
-sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[2] / "benchmarks")]
+from tests.distributed.one_launch import count_each
+
+# The benchmark's own counting (benchmarks/ is a folder of scripts, not a package).
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 from fsdp_memory_worker import model_state_bytes  # noqa: E402
-from one_launch import count_each  # noqa: E402
 
 # Layout name -> overrides; shared with tests/tools/test_plan.py, which estimates the same layouts.
 LAYOUTS = {

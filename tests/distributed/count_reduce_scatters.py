@@ -8,7 +8,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultReduceScatter
 
 import paratrain
-from one_launch import count_each  # a sibling: torchrun puts this script's directory on sys.path
+from tests.distributed.one_launch import count_each
 from tests.harness import TINY_GPT, TINY_TEXT
 
 

@@ -4,16 +4,13 @@ launch (check_callbacks_eval_profile.py) trains both layouts; the tests read wha
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from tests.harness import read_metrics
+from tests.harness import launch_workers, read_metrics
 
-SCRIPT = Path(__file__).with_name("check_callbacks_eval_profile.py")
+WORKER = "tests.distributed.check_callbacks_eval_profile"
 LAYOUTS = ("ddp", "fsdp")
 RANKS = (0, 1)
 
@@ -29,9 +26,7 @@ EXPECTED_EVENTS = [
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("callbacks")
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--standalone",
-               str(SCRIPT), str(root / "results.json"), str(root), *LAYOUTS]
-    result = subprocess.run(command, capture_output=True, text=True, timeout=240, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    result = launch_workers(2, WORKER, str(root / "results.json"), str(root), *LAYOUTS)
     assert result.returncode == 0, result.stderr[-4000:]
     return root
 

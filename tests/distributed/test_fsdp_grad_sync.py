@@ -3,22 +3,13 @@
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
-from tests.harness import REPO_ROOT
-
-SCRIPT = Path(__file__).with_name("count_reduce_scatters.py")
-
+from tests.harness import launch_workers
 
 def count(tmp_path: Path, *policies: str) -> dict:
     out = tmp_path / "counts.json"
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--standalone",
-               str(SCRIPT), str(out), str(tmp_path), *policies]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO_ROOT)}
-    result = subprocess.run(command, capture_output=True, text=True, timeout=180, env=env)
+    result = launch_workers(2, "tests.distributed.count_reduce_scatters", str(out), str(tmp_path), *policies)
     assert result.returncode == 0, result.stderr[-3000:]
     return json.loads(out.read_text())
 

@@ -3,20 +3,14 @@
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
-SCRIPT = Path(__file__).with_name("count_gradient_syncs.py")
+from tests.harness import launch_workers
 
 
 def count_syncs(tmp_path: Path, *micro_batch_sizes: int) -> dict:
     out = tmp_path / "syncs.json"
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--standalone",
-               str(SCRIPT), str(out), str(tmp_path), *map(str, micro_batch_sizes)]
-    result = subprocess.run(command, capture_output=True, text=True, timeout=180,
-                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+    result = launch_workers(2, "tests.distributed.count_gradient_syncs", str(out), str(tmp_path), *map(str, micro_batch_sizes))
     assert result.returncode == 0, result.stderr[-3000:]
     return json.loads(out.read_text())
 

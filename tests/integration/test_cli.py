@@ -12,7 +12,8 @@ import torch
 import yaml
 from safetensors.torch import load_file
 
-from tests.harness import REPO_ROOT, checkpoint_weights, read_metrics, run_cli, tiny_config, train, write_config
+from tests.harness import (REPO_ROOT, checkpoint_weights, in_private_network, private_network_unavailable, read_metrics,
+                           run_cli, tiny_config, train, write_config)
 
 
 @pytest.fixture(scope="module")
@@ -106,10 +107,12 @@ def test_user_model_data_and_loss_factories_import_from_the_working_directory(tm
 
 
 def test_worker_runs_under_plain_torchrun(tmp_path):
+    if reason := private_network_unavailable():
+        pytest.skip(reason)
     config = write_config(tmp_path / "c.yaml", tiny_config(tmp_path / "run", parallel={"strategy": "ddp"}))
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
                "-m", "paratrain.train", str(config), "train.max_steps=5"]
-    result = subprocess.run(command, capture_output=True, text=True, timeout=180, cwd=REPO_ROOT)
+    result = subprocess.run(in_private_network(command), capture_output=True, text=True, timeout=180, cwd=REPO_ROOT)
     assert result.returncode == 0, result.stderr[-3000:]
     assert read_metrics(tmp_path / "run")[-1]["step"] == 5
 

@@ -4,10 +4,6 @@ and its bad input."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -23,9 +19,7 @@ from paratrain.planner.model_facts import ParamFacts, read_model_facts, transfor
 from paratrain.planner.plan import plan_layouts
 from paratrain.planner.units import parse_memory
 from tests.distributed.count_model_state import LAYOUTS, layout_config
-from tests.harness import tiny_config, write_config
-
-SCRIPT = Path(__file__).parents[1] / "distributed" / "count_model_state.py"
+from tests.harness import launch_workers, tiny_config, write_config
 
 
 def test_memory_strings_read_decimal_and_binary_units():
@@ -161,9 +155,7 @@ def measured_model_state(tmp_path_factory) -> dict:
     """Every rank's bytes after one step of each layout, from ONE torchrun launch of 4 processes."""
     root = tmp_path_factory.mktemp("model_state")
     out = root / "bytes.json"
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "4", "--standalone",
-               str(SCRIPT), str(out), str(root), *LAYOUTS]
-    result = subprocess.run(command, capture_output=True, text=True, timeout=240, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    result = launch_workers(4, "tests.distributed.count_model_state", str(out), str(root), *LAYOUTS)
     assert result.returncode == 0, result.stderr[-3000:]
     return json.loads(out.read_text())
 
