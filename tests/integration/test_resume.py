@@ -129,41 +129,23 @@ def test_kill_during_async_save_leaves_previous_checkpoint_chosen_by_auto(tmp_pa
     assert checkpoints.choose_resume("auto") == tmp_path / "run/checkpoints/step-10"  # what a resume loads
 
 
-def test_sigterm_to_one_worker_stops_every_rank_with_a_checkpoint_and_resume_matches_uninterrupted_run(
-        tmp_path, uninterrupted_run):
-    reference = uninterrupted_run("ddp", 2)
-    config = config_for(tmp_path, "preempted", "ddp")
-    # A real SIGTERM to rank 1 only, raised by the rank itself after step 35 so the step it lands at
-    # does not depend on the machine's speed (the launcher's own signal path is in test_launch.py).
-    preempted = train(config, "--max-restarts", "1", nproc=2, env={"PARATRAIN_FAULT": "sigterm_after_step:35:1"},
-                      check=False)
-    stderr = preempted.stderr
-    assert preempted.returncode == EXIT_REQUEUE, stderr[-3000:]
-    stop_step = int(re.search(r"stopped at step (\d+) on SIGTERM", stderr).group(1))
-    stop_checkpoint = tmp_path / "preempted" / "checkpoints" / f"step-{stop_step}"
-    assert stop_step < STEPS and stop_step % EVERY, "stopped between periodic saves, well before the end"
-    verify_checkpoint(stop_checkpoint)  # complete, every file as the manifest lists it
-
-    resumed = train(config, "checkpoint.resume=auto", nproc=2)
-    assert f"resumed from {stop_checkpoint} at step {stop_step}" in resumed.stderr
-    assert_same_final_weights(tmp_path / "preempted", reference)
-
-
-
-def test_sigterm_while_an_async_save_is_written_waits_for_it_then_stops_with_a_checkpoint_and_resume_matches(
+def test_sigterm_to_one_worker_during_an_async_save_waits_for_it_stops_every_rank_with_a_checkpoint_and_resume_matches(
         tmp_path, uninterrupted_run):
     reference = uninterrupted_run("ddp", 2)  # saved synchronously
-    config = config_for(tmp_path, "async_preempted", "ddp")
-    # Rank 1 raises SIGTERM just after the step-30 save went to the background, and that save's
-    # background write takes 2 s longer on every rank: the stop, agreed a step or two later, finds
-    # it still being written.
+    config = config_for(tmp_path, "preempted", "ddp")
+    # A real SIGTERM to rank 1 only, raised by the rank itself just after the step-30 save went to the
+    # background, so the step it lands at does not depend on the machine's speed (the launcher's own
+    # signal path is in test_launch.py). That save's background write takes 2 s longer on every rank:
+    # the stop, agreed a step or two later, finds it still being written. --max-restarts must not
+    # restart a group that stopped on purpose.
     fault = f"sigterm_mid_async_save:{EVERY}:1,slow_async_save:{EVERY}"
-    preempted = train(config, "checkpoint.async_save=true", nproc=2, env={"PARATRAIN_FAULT": fault}, check=False)
+    preempted = train(config, "checkpoint.async_save=true", "--max-restarts", "1", nproc=2,
+                      env={"PARATRAIN_FAULT": fault}, check=False)
     stderr = preempted.stderr
     assert preempted.returncode == EXIT_REQUEUE, stderr[-3000:]
-    in_flight = tmp_path / "async_preempted" / "checkpoints" / f"step-{EVERY}"
+    in_flight = tmp_path / "preempted" / "checkpoints" / f"step-{EVERY}"
     stop_step = int(re.search(r"stopped at step (\d+) on SIGTERM", stderr).group(1))
-    assert EVERY < stop_step < STEPS
+    assert EVERY < stop_step < STEPS, "stopped between periodic saves, well before the end"
     waited = stderr.index(f"waiting for checkpoint {in_flight}, still being written")
     assert waited < stderr.index(f"checkpoint {in_flight} written in the background") < stderr.index("stopped at step")
     verify_checkpoint(in_flight)  # the save in flight was finished, not abandoned half-written
@@ -172,4 +154,4 @@ def test_sigterm_while_an_async_save_is_written_waits_for_it_then_stops_with_a_c
 
     resumed = train(config, "checkpoint.async_save=true", nproc=2)
     assert f"resumed from {stop_checkpoint} at step {stop_step}" in resumed.stderr
-    assert_same_final_weights(tmp_path / "async_preempted", reference)
+    assert_same_final_weights(tmp_path / "preempted", reference)
