@@ -105,8 +105,10 @@ def _attempt_store(timeout: datetime.timedelta) -> dist.Store | None:
     torch's workers join the agent's store with no per-attempt prefix, on the promise that every
     restart gets a fresh store; the static rendezvous (multi-node) keeps its first store for the
     whole job (pytorch#135712), so a group restarted by ``--max-restarts`` read the failed attempt's
-    addresses and could not connect. The agents of every node restart once per failure, so the
-    attempt numbers agree across nodes.
+    addresses and could not connect. Under paratrain's launcher the attempt numbers agree across
+    nodes: its multi-node runs use the static rendezvous, where a worker's death fails every node's
+    group and each agent counts one restart. (torchrun's c10d rendezvous also restarts a healthy node
+    when another node rejoins, without counting it, so there the numbers could drift apart.)
     """
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != str(True):
         return None
