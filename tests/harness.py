@@ -6,8 +6,11 @@ launch, on CPU with gloo.
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import os
+import re
 import shutil
 import socket
 import subprocess
@@ -83,6 +86,22 @@ def run_cli(args: list[str], *, env: dict[str, str] | None = None, timeout: floa
                           timeout=timeout, env=full_env, cwd=cwd or REPO_ROOT)
 
 
+def run_cli_in_process(args: list[str]) -> tuple[int, str]:
+    """``paratrain ARGS`` as ``cli.main`` in this process: (exit code, stderr). For commands that stop
+    before training, such as bad input, it saves the interpreter's start-up (most of their time)."""
+    from paratrain.cli import main
+
+    stderr, saved_path = io.StringIO(), list(sys.path)
+    try:
+        with contextlib.redirect_stderr(stderr):
+            code = main(args)
+    except SystemExit as stopped:  # argparse's usage errors
+        code = stopped.code
+    finally:
+        sys.path[:] = saved_path  # main puts the working directory first, as `python -m` does
+    return code, stderr.getvalue()
+
+
 def train(config_path: Path, *extra: str, nproc: int = 1, env: dict[str, str] | None = None, check: bool = True) -> subprocess.CompletedProcess:
     args = ["train", str(config_path), *extra]
     if nproc > 1:
@@ -144,9 +163,12 @@ class LayoutRuns:
     """Trains each named layout at most once per test module, on demand, on the same tiny config.
 
     Args:
-        layouts: name -> (overrides, processes).
+        layouts: name -> (overrides, processes). ``{run:NAME}`` in an override stands for the output
+            directory of layout NAME, e.g. to resume from its checkpoint.
         together: layouts trained in one launch per process count, all of them on the first request
-            for any: start-up is most of a tiny run's time (see tests/train_many.py).
+            for any: start-up is most of a tiny run's time (see tests/train_many.py). Launches go from
+            the most processes to the fewest and keep the listed order within one, so a layout may
+            resume from one listed before it, or from one with more processes.
         sections: config sections every run shares (see tiny_config).
     """
 
@@ -160,27 +182,39 @@ class LayoutRuns:
         name = name or layout
         if name not in self.done:
             if name == layout and layout in self.together:
-                self._train_together(self.layouts[layout][1])
+                self._train_together()
             else:
-                overrides, nproc = self.layouts[layout]
                 config_path, output_dir = self._write_config(name)
-                train(config_path, *overrides, *extra, nproc=nproc)
+                train(config_path, *self._overrides(layout), *extra, nproc=self.layouts[layout][1])
                 self.done[name] = output_dir
         return self.done[name]
 
-    def _train_together(self, nproc: int) -> None:
-        names = [name for name in self.together if name not in self.done and self.layouts[name][1] == nproc]
-        runs, output_dirs = [], {}
+    def _train_together(self) -> None:
+        for nproc in sorted({self.layouts[name][1] for name in self.together}, reverse=True):
+            self._train_in_one_launch([name for name in self.together if self.layouts[name][1] == nproc])
+
+    def _train_in_one_launch(self, names: list[str]) -> None:
+        names = [name for name in names if name not in self.done]
+        if not names:
+            return
+        runs, output_dirs, nproc = [], {}, self.layouts[names[0]][1]
         for name in names:
             config_path, output_dirs[name] = self._write_config(name)
-            runs.append([str(config_path), self.layouts[name][0]])
+            runs.append([str(config_path), self._overrides(name)])
         runs_file = self.root / f"together-{nproc}-{len(self.done)}.json"
         runs_file.write_text(json.dumps(runs))
         result = launch_workers(nproc, "tests.train_many", str(runs_file), timeout=600)
         assert result.returncode == 0, f"training {names} together failed ({result.returncode}):\n{result.stderr[-4000:]}"
         self.done.update(output_dirs)
 
+    def _overrides(self, layout: str) -> list[str]:
+        return [re.sub(r"\{run:([^}]+)\}", lambda match: str(self._output_dir(match[1])), override)
+                for override in self.layouts[layout][0]]
+
+    def _output_dir(self, name: str) -> Path:
+        return self.root / name.replace(" ", "_").replace("+", "_")
+
     def _write_config(self, name: str) -> tuple[Path, Path]:
-        output_dir = self.root / name.replace(" ", "_").replace("+", "_")
+        output_dir = self._output_dir(name)
         config = tiny_config(output_dir, **self.sections)
         return write_config(self.root / f"{output_dir.name}.yaml", config), output_dir

@@ -1,5 +1,8 @@
 """Bad input fails before training: on stderr, naming the key and the fix, exit code 2, no torch
-traceback, and nothing already in output_dir lost."""
+traceback, and nothing already in output_dir lost.
+
+The cases run the CLI's main() in the test's process: they stop before any training, so a process of
+their own would only add its start-up. One test runs the real command line as a user would."""
 
 from __future__ import annotations
 
@@ -7,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.harness import run_cli, tiny_config, train, write_config
+from tests.harness import run_cli, run_cli_in_process, tiny_config, train, write_config
 
 SENTINEL = "earlier results\n"
 
@@ -21,16 +24,20 @@ def output_dir(tmp_path) -> Path:
     return directory
 
 
-def fails_cleanly(args: list[str], *expected: str, output_dir: Path | None = None) -> str:
-    result = run_cli(args)
-    assert result.returncode == 2, f"exit {result.returncode}; stderr:\n{result.stderr}"
-    assert "Traceback" not in result.stderr, result.stderr
+def fails_cleanly(args: list[str], *expected: str, output_dir: Path | None = None, own_process: bool = False) -> str:
+    if own_process:
+        result = run_cli(args)
+        code, stderr = result.returncode, result.stderr
+    else:
+        code, stderr = run_cli_in_process(args)
+    assert code == 2, f"exit {code}; stderr:\n{stderr}"
+    assert "Traceback" not in stderr, stderr
     for text in expected:
-        assert text in result.stderr, f"{text!r} not in:\n{result.stderr}"
+        assert text in stderr, f"{text!r} not in:\n{stderr}"
     if output_dir is not None:
         assert (output_dir / "metrics.jsonl").read_text() == SENTINEL
         assert not (output_dir / "config.yaml").exists()
-    return result.stderr
+    return stderr
 
 
 def config_file(tmp_path: Path, output_dir: Path, **sections) -> str:
@@ -81,7 +88,7 @@ def test_bad_input_fails_before_training_with_a_message_naming_the_key(tmp_path,
 
 def test_every_config_error_is_reported_at_once(tmp_path, output_dir):
     fails_cleanly(["train", config_file(tmp_path, output_dir), "train.max_stepz=5", "optim.lr=-1", "precision=fp8"],
-                  "3 problems", "train.max_stepz", "optim.lr", "precision", output_dir=output_dir)
+                  "3 problems", "train.max_stepz", "optim.lr", "precision", output_dir=output_dir, own_process=True)
 
 
 def test_output_dir_that_is_not_writable_is_refused(tmp_path):

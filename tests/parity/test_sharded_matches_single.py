@@ -23,16 +23,21 @@ LAYOUTS = {
     "hsdp 2x2": (["parallel.strategy=hsdp", "parallel.dp_replicate=2"], 4),
     "tp x2": (["parallel.strategy=tp"], 2),
     "fsdp+tp 2x2": (["parallel.strategy=fsdp", "parallel.tp=2"], 4),
-    "ddp x2": (["parallel.strategy=ddp"], 2),
     "tp x2 sequence parallel": (["parallel.strategy=tp", "parallel.sequence_parallel=true"], 2),
     "fsdp x2 activation checkpointing": (["parallel.strategy=fsdp", "parallel.activation_checkpointing=true"], 2),
+    "fsdp x2 every_micro_batch": (["parallel.strategy=fsdp", "parallel.fsdp.grad_sync=every_micro_batch"], 2),
+    "fsdp x2 fp16": (["parallel.strategy=fsdp", "precision=fp16"], 2),
+    # Checkpoints moving between layouts: each resumes a layout above at step 10 and trains on to 20.
+    "tp x2 to fsdp x2": (["parallel.strategy=fsdp", "checkpoint.resume={run:tp x2}/checkpoints/step-10"], 2),
+    "hsdp 2x2 to fsdp x2": (["parallel.strategy=fsdp", "checkpoint.resume={run:hsdp 2x2}/checkpoints/step-10"], 2),
+    "fsdp4 to ddp2": (["parallel.strategy=ddp", "checkpoint.resume={run:fsdp x4}/checkpoints/step-10",
+                       "checkpoint.every_steps=5"], 2),
 }
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> LayoutRuns:
-    # ddp x2 is only ever a resume target, trained with its own overrides.
-    together = tuple(name for name, (_, nproc) in LAYOUTS.items() if nproc > 1 and name != "ddp x2")
+    together = tuple(name for name, (_, nproc) in LAYOUTS.items() if nproc > 1)
     return LayoutRuns(tmp_path_factory.mktemp("sharded"), LAYOUTS, together=together, train={"max_steps": STEPS},
                       checkpoint={"every_steps": 10, "keep_last": None}, debug={"dump_gradients_at_steps": [1]})
 
@@ -73,8 +78,7 @@ def resume_in(runs: LayoutRuns, layout: str, source_checkpoint: Path, *extra: st
 
 @pytest.mark.parametrize("source,target", [("tp x2", "fsdp x2"), ("hsdp 2x2", "fsdp x2")])
 def test_checkpoint_resumes_in_another_layout_and_trains_on_identically(runs, source, target):
-    origin = runs.get(source)
-    moved = resume_in(runs, target, origin / "checkpoints/step-10", name=f"{source} to {target}")
+    origin, moved = runs.get(source), runs.get(f"{source} to {target}")
 
     origin_losses, moved_losses = losses_by_step(origin), losses_by_step(moved)
     resumed_steps = {step: origin_losses[step] for step in range(11, STEPS + 1)}
@@ -85,8 +89,7 @@ def test_checkpoint_resumes_in_another_layout_and_trains_on_identically(runs, so
 
 
 def test_checkpoint_moves_from_fsdp_x4_to_ddp_x2_to_a_single_process(runs):
-    origin = runs.get("fsdp x4")
-    via_ddp = resume_in(runs, "ddp x2", origin / "checkpoints/step-10", "checkpoint.every_steps=5", name="fsdp4 to ddp2")
+    origin, via_ddp = runs.get("fsdp x4"), runs.get("fsdp4 to ddp2")
     to_single = resume_in(runs, "single", via_ddp / "checkpoints/step-15", name="ddp2 to single")
 
     origin_losses = losses_by_step(origin)
@@ -100,8 +103,7 @@ def test_checkpoint_moves_from_fsdp_x4_to_ddp_x2_to_a_single_process(runs):
 def test_fsdp_gradient_accumulation_matches_single_process_under_both_sync_policies(runs, policy):
     # Global batch 8, micro-batch 2 on 2 ranks: two micro-batches per rank per step.
     # The default policy is last_micro_batch, which the plain "fsdp x2" run already used.
-    name = "fsdp x2" if policy == "last_micro_batch" else f"fsdp x2 {policy}"
-    accumulated = runs.get("fsdp x2", f"parallel.fsdp.grad_sync={policy}", name=name)
+    accumulated = runs.get("fsdp x2" if policy == "last_micro_batch" else f"fsdp x2 {policy}")
     differences = relative_differences(losses_by_step(accumulated), losses_by_step(runs.get("single")))
     assert max(differences.values()) <= LOSS_RTOL
 
@@ -119,5 +121,5 @@ def test_export_from_an_fsdp_x4_checkpoint_writes_the_full_weights(runs, tmp_pat
 
 def test_fp16_with_the_gradient_scaler_on_sharded_gradients_matches_single_process(runs):
     reference = runs.get("single", "precision=fp16", name="single fp16")
-    sharded = runs.get("fsdp x2", "precision=fp16", name="fsdp x2 fp16")
+    sharded = runs.get("fsdp x2 fp16")
     assert max(relative_differences(losses_by_step(sharded), losses_by_step(reference)).values()) <= LOSS_RTOL
