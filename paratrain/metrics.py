@@ -61,6 +61,14 @@ class MetricsLogger:
             self._bar.close()
 
 
+class NoMetrics:
+    """What ranks other than 0 get: they reduce metrics with everyone but write nothing."""
+
+    def step_done(self) -> None: ...
+
+    def close(self) -> None: ...
+
+
 def _open_tensorboard(directory: Path):
     from torch.utils.tensorboard import SummaryWriter  # imported only when enabled: it loads TensorBoard
 

@@ -22,7 +22,7 @@ from paratrain.builders import build_layout, build_sampler, micro_batch_size, to
 from paratrain.callbacks.base import Callback, CallbackList
 from paratrain.callbacks.build import build_callbacks
 from paratrain.checkpoint import Checkpointer
-from paratrain.checkpoint.config_changes import check_resume_config
+from paratrain.checkpoint.config_changes import check_resume_config, log_resume_changes
 from paratrain.checkpoint.manifest import read_manifest
 from paratrain.checkpoint.state import ModelState, OptimizerState, Progress, RNGState
 from paratrain.collectives import all_reduce_sum
@@ -37,7 +37,7 @@ from paratrain.evaluation import build_evaluator, check_evaluation
 from paratrain.errors import Preempted
 from paratrain.factories import call_factory
 from paratrain.gradients import clip_grad_norm
-from paratrain.metrics import MetricsLogger
+from paratrain.metrics import MetricsLogger, NoMetrics
 from paratrain.optim import build_lr_scheduler, build_optimizer
 from paratrain.parallel.ddp import settle_buckets
 from paratrain.parallel.dims import ParallelDims, data_parallel_coordinates
@@ -285,7 +285,11 @@ class Trainer:
         path = self.checkpointer.choose_resume(self.config.checkpoint.resume)
         if path is None:
             return
-        self._check_resume_config(path)
+        # Refused on every rank (a changed config would train neither run); listed by rank 0.
+        changes = check_resume_config(read_manifest(path).get("config", {}), self.config.model_dump(mode="json"),
+                                      checkpoint=path, allow_change=self.config.checkpoint.allow_config_change)
+        if self.ctx.is_main:
+            log_resume_changes(changes, path)
         # A run switched to fp16 resumes a checkpoint without a gradient scaler: its scaler starts fresh.
         self.checkpointer.load(path, self.checkpoint_state(), optional=("rng", "grad_scaler"))
         logger.info("resumed from %s at step %d (epoch %d)", path, self.progress.step, self.position.epoch)
@@ -304,9 +308,9 @@ class Trainer:
             self.config.run.output_dir.mkdir(parents=True, exist_ok=True)
             (self.config.run.output_dir / "config.yaml").write_text(config_to_yaml(self.config))
 
-    def _open_metrics(self) -> MetricsLogger | _NoMetrics:
+    def _open_metrics(self) -> MetricsLogger | NoMetrics:
         if not self.ctx.is_main:
-            return _NoMetrics()
+            return NoMetrics()
         return MetricsLogger(self.config.run.output_dir, tensorboard=self.config.log.tensorboard,
                              progress_bar=self.config.log.progress_bar, start_step=self.progress.step,
                              max_steps=self.config.train.max_steps)
@@ -318,25 +322,3 @@ class Trainer:
         announce_stop(local_rank=self.ctx.local_rank)
         logger.info("stopping at step %d on %s: checkpoint %s is complete", self.progress.step, signal_name, checkpoint)
         return Preempted(step=self.progress.step, checkpoint=checkpoint, signal_name=signal_name)
-
-    def _check_resume_config(self, checkpoint: Path) -> None:
-        """Refuses (on every rank) a checkpoint trained with a config that changes what is trained,
-        unless checkpoint.allow_config_change; logs the changes it lets through."""
-        changes = check_resume_config(read_manifest(checkpoint).get("config", {}), self.config.model_dump(mode="json"),
-                                      checkpoint=checkpoint, allow_change=self.config.checkpoint.allow_config_change)
-        if not self.ctx.is_main:
-            return
-        if changes.math:
-            logger.warning("resuming %s with changes to what is trained (checkpoint.allow_config_change=true): %s",
-                           checkpoint, "; ".join(changes.math))
-        if changes.harmless:
-            logger.info("resuming %s with config changes that keep the training math: %s", checkpoint,
-                        "; ".join(changes.harmless))
-
-
-class _NoMetrics:
-    """Ranks other than 0 reduce metrics with everyone but write nothing."""
-
-    def step_done(self) -> None: ...
-
-    def close(self) -> None: ...

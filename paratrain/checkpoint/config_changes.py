@@ -11,11 +11,14 @@ under the cosine schedule, which decays the learning rate towards it.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from paratrain.errors import ConfigError
+
+logger = logging.getLogger("paratrain")
 
 # Dotted keys, or whole sections, whose change alters the training math.
 MATH_KEYS = ("train.global_batch_size", "train.seed", "train.grad_clip", "model", "data.factory", "data.args",
@@ -61,6 +64,16 @@ def check_resume_config(saved: dict[str, Any], current: dict[str, Any], *, check
             f"in a new run.output_dir"
         )
     return changes
+
+
+def log_resume_changes(changes: ConfigChanges, checkpoint: Path) -> None:
+    """Says which changes a resume lets through: those to the math (allowed by the override) loudly."""
+    if changes.math:
+        logger.warning("resuming %s with changes to what is trained (%s=true): %s", checkpoint, OVERRIDE_KEY,
+                       "; ".join(changes.math))
+    if changes.harmless:
+        logger.info("resuming %s with config changes that keep the training math: %s", checkpoint,
+                    "; ".join(changes.harmless))
 
 
 class _Unset:
