@@ -53,7 +53,7 @@ def build_model(factory: Callable[[], nn.Module], options: ParallelConfig, *, di
     if not (sharded or declares_init(model)):
         torch.manual_seed(seed)
         model = factory().to(device)
-    _apply_sharding_and_wrappers(model, options, dims=dims, mesh=mesh, sharded=sharded)
+    lay_out_model(model, options, dims=dims, mesh=mesh)
     if _is_on_meta(model):
         offload = options.strategy in ("fsdp", "hsdp") and options.fsdp.cpu_offload
         materialize(model, device=torch.device("cpu") if offload else device, seed=seed)
@@ -97,8 +97,9 @@ def _syncs_every_micro_batch(options: ParallelConfig) -> bool:
     return options.strategy in ("fsdp", "hsdp") and options.fsdp.grad_sync == "every_micro_batch"
 
 
-def _apply_sharding_and_wrappers(model: nn.Module, options: ParallelConfig, *, dims: ParallelDims,
-                                 mesh: DeviceMesh | None, sharded: bool) -> None:
+def lay_out_model(model: nn.Module, options: ParallelConfig, *, dims: ParallelDims, mesh: DeviceMesh | None) -> None:
+    """Tensor parallel, activation checkpointing, compile and FSDP, in that order, on a model that may
+    still be on meta (the dry run stops here); replicas are wrapped after materialising."""
     plan = plan_of(model)
     if dims.tp > 1:
         check_tensor_parallel_plan(plan, dims.tp)
@@ -110,7 +111,7 @@ def _apply_sharding_and_wrappers(model: nn.Module, options: ParallelConfig, *, d
     if options.strategy in ("fsdp", "hsdp"):
         fsdp_mesh = mesh["dp_shard"] if options.strategy == "fsdp" else mesh["dp_replicate", "dp_shard"]
         apply_fsdp(model, fsdp_mesh, plan=plan, options=options.fsdp)
-    elif options.strategy == "tp" and not sharded:
+    elif options.strategy == "tp" and not dims.is_sharded:
         logger.warning("parallel.strategy=tp with parallel.tp=1 shards nothing")
 
 

@@ -54,6 +54,16 @@ def pipeline_shape(options: PipelineConfig, *, dims: ParallelDims, train: TrainC
     return PipelineShape(options.schedule, dims.pp, stages_per_rank, microbatches)
 
 
+@dataclass(frozen=True)
+class StagesOnMeta:
+    """This rank's stages laid out on the meta device: everything but materialising and DDP."""
+
+    model: nn.Module
+    modules: list[nn.Module]
+    indices: list[int]
+    stages: list[Stage]
+
+
 def build_pipeline_model(factory: Callable[[], nn.Module], options: ParallelConfig, pipeline: PipelineConfig, *,
                          shape: PipelineShape, dims: ParallelDims, mesh: DeviceMesh, device: torch.device, seed: int,
                          autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
@@ -63,6 +73,19 @@ def build_pipeline_model(factory: Callable[[], nn.Module], options: ParallelConf
     Args:
         costs: Per-piece costs to balance stages by (pipeline.balance=time); None: parameter counts.
     """
+    laid = lay_out_stages(factory, options, pipeline, shape=shape, dims=dims, mesh=mesh, autocast=autocast, costs=costs)
+    materialize(laid.model, device=device, seed=seed, allocate_via=laid.modules)
+    modules = laid.modules
+    if options.strategy == "ddp":
+        modules = [_ddp(module, options, mesh=mesh, device=device) for module in modules]
+    return PipelineModel(laid.model, modules, laid.indices, shape, laid.stages)
+
+
+def lay_out_stages(factory: Callable[[], nn.Module], options: ParallelConfig, pipeline: PipelineConfig, *,
+                   shape: PipelineShape, dims: ParallelDims, mesh: DeviceMesh,
+                   autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
+                   costs: list[float] | None = None) -> StagesOnMeta:
+    """The model on meta, cut into stages, this rank's kept and laid out (the dry run stops here)."""
     with torch.device("meta"):
         model = factory()
     plan = plan_of(model)
@@ -76,10 +99,7 @@ def build_pipeline_model(factory: Callable[[], nn.Module], options: ParallelConf
     if options.strategy in ("fsdp", "hsdp"):
         fsdp_mesh = mesh["dp_shard"] if options.strategy == "fsdp" else mesh["dp_replicate", "dp_shard"]
         apply_fsdp(model, fsdp_mesh, plan=local_plan, options=options.fsdp, roots=modules)
-    materialize(model, device=device, seed=seed, allocate_via=modules)
-    if options.strategy == "ddp":
-        modules = [_ddp(module, options, mesh=mesh, device=device) for module in modules]
-    return PipelineModel(model, modules, mine, shape, stages)
+    return StagesOnMeta(model, modules, mine, stages)
 
 
 def _apply_block_layouts(model: nn.Module, options, *, dims: ParallelDims, mesh: DeviceMesh, plan: ParallelPlan) -> None:

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
-from dataclasses import replace
 
 import torch
 import torch.distributed as dist
@@ -20,7 +19,6 @@ from torch.distributed.tensor import DTensor
 from paratrain.config import Config
 from paratrain.errors import ConfigError
 from paratrain.factories import call_factory
-from paratrain.models.plan import plan_of
 from paratrain.parallel.dims import MESH_DIMS, ParallelDims
 from paratrain.planner.accounting import FP32, StageShare, rank_memory, stage_shares
 from paratrain.planner.layouts import check_layout
@@ -75,38 +73,21 @@ def dry_run(config: Config, *, nproc_per_node: int, nnodes: int) -> str:
 
 
 def build_rank0_on_meta(config: Config, dims: ParallelDims, mesh) -> nn.Module:
-    """Rank 0's model on meta: its pipeline stages only, then tensor parallel and FSDP, in the order
-    ``builders.build_model`` and ``pipeline.build`` apply them (checkpointing and compile move no parameters)."""
-    from paratrain.parallel.fsdp import apply_fsdp
-    from paratrain.parallel.tensor import apply_tensor_parallel
+    """Rank 0's model on meta, laid out by the functions training uses, stopped before materialising."""
+    def factory() -> nn.Module:
+        return call_factory(config.model, key="model")
+
+    if dims.pp > 1:
+        from paratrain.pipeline.build import lay_out_stages, pipeline_shape
+
+        shape = pipeline_shape(config.pipeline, dims=dims, train=config.train)
+        return lay_out_stages(factory, config.parallel, config.pipeline, shape=shape, dims=dims, mesh=mesh).model
+    from paratrain.builders import lay_out_model
 
     with torch.device("meta"):
-        model = call_factory(config.model, key="model")
-    plan, roots = plan_of(model), None
-    if dims.pp > 1:
-        model, plan, roots = _keep_rank0_stages(model, plan, config, dims)
-    parallel = config.parallel
-    if dims.tp > 1:
-        apply_tensor_parallel(model, mesh["tp"], plan=plan, sequence_parallel=parallel.sequence_parallel and dims.pp == 1)
-    if dims.strategy in ("fsdp", "hsdp"):
-        fsdp_mesh = mesh["dp_shard"] if dims.strategy == "fsdp" else mesh["dp_replicate", "dp_shard"]
-        apply_fsdp(model, fsdp_mesh, plan=plan, options=parallel.fsdp, roots=roots)
+        model = factory()
+    lay_out_model(model, config.parallel, dims=dims, mesh=mesh)
     return model
-
-
-def _keep_rank0_stages(model: nn.Module, plan, config: Config, dims: ParallelDims):
-    from paratrain.pipeline.build import pipeline_shape
-    from paratrain.pipeline.split import cut_stages, pipeline_sequence
-    from paratrain.pipeline.stages import keep_only, stage_modules
-
-    shape = pipeline_shape(config.pipeline, dims=dims, train=config.train)
-    stages = cut_stages(model, config.pipeline, shape.num_stages)
-    mine = shape.stages_of_rank(0)
-    kept = {piece for index in mine for piece in stages[index]}
-    keep_only(model, pipeline_sequence(model), kept)
-    blocks = tuple(block for block in plan.blocks if any(block == p or block.startswith(p + ".") for p in kept))
-    roots = stage_modules(model, [stages[index] for index in mine], contextlib.nullcontext)
-    return model, replace(plan, blocks=blocks), list(roots)
 
 
 def _local_bytes(model: nn.Module) -> int:
