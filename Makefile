@@ -17,4 +17,6 @@ demo: $(INSTALLED)
 	$(BIN)/paratrain train examples/quickstart.yaml --nproc-per-node 2
 
 test: $(INSTALLED)
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
 	$(BIN)/python -m pytest

@@ -72,7 +72,9 @@ def save_sync(checkpointer: Checkpointer, step: int, state: dict) -> float:
     return time.perf_counter() - started
 
 
-def save_async(checkpointer: Checkpointer, step: int, state: dict, model, optimizer, inputs) -> tuple[float, float, list[float]]:
+def save_async(
+    checkpointer: Checkpointer, step: int, state: dict, model, optimizer, inputs
+) -> tuple[float, float, list[float]]:
     """(blocked, background, times of the training steps run while the write was in flight)."""
     started = time.perf_counter()
     checkpointer.save(step, state, blocking=False)
@@ -119,28 +121,38 @@ def main() -> None:
         checkpoint_mb = sum(f.stat().st_size for f in Path(scratch).rglob("*") if f.is_file()) / 1e6
         checkpointer.close()
 
-    print(f"model: {args.layers} x Linear({args.width}, {args.width}), {param_mb:.0f} MB of parameters; "
-          f"checkpoint {checkpoint_mb:.0f} MB (with AdamW moments); torch {torch.__version__}, 1 thread")
+    print(
+        f"model: {args.layers} x Linear({args.width}, {args.width}), {param_mb:.0f} MB of parameters; "
+        f"checkpoint {checkpoint_mb:.0f} MB (with AdamW moments); torch {torch.__version__}, 1 thread"
+    )
     step_s = statistics.median(baseline)
-    print("| round | order | sync blocked s | async blocked s | async background s | steps during write | "
-          "async lost s | async/sync blocked |")
+    print(
+        "| round | order | sync blocked s | async blocked s | async background s | steps during write | "
+        "async lost s | async/sync blocked |"
+    )
     print("|---|---|---|---|---|---|---|---|")
     lost = [r.async_background_s - len(r.steps_during_write) * step_s for r in rounds]
     for i, (r, lost_s) in enumerate(zip(rounds, lost), 1):
-        print(f"| {i} | {' '.join(r.order)} | {r.sync_blocked_s:.3f} | {r.async_blocked_s:.3f} | "
-              f"{r.async_background_s:.3f} | {len(r.steps_during_write)} | {lost_s:.3f} | "
-              f"{r.async_blocked_s / r.sync_blocked_s:.3f} |")
+        print(
+            f"| {i} | {' '.join(r.order)} | {r.sync_blocked_s:.3f} | {r.async_blocked_s:.3f} | "
+            f"{r.async_background_s:.3f} | {len(r.steps_during_write)} | {lost_s:.3f} | "
+            f"{r.async_blocked_s / r.sync_blocked_s:.3f} |"
+        )
     sync_med = statistics.median(r.sync_blocked_s for r in rounds)
     async_med = statistics.median(r.async_blocked_s for r in rounds)
     background_med = statistics.median(r.async_background_s for r in rounds)
     during = [s for r in rounds for s in r.steps_during_write]
-    print(f"| median | | {sync_med:.3f} | {async_med:.3f} | {background_med:.3f} | | {statistics.median(lost):.3f} | "
-          f"{async_med / sync_med:.3f} |")
+    print(
+        f"| median | | {sync_med:.3f} | {async_med:.3f} | {background_med:.3f} | | {statistics.median(lost):.3f} | "
+        f"{async_med / sync_med:.3f} |"
+    )
     verdict = "met" if async_med <= TARGET * sync_med else "MISSED"
     print(f"target async blocked <= {TARGET} x sync blocked: {verdict} ({async_med / sync_med:.3f})")
-    print(f"training step: median {step_s * 1e3:.0f} ms with no save in flight, "
-          f"{statistics.median(during) * 1e3 if during else float('nan'):.0f} ms during background writes "
-          f"({len(during)} steps)")
+    print(
+        f"training step: median {step_s * 1e3:.0f} ms with no save in flight, "
+        f"{statistics.median(during) * 1e3 if during else float('nan'):.0f} ms during background writes "
+        f"({len(during)} steps)"
+    )
 
 
 if __name__ == "__main__":

@@ -28,8 +28,10 @@ from pathlib import Path
 
 import paratrain
 
-MONITORS = ("callbacks=[{factory: 'paratrain.callbacks.memory:MemoryMonitor'}, "
-            "{factory: 'paratrain.callbacks.throughput:ThroughputMonitor'}]")
+MONITORS = (
+    "callbacks=[{factory: 'paratrain.callbacks.memory:MemoryMonitor'}, "
+    "{factory: 'paratrain.callbacks.throughput:ThroughputMonitor'}]"
+)
 PROFILE = {"wait": 10, "warmup": 2, "active": 10}
 
 
@@ -39,17 +41,31 @@ def variants(eval_every: int, eval_samples: int) -> dict[str, list[str]]:
         "plain": [],
         "monitors": [MONITORS],
         "profiler": ["profile.enabled=true", *window],
-        "eval": ["eval.factory=paratrain.data.text:build_char_dataset", f"eval.every_steps={eval_every}",
-                 f"eval.args={{block_size: 64, max_chars: {eval_samples * 64 + 1}}}", "eval.batch_size=8"],
+        "eval": [
+            "eval.factory=paratrain.data.text:build_char_dataset",
+            f"eval.every_steps={eval_every}",
+            f"eval.args={{block_size: 64, max_chars: {eval_samples * 64 + 1}}}",
+            "eval.batch_size=8",
+        ],
     }
 
 
 def train(overrides: list[str], *, steps: int, output_dir: Path, hook_times: list[float]) -> list[dict]:
-    config = paratrain.load_config(None, [
-        f"run.output_dir={output_dir}", "checkpoint.resume=never", "checkpoint.save_final=false",
-        f"train.max_steps={steps}", "train.global_batch_size=8", "train.micro_batch_size=8", "log.every_steps=1",
-        "model.args={block_size: 64, n_layer: 4, n_head: 4, n_embd: 128}",
-        "data.args={block_size: 64, max_chars: 200000}", *overrides])
+    config = paratrain.load_config(
+        None,
+        [
+            f"run.output_dir={output_dir}",
+            "checkpoint.resume=never",
+            "checkpoint.save_final=false",
+            f"train.max_steps={steps}",
+            "train.global_batch_size=8",
+            "train.micro_batch_size=8",
+            "log.every_steps=1",
+            "model.args={block_size: 64, n_layer: 4, n_head: 4, n_embd: 128}",
+            "data.args={block_size: 64, max_chars: 200000}",
+            *overrides,
+        ],
+    )
     trainer = paratrain.Trainer(config)
     try:
         trainer.train()
@@ -85,10 +101,11 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as root:
         for round_index in range(args.rounds):
             names = list(runs)
-            names = names[round_index % len(names):] + names[: round_index % len(names)]
+            names = names[round_index % len(names) :] + names[: round_index % len(names)]
             for name in names:
-                records = train(runs[name], steps=args.steps, output_dir=Path(root) / f"{name}-{round_index}",
-                                hook_times=hook_times)
+                records = train(
+                    runs[name], steps=args.steps, output_dir=Path(root) / f"{name}-{round_index}", hook_times=hook_times
+                )
                 eval_passes += [r["eval_time_s"] for r in records if "eval_time_s" in r]
                 if name == "plain":
                     plain_in_window += [r["step_time_s"] for r in records if r["step"] in window]
@@ -102,9 +119,13 @@ def main() -> None:
     for name, times in steps.items():
         plain = statistics.median(plain_in_window if name == "profiler" else steps["plain"])
         print(f"{name:<10} {statistics.median(times) * 1e3:>15.2f} {statistics.median(times) / plain:>9.3f}")
-    print(f"memory + throughput monitors, on_step_end of a log step: median {statistics.median(hook_times) * 1e3:.3f} ms")
-    print(f"one evaluation pass ({args.eval_samples} samples in batches of 8): median "
-          f"{statistics.median(eval_passes) * 1e3:.0f} ms over {len(eval_passes)} passes")
+    print(
+        f"memory + throughput monitors, on_step_end of a log step: median {statistics.median(hook_times) * 1e3:.3f} ms"
+    )
+    print(
+        f"one evaluation pass ({args.eval_samples} samples in batches of 8): median "
+        f"{statistics.median(eval_passes) * 1e3:.0f} ms over {len(eval_passes)} passes"
+    )
     print(f"achieved model FLOP/s logged by ThroughputMonitor: median {statistics.median(flops) / 1e9:.2f} GFLOP/s")
 
 

@@ -37,10 +37,13 @@ from pathlib import Path
 import torch
 import yaml
 
-from paratrain.export import read_tensor, tensor_names
+from paratrain.tools.export import read_tensor, tensor_names
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
-TINY_GPT = {"factory": "paratrain.models.gpt:build_gpt", "args": {"block_size": 16, "n_layer": 2, "n_head": 2, "n_embd": 32}}
+TINY_GPT = {
+    "factory": "paratrain.models.gpt:build_gpt",
+    "args": {"block_size": 16, "n_layer": 2, "n_head": 2, "n_embd": 32},
+}
 TINY_TEXT = {"factory": "paratrain.data.text:build_char_dataset", "args": {"block_size": 16, "max_chars": 40_000}}
 ATTEMPT_STARTED = re.compile(r"paratrain: layout ")
 RESUMED = re.compile(r"resumed from \S+ at step (\d+)")
@@ -69,7 +72,10 @@ def cli(config: Path, *args: str) -> list[str]:
 
 def final_weights(output_dir: Path, step: int) -> dict[str, torch.Tensor]:
     checkpoint = output_dir / "checkpoints" / f"step-{step}"
-    return {name: read_tensor(checkpoint, "model." + name, item) for name, item in tensor_names(checkpoint, "model.").items()}
+    return {
+        name: read_tensor(checkpoint, "model." + name, item)
+        for name, item in tensor_names(checkpoint, "model.").items()
+    }
 
 
 @dataclass
@@ -141,12 +147,20 @@ def rank_of(pid: int) -> int:
     return int(next(item for item in environ if item.startswith(b"RANK=")).split(b"=", 1)[1])
 
 
-def run_with_kills(config: Path, *, nproc: int, kills: int, every: int, steps: int, seed: int) -> tuple[int, list[Kill], LauncherLog]:
+def run_with_kills(
+    config: Path, *, nproc: int, kills: int, every: int, steps: int, seed: int
+) -> tuple[int, list[Kill], LauncherLog]:
     """Trains under the killer; returns the launcher's exit code, the kills and the log."""
     rng = random.Random(seed)
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    process = subprocess.Popen(cli(config, "--nproc-per-node", str(nproc), "--max-restarts", str(kills + 5)),
-                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env, cwd=REPO_ROOT)
+    process = subprocess.Popen(
+        cli(config, "--nproc-per-node", str(nproc), "--max-restarts", str(kills + 5)),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+        cwd=REPO_ROOT,
+    )
     log = LauncherLog(process)
     threading.Thread(target=log.follow, daemon=True).start()
     done: list[Kill] = []
@@ -196,20 +210,30 @@ def main() -> int:
         directory = Path(scratch)
         started = time.monotonic()
         reference = write_config(directory, "uninterrupted", steps=steps, every=args.every, strategy=args.strategy)
-        subprocess.run(cli(reference, "--nproc-per-node", str(args.nproc)), check=True, capture_output=True,
-                       env={**os.environ, "OMP_NUM_THREADS": "1"}, cwd=REPO_ROOT)
+        subprocess.run(
+            cli(reference, "--nproc-per-node", str(args.nproc)),
+            check=True,
+            capture_output=True,
+            env={**os.environ, "OMP_NUM_THREADS": "1"},
+            cwd=REPO_ROOT,
+        )
         expected = final_weights(directory / "uninterrupted", steps)
-        print(f"{args.strategy} x {args.nproc}, tiny GPT, {steps} steps, checkpoint every {args.every}; "
-              f"torch {torch.__version__}; uninterrupted run {time.monotonic() - started:.0f} s")
+        print(
+            f"{args.strategy} x {args.nproc}, tiny GPT, {steps} steps, checkpoint every {args.every}; "
+            f"torch {torch.__version__}; uninterrupted run {time.monotonic() - started:.0f} s"
+        )
         total_kills, failures, redone = 0, 0, 0
         for run in range(args.runs):
             seed = args.seed + run
             config = write_config(directory, f"chaos-{seed}", steps=steps, every=args.every, strategy=args.strategy)
             started = time.monotonic()
-            code, kills, log = run_with_kills(config, nproc=args.nproc, kills=args.kills, every=args.every, steps=steps,
-                                              seed=seed)
-            print(f"\nrun {run + 1} (seed {seed}): exit code {code}, {len(log.attempts)} attempts, "
-                  f"{time.monotonic() - started:.0f} s")
+            code, kills, log = run_with_kills(
+                config, nproc=args.nproc, kills=args.kills, every=args.every, steps=steps, seed=seed
+            )
+            print(
+                f"\nrun {run + 1} (seed {seed}): exit code {code}, {len(log.attempts)} attempts, "
+                f"{time.monotonic() - started:.0f} s"
+            )
             print("| kill | rank | step at kill | resumed from | steps redone |\n|---|---|---|---|---|")
             for number, kill in enumerate(kills, 1):
                 print(f"| {number} | {kill.rank} | {kill.attempt.last_step} | {kill.resumed_next} | {kill.redone} |")
@@ -220,8 +244,10 @@ def main() -> int:
             total_kills += len(kills)
             failures += not matches
             redone += sum(kill.redone or 0 for kill in kills)
-        print(f"\nruns: {args.runs}, kills: {total_kills}, failures: {failures}, steps redone: {redone} "
-              f"(checkpoint every {args.every} steps)")
+        print(
+            f"\nruns: {args.runs}, kills: {total_kills}, failures: {failures}, steps redone: {redone} "
+            f"(checkpoint every {args.every} steps)"
+        )
     return 1 if failures else 0
 
 

@@ -61,28 +61,63 @@ class Workload:
     n_embd: int = 64
 
     def paratrain_argv(self, out_dir: Path) -> list[str]:
-        model_args = (f"{{block_size: {self.block_size}, n_layer: {self.n_layer}, n_head: {self.n_head}, "
-                      f"n_embd: {self.n_embd}}}")
+        model_args = (
+            f"{{block_size: {self.block_size}, n_layer: {self.n_layer}, n_head: {self.n_head}, n_embd: {self.n_embd}}}"
+        )
         overrides = [
-            f"run.output_dir={out_dir}", f"train.max_steps={self.steps}", f"train.seed={self.seed}",
-            f"train.global_batch_size={self.global_batch_size}", f"train.micro_batch_size={self.micro_batch_size}",
-            f"optim.lr={self.lr}", f"optim.weight_decay={self.weight_decay}", f"optim.warmup_steps={self.warmup_steps}",
-            f"log.every_steps={self.log_every}", f"model.args={model_args}",
+            f"run.output_dir={out_dir}",
+            f"train.max_steps={self.steps}",
+            f"train.seed={self.seed}",
+            f"train.global_batch_size={self.global_batch_size}",
+            f"train.micro_batch_size={self.micro_batch_size}",
+            f"optim.lr={self.lr}",
+            f"optim.weight_decay={self.weight_decay}",
+            f"optim.warmup_steps={self.warmup_steps}",
+            f"log.every_steps={self.log_every}",
+            f"model.args={model_args}",
             f"data.args={{block_size: {self.block_size}}}",
             # No checkpoint is written, so the step times hold training alone.
-            "checkpoint.save_final=false", "checkpoint.every_steps=0",
+            "checkpoint.save_final=false",
+            "checkpoint.every_steps=0",
         ]
-        return [sys.executable, "-m", "paratrain.cli", "train", "examples/quickstart.yaml", *overrides,
-                "--nproc-per-node", str(NPROC)]
+        return [
+            sys.executable,
+            "-m",
+            "paratrain.cli",
+            "train",
+            "examples/quickstart.yaml",
+            *overrides,
+            "--nproc-per-node",
+            str(NPROC),
+        ]
 
     def handwritten_argv(self, out_dir: Path) -> list[str]:
-        options = {"out-dir": out_dir, "steps": self.steps, "log-every": self.log_every, "seed": self.seed,
-                   "global-batch-size": self.global_batch_size, "micro-batch-size": self.micro_batch_size,
-                   "lr": self.lr, "weight-decay": self.weight_decay, "warmup-steps": self.warmup_steps,
-                   "block-size": self.block_size, "n-layer": self.n_layer, "n-head": self.n_head, "n-embd": self.n_embd}
+        options = {
+            "out-dir": out_dir,
+            "steps": self.steps,
+            "log-every": self.log_every,
+            "seed": self.seed,
+            "global-batch-size": self.global_batch_size,
+            "micro-batch-size": self.micro_batch_size,
+            "lr": self.lr,
+            "weight-decay": self.weight_decay,
+            "warmup-steps": self.warmup_steps,
+            "block-size": self.block_size,
+            "n-layer": self.n_layer,
+            "n-head": self.n_head,
+            "n-embd": self.n_embd,
+        }
         flags = [item for name, value in options.items() for item in (f"--{name}", str(value))]
-        return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(NPROC),
-                str(HANDWRITTEN_SCRIPT.relative_to(REPO_ROOT)), *flags]
+        return [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node",
+            str(NPROC),
+            str(HANDWRITTEN_SCRIPT.relative_to(REPO_ROOT)),
+            *flags,
+        ]
 
     def argv(self, side: Side, out_dir: Path) -> list[str]:
         return self.paratrain_argv(out_dir) if side == "paratrain" else self.handwritten_argv(out_dir)
@@ -114,8 +149,12 @@ def run_once(argv: list[str], out_dir: Path, *, skip_until_step: int, timeout_s:
     if not steady:
         raise RuntimeError(f"no log window after step {skip_until_step}; raise --steps")
     first = next(record for record in records if record["step"] == 1)
-    return RunResult(statistics.median(steady), min(steady), first["time"] - launched,
-                     {record["step"]: record["loss"] for record in records})
+    return RunResult(
+        statistics.median(steady),
+        min(steady),
+        first["time"] - launched,
+        {record["step"]: record["loss"] for record in records},
+    )
 
 
 def run_job(argv: list[str], *, timeout_s: float) -> tuple[int | str, str]:
@@ -123,8 +162,9 @@ def run_job(argv: list[str], *, timeout_s: float) -> tuple[int | str, str]:
     # PYTHONPATH: both sides import paratrain from the tree this script lies in, also when that tree
     # is a snapshot and the venv's editable install points at a checkout being edited.
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO_ROOT)}
-    launcher = subprocess.Popen(argv, cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                text=True)
+    launcher = subprocess.Popen(
+        argv, cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
     try:
         output = launcher.communicate(timeout=timeout_s)[0]
         return launcher.returncode, output
@@ -140,8 +180,9 @@ def round_order(round_index: int) -> tuple[Side, Side]:
     return ("paratrain", "handwritten") if round_index % 2 == 0 else ("handwritten", "paratrain")
 
 
-def run_rounds(workload: Workload, *, rounds: int, out_dir: Path, skip_until_step: int, timeout_s: float,
-               control: bool) -> list[dict[Side, RunResult]]:
+def run_rounds(
+    workload: Workload, *, rounds: int, out_dir: Path, skip_until_step: int, timeout_s: float, control: bool
+) -> list[dict[Side, RunResult]]:
     """Alternating runs of both sides; prints each round's line as soon as it is measured.
 
     With ``control`` the hand-written loop runs in both columns, so the ratios show the noise floor.
@@ -165,17 +206,22 @@ def print_header(workload: Workload, out_dir: Path, *, control: bool) -> None:
     print("paratrain:  ", shlex.join(first_side(out_dir / "round-N-paratrain")))
     print("handwritten:", shlex.join(workload.handwritten_argv(out_dir / "round-N-handwritten")))
     print(f"OMP_NUM_THREADS=1 for both; {NPROC} processes, gloo\n")
-    print(f"{'round':>5}  {'order':<5}  {'paratrain ms':>12}  {'handwritten ms':>14}  {'ratio':>6}  "
-          f"{'best ratio':>10}  {'launch P s':>10}  {'launch H s':>10}  same losses")
+    print(
+        f"{'round':>5}  {'order':<5}  {'paratrain ms':>12}  {'handwritten ms':>14}  {'ratio':>6}  "
+        f"{'best ratio':>10}  {'launch P s':>10}  {'launch H s':>10}  same losses"
+    )
 
 
 def print_round(index: int, measured: dict[Side, RunResult]) -> None:
     para, hand = measured["paratrain"], measured["handwritten"]
     order = "".join(side[0].upper() for side in round_order(index))
-    print(f"{index + 1:>5}  {order:<5}  {para.step_s * 1e3:>12.1f}  {hand.step_s * 1e3:>14.1f}  "
-          f"{para.step_s / hand.step_s:>6.3f}  {para.best_step_s / hand.best_step_s:>10.3f}  "
-          f"{para.launch_s:>10.2f}  {hand.launch_s:>10.2f}  "
-          f"{describe_loss_match(para.losses, hand.losses)}", flush=True)
+    print(
+        f"{index + 1:>5}  {order:<5}  {para.step_s * 1e3:>12.1f}  {hand.step_s * 1e3:>14.1f}  "
+        f"{para.step_s / hand.step_s:>6.3f}  {para.best_step_s / hand.best_step_s:>10.3f}  "
+        f"{para.launch_s:>10.2f}  {hand.launch_s:>10.2f}  "
+        f"{describe_loss_match(para.losses, hand.losses)}",
+        flush=True,
+    )
 
 
 def describe_loss_match(para: dict[int, float], hand: dict[int, float]) -> str:
@@ -194,13 +240,19 @@ def print_summary(results: list[dict[Side, RunResult]]) -> None:
     round_ratios = [measured["paratrain"].step_s / measured["handwritten"].step_s for measured in results]
     print(f"\nmedian step time: paratrain {para_step * 1e3:.1f} ms, handwritten {hand_step * 1e3:.1f} ms")
     print(f"ratio of medians (paratrain / handwritten): {para_step / hand_step:.3f}")
-    print(f"median of per-round ratios: {statistics.median(round_ratios):.3f} "
-          f"(min {min(round_ratios):.3f}, max {max(round_ratios):.3f})")
+    print(
+        f"median of per-round ratios: {statistics.median(round_ratios):.3f} "
+        f"(min {min(round_ratios):.3f}, max {max(round_ratios):.3f})"
+    )
     best_ratios = [measured["paratrain"].best_step_s / measured["handwritten"].best_step_s for measured in results]
-    print(f"fastest-window ratio, median over rounds: {statistics.median(best_ratios):.3f} "
-          f"(min {min(best_ratios):.3f}, max {max(best_ratios):.3f})")
-    print(f"median launch to first step: paratrain {median_of('paratrain', 'launch_s'):.2f} s, "
-          f"handwritten {median_of('handwritten', 'launch_s'):.2f} s")
+    print(
+        f"fastest-window ratio, median over rounds: {statistics.median(best_ratios):.3f} "
+        f"(min {min(best_ratios):.3f}, max {max(best_ratios):.3f})"
+    )
+    print(
+        f"median launch to first step: paratrain {median_of('paratrain', 'launch_s'):.2f} s, "
+        f"handwritten {median_of('handwritten', 'launch_s'):.2f} s"
+    )
 
 
 def parse_args() -> argparse.Namespace:
@@ -208,11 +260,15 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--rounds", type=int, default=5, help="pairs of runs, one of each side per round")
     parser.add_argument("--steps", type=int, default=150, help="optimizer steps per run")
     parser.add_argument("--log-every", type=int, default=10, help="steps per log window")
-    parser.add_argument("--skip-until-step", type=int, default=20,
-                        help="windows ending at or before this step are warm-up")
+    parser.add_argument(
+        "--skip-until-step", type=int, default=20, help="windows ending at or before this step are warm-up"
+    )
     parser.add_argument("--run-timeout", type=float, default=300, help="seconds before a run counts as hung")
-    parser.add_argument("--control", action="store_true",
-                        help="run the hand-written loop on both sides, to measure the noise floor of the ratio")
+    parser.add_argument(
+        "--control",
+        action="store_true",
+        help="run the hand-written loop on both sides, to measure the noise floor of the ratio",
+    )
     parser.add_argument("--out-dir", type=Path, help="where the runs write (default: a new temporary directory)")
     return parser.parse_args()
 
@@ -225,8 +281,14 @@ def main() -> int:
         raise SystemExit(f"--out-dir {out_dir} is not empty; pass a new or empty directory")
     workload = Workload(steps=args.steps, log_every=args.log_every)
     print_header(workload, out_dir, control=args.control)
-    results = run_rounds(workload, rounds=args.rounds, out_dir=out_dir, skip_until_step=args.skip_until_step,
-                         timeout_s=args.run_timeout, control=args.control)
+    results = run_rounds(
+        workload,
+        rounds=args.rounds,
+        out_dir=out_dir,
+        skip_until_step=args.skip_until_step,
+        timeout_s=args.run_timeout,
+        control=args.control,
+    )
     print_summary(results)
     print(f"\nruns kept in {out_dir}")
     return 0

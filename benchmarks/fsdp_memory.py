@@ -53,14 +53,31 @@ class Workload:
 
     def worker_argv(self, layout: str, *, nproc: int, out: Path, run_dir: Path) -> list[str]:
         strategy, overrides = LAYOUTS[layout]
-        options = {"strategy": strategy, "out": out, "output-dir": run_dir, "warmup-steps": self.warmup_steps,
-                   "timed-steps": self.timed_steps, "global-batch-size": self.global_batch_size,
-                   "micro-batch-size": self.global_batch_size // nproc, "block-size": self.block_size,
-                   "n-layer": self.n_layer, "n-head": self.n_head, "n-embd": self.n_embd}
+        options = {
+            "strategy": strategy,
+            "out": out,
+            "output-dir": run_dir,
+            "warmup-steps": self.warmup_steps,
+            "timed-steps": self.timed_steps,
+            "global-batch-size": self.global_batch_size,
+            "micro-batch-size": self.global_batch_size // nproc,
+            "block-size": self.block_size,
+            "n-layer": self.n_layer,
+            "n-head": self.n_head,
+            "n-embd": self.n_embd,
+        }
         flags = [item for name, value in options.items() for item in (f"--{name}", str(value))]
         flags += [item for override in overrides for item in ("--override", override)]
-        return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
-                str(WORKER), *flags]
+        return [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node",
+            str(nproc),
+            str(WORKER),
+            *flags,
+        ]
 
 
 @dataclass(frozen=True)
@@ -118,7 +135,9 @@ def run_worker(argv: list[str], out: Path, *, timeout_s: float, extra_env: dict[
     """
     # PYTHONPATH: import paratrain from the tree this script lies in, not wherever the venv points.
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO_ROOT), **extra_env}
-    launcher = subprocess.Popen(argv, cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    launcher = subprocess.Popen(
+        argv, cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
     try:
         output = launcher.communicate(timeout=timeout_s)[0]
     except subprocess.TimeoutExpired:
@@ -137,8 +156,16 @@ def round_order(layouts: list[str], round_index: int) -> list[str]:
     return layouts[shift:] + layouts[:shift]
 
 
-def run_world_size(workload: Workload, layouts: list[str], *, nproc: int, rounds: int, out_dir: Path,
-                   timeout_s: float, extra_env: dict[str, str]) -> list[dict[str, RunResult]]:
+def run_world_size(
+    workload: Workload,
+    layouts: list[str],
+    *,
+    nproc: int,
+    rounds: int,
+    out_dir: Path,
+    timeout_s: float,
+    extra_env: dict[str, str],
+) -> list[dict[str, RunResult]]:
     """Alternating runs of every layout at one world size; prints a line per run as it finishes."""
     results = []
     for index in range(rounds):
@@ -154,8 +181,11 @@ def run_world_size(workload: Workload, layouts: list[str], *, nproc: int, rounds
 
 
 def print_run(nproc: int, index: int, layout: str, run: RunResult) -> None:
-    print(f"N={nproc} round {index + 1} {layout:<16} state {run.total_logical / 2**20:8.2f} MiB  "
-          f"peak RSS {run.peak_rss_kib / 1024:7.1f} MiB  step {run.step_s * 1e3:7.1f} ms", flush=True)
+    print(
+        f"N={nproc} round {index + 1} {layout:<16} state {run.total_logical / 2**20:8.2f} MiB  "
+        f"peak RSS {run.peak_rss_kib / 1024:7.1f} MiB  step {run.step_s * 1e3:7.1f} ms",
+        flush=True,
+    )
 
 
 def summary_rows(nproc: int, layouts: list[str], results: list[dict[str, RunResult]]) -> list[str]:
@@ -170,13 +200,18 @@ def summary_rows(nproc: int, layouts: list[str], results: list[dict[str, RunResu
         step_ratios = [mine.step_s / base.step_s for mine, base in zip(runs, baseline)]
         fastest_ratios = [mine.fastest_step_s / base.fastest_step_s for mine, base in zip(runs, baseline)]
         cells = [
-            str(nproc), layout, f"{run.params_numel:,}",
+            str(nproc),
+            layout,
+            f"{run.params_numel:,}",
             *(f"{run.logical_bytes[part]:,}" for part in STATE_PARTS),
-            f"{run.total_logical:,}", f"{bytes_ratio:.6f}", f"{storage_ratio:.6f}",
+            f"{run.total_logical:,}",
+            f"{bytes_ratio:.6f}",
+            f"{storage_ratio:.6f}",
             f"{statistics.median(r.peak_rss_kib for r in runs) / 1024:.0f}",
             f"{statistics.median(r.rss_after_kib - r.rss_before_trainer_kib for r in runs) / 1024:.0f}",
             f"{statistics.median(r.step_s for r in runs) * 1e3:.0f}",
-            _ratio_cell(step_ratios), _ratio_cell(fastest_ratios),
+            _ratio_cell(step_ratios),
+            _ratio_cell(fastest_ratios),
         ]
         rows.append("| " + " | ".join(cells) + " |")
     return rows
@@ -209,10 +244,14 @@ def target_check(nproc: int, results: list[dict[str, RunResult]]) -> list[str]:
     ratio = fsdp.total_logical / (ddp.total_logical / nproc)
     verdict = "meets" if ratio <= TARGET else "MISSES"
     zero3 = 16 * fsdp.params_numel / nproc
-    verdict_line = (f"N={nproc}: fsdp {fsdp.total_logical:,} B vs ddp/N {ddp.total_logical / nproc:,.0f} B: "
-                    f"ratio {ratio:.6f}, {verdict} the target <= {TARGET} (16Ψ/N = {zero3:,.0f} B)")
-    storage_line = (f"N={nproc}: gradients live in {ddp.grad_storages} storage(s) for {ddp.grad_tensors} tensors "
-                    f"under ddp, {fsdp.grad_storages} for {fsdp.grad_tensors} under fsdp")
+    verdict_line = (
+        f"N={nproc}: fsdp {fsdp.total_logical:,} B vs ddp/N {ddp.total_logical / nproc:,.0f} B: "
+        f"ratio {ratio:.6f}, {verdict} the target <= {TARGET} (16Ψ/N = {zero3:,.0f} B)"
+    )
+    storage_line = (
+        f"N={nproc}: gradients live in {ddp.grad_storages} storage(s) for {ddp.grad_tensors} tensors "
+        f"under ddp, {fsdp.grad_storages} for {fsdp.grad_tensors} under fsdp"
+    )
     return [verdict_line, storage_line]
 
 
@@ -220,14 +259,23 @@ def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--world-sizes", type=int, nargs="+", default=[2, 4])
     parser.add_argument("--rounds", type=int, default=3, help="alternating rounds per world size")
-    parser.add_argument("--layouts", nargs="+", default=["ddp", "fsdp"], choices=sorted(LAYOUTS),
-                        help="layouts to compare; ddp and fsdp are always included")
+    parser.add_argument(
+        "--layouts",
+        nargs="+",
+        default=["ddp", "fsdp"],
+        choices=sorted(LAYOUTS),
+        help="layouts to compare; ddp and fsdp are always included",
+    )
     parser.add_argument("--global-batch-size", type=int, default=32, help="samples per step over all ranks")
     parser.add_argument("--warmup-steps", type=int, default=3)
     parser.add_argument("--timed-steps", type=int, default=10)
-    parser.add_argument("--malloc-mmap-threshold", type=int, metavar="BYTES",
-                        help="set glibc's MALLOC_MMAP_THRESHOLD_ in the workers: freed large blocks then go back "
-                             "to the OS, so RSS follows live memory instead of the allocator's high-water mark")
+    parser.add_argument(
+        "--malloc-mmap-threshold",
+        type=int,
+        metavar="BYTES",
+        help="set glibc's MALLOC_MMAP_THRESHOLD_ in the workers: freed large blocks then go back "
+        "to the OS, so RSS follows live memory instead of the allocator's high-water mark",
+    )
     parser.add_argument("--run-timeout", type=float, default=600, help="seconds before a run counts as hung")
     parser.add_argument("--out-dir", type=Path, help="where runs write (default: a new temporary directory)")
     return parser.parse_args()
@@ -247,16 +295,24 @@ def print_header(workload: Workload, extra_env: dict[str, str]) -> None:
 def main() -> int:
     args = parse_args()
     layouts = ["ddp", "fsdp", *(name for name in args.layouts if name not in ("ddp", "fsdp"))]
-    workload = Workload(global_batch_size=args.global_batch_size, warmup_steps=args.warmup_steps,
-                        timed_steps=args.timed_steps)
+    workload = Workload(
+        global_batch_size=args.global_batch_size, warmup_steps=args.warmup_steps, timed_steps=args.timed_steps
+    )
     out_dir = (args.out_dir or Path(tempfile.mkdtemp(prefix="fsdp_memory-"))).resolve()
     out_dir.mkdir(parents=True, exist_ok=True)
     extra_env = malloc_env(args.malloc_mmap_threshold)
     print_header(workload, extra_env)
     rows, checks = [], []
     for nproc in args.world_sizes:
-        results = run_world_size(workload, layouts, nproc=nproc, rounds=args.rounds, out_dir=out_dir,
-                                 timeout_s=args.run_timeout, extra_env=extra_env)
+        results = run_world_size(
+            workload,
+            layouts,
+            nproc=nproc,
+            rounds=args.rounds,
+            out_dir=out_dir,
+            timeout_s=args.run_timeout,
+            extra_env=extra_env,
+        )
         rows += summary_rows(nproc, layouts, results)
         checks += target_check(nproc, results)
     print_summary(rows, checks)

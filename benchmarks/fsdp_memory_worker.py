@@ -58,8 +58,12 @@ def count_bytes(tensors: Iterable[torch.Tensor]) -> TensorBytes:
 
 def optimizer_tensors(optimizer: torch.optim.Optimizer, *, step_counters: bool) -> list[torch.Tensor]:
     """Adam's moment tensors (exp_avg, exp_avg_sq), or else its per-parameter scalar ``step`` tensors."""
-    return [value for state in optimizer.state.values() for name, value in state.items()
-            if isinstance(value, torch.Tensor) and (name == "step") == step_counters]
+    return [
+        value
+        for state in optimizer.state.values()
+        for name, value in state.items()
+        if isinstance(value, torch.Tensor) and (name == "step") == step_counters
+    ]
 
 
 def model_state_bytes(trainer: paratrain.Trainer) -> dict[str, dict[str, int]]:
@@ -104,17 +108,29 @@ def timed_steps(trainer: paratrain.Trainer, *, warmup_steps: int, timed: int) ->
 
 
 def build_config(args: argparse.Namespace) -> paratrain.Config:
-    model_args = (f"{{block_size: {args.block_size}, n_layer: {args.n_layer}, n_head: {args.n_head}, "
-                  f"n_embd: {args.n_embd}}}")
-    return paratrain.load_config(None, [
-        f"parallel.strategy={args.strategy}", f"run.output_dir={args.output_dir}",
-        f"train.max_steps={args.warmup_steps + args.timed_steps}", f"train.seed={args.seed}",
-        f"train.global_batch_size={args.global_batch_size}", f"train.micro_batch_size={args.micro_batch_size}",
-        "optim.name=adamw", "optim.lr=3e-3", "optim.weight_decay=0.1",
-        "model.factory=paratrain.models.gpt:build_gpt", f"model.args={model_args}",
-        "data.factory=paratrain.data.text:build_char_dataset", f"data.args={{block_size: {args.block_size}}}",
-        "checkpoint.save_final=false", *args.override,
-    ])
+    model_args = (
+        f"{{block_size: {args.block_size}, n_layer: {args.n_layer}, n_head: {args.n_head}, n_embd: {args.n_embd}}}"
+    )
+    return paratrain.load_config(
+        None,
+        [
+            f"parallel.strategy={args.strategy}",
+            f"run.output_dir={args.output_dir}",
+            f"train.max_steps={args.warmup_steps + args.timed_steps}",
+            f"train.seed={args.seed}",
+            f"train.global_batch_size={args.global_batch_size}",
+            f"train.micro_batch_size={args.micro_batch_size}",
+            "optim.name=adamw",
+            "optim.lr=3e-3",
+            "optim.weight_decay=0.1",
+            "model.factory=paratrain.models.gpt:build_gpt",
+            f"model.args={model_args}",
+            "data.factory=paratrain.data.text:build_char_dataset",
+            f"data.args={{block_size: {args.block_size}}}",
+            "checkpoint.save_final=false",
+            *args.override,
+        ],
+    )
 
 
 def measure(trainer: paratrain.Trainer, args: argparse.Namespace, *, rss_before_kib: int) -> dict:
@@ -146,8 +162,13 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--n-layer", type=int, default=4)
     parser.add_argument("--n-head", type=int, default=8)
     parser.add_argument("--n-embd", type=int, default=256)
-    parser.add_argument("--override", action="append", default=[], metavar="KEY=VALUE",
-                        help="extra paratrain config override, e.g. parallel.fsdp.reshard_after_forward=false")
+    parser.add_argument(
+        "--override",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="extra paratrain config override, e.g. parallel.fsdp.reshard_after_forward=false",
+    )
     return parser.parse_args()
 
 
@@ -160,8 +181,12 @@ def main() -> None:
         everyone = [None] * trainer.ctx.world_size
         dist.all_gather_object(everyone, mine)
         if trainer.ctx.is_main:
-            result = {"world_size": trainer.ctx.world_size, "strategy": args.strategy, "torch": torch.__version__,
-                      "ranks": everyone}
+            result = {
+                "world_size": trainer.ctx.world_size,
+                "strategy": args.strategy,
+                "torch": torch.__version__,
+                "ranks": everyone,
+            }
             args.out.write_text(json.dumps(result, indent=1))
     finally:
         trainer.close()

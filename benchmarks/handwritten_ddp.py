@@ -82,8 +82,10 @@ def build_optimizer(model: nn.Module, args: argparse.Namespace) -> torch.optim.A
     # Decay matrices only, as GPT-2 does; foreach=True as paratrain asks (on CPU torch's default is the
     # per-parameter loop, which would make this a comparison of two AdamW kernels, not of two loops).
     params = [p for p in model.parameters() if p.requires_grad]
-    groups = [{"params": [p for p in params if p.ndim >= 2], "weight_decay": args.weight_decay},
-              {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}]
+    groups = [
+        {"params": [p for p in params if p.ndim >= 2], "weight_decay": args.weight_decay},
+        {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0},
+    ]
     return torch.optim.AdamW(groups, lr=args.lr, betas=BETAS, eps=EPS, foreach=True)
 
 
@@ -95,8 +97,9 @@ def lr_multiplier(step: int, *, warmup_steps: int, max_steps: int) -> float:
     return MIN_LR_RATIO + (1.0 - MIN_LR_RATIO) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
-def train_step(model: DistributedDataParallel, optimizer: torch.optim.Optimizer, scheduler: LambdaLR,
-               micro_batches: list) -> tuple[torch.Tensor, torch.Tensor, float]:
+def train_step(
+    model: DistributedDataParallel, optimizer: torch.optim.Optimizer, scheduler: LambdaLR, micro_batches: list
+) -> tuple[torch.Tensor, torch.Tensor, float]:
     """One optimizer step; gradients are all-reduced only on the last micro-batch."""
     optimizer.zero_grad(set_to_none=True)
     loss_sum = torch.zeros(())
@@ -114,16 +117,31 @@ def train_step(model: DistributedDataParallel, optimizer: torch.optim.Optimizer,
     return loss_sum / len(micro_batches), grad_norm, lr
 
 
-def log_record(*, step: int, window_loss: torch.Tensor, window_steps: int, window_started: float,
-               grad_norm: torch.Tensor, lr: float, args: argparse.Namespace) -> dict:
+def log_record(
+    *,
+    step: int,
+    window_loss: torch.Tensor,
+    window_steps: int,
+    window_started: float,
+    grad_norm: torch.Tensor,
+    lr: float,
+    args: argparse.Namespace,
+) -> dict:
     """Averages the window's loss over ranks (which also waits for its work) and times the window."""
     loss = window_loss / window_steps
     dist.all_reduce(loss)
     loss = loss.item() / dist.get_world_size()
     step_time = (time.perf_counter() - window_started) / window_steps
-    return {"step": step, "loss": loss, "lr": lr, "grad_norm": grad_norm.item(), "step_time_s": step_time,
-            "samples_per_s": args.global_batch_size / step_time, "world_size": dist.get_world_size(),
-            "time": time.time()}
+    return {
+        "step": step,
+        "loss": loss,
+        "lr": lr,
+        "grad_norm": grad_norm.item(),
+        "step_time_s": step_time,
+        "samples_per_s": args.global_batch_size / step_time,
+        "world_size": dist.get_world_size(),
+        "time": time.time(),
+    }
 
 
 def init_weights_by_name(model: nn.Module, seed: int) -> None:
@@ -145,8 +163,9 @@ def build_training(args: argparse.Namespace) -> tuple:
     init_weights_by_name(model, args.seed)
     ddp_model = DistributedDataParallel(model, gradient_as_bucket_view=True)  # as paratrain's DDPConfig default
     optimizer = build_optimizer(model, args)
-    scheduler = LambdaLR(optimizer,
-                         lambda step: lr_multiplier(step, warmup_steps=args.warmup_steps, max_steps=args.steps))
+    scheduler = LambdaLR(
+        optimizer, lambda step: lr_multiplier(step, warmup_steps=args.warmup_steps, max_steps=args.steps)
+    )
     dataset = build_char_dataset(block_size=args.block_size)
     return ddp_model, optimizer, scheduler, dataset
 
@@ -161,8 +180,15 @@ def train(args: argparse.Namespace) -> None:
         loss, grad_norm, lr = train_step(model, optimizer, scheduler, next(batches))
         window_loss, window_steps = window_loss + loss, window_steps + 1
         if step == 1 or step % args.log_every == 0 or step == args.steps:
-            record = log_record(step=step, window_loss=window_loss, window_steps=window_steps,
-                                window_started=window_started, grad_norm=grad_norm, lr=lr, args=args)
+            record = log_record(
+                step=step,
+                window_loss=window_loss,
+                window_steps=window_steps,
+                window_started=window_started,
+                grad_norm=grad_norm,
+                lr=lr,
+                args=args,
+            )
             if rank == 0:
                 with open(args.out_dir / "metrics.jsonl", "a") as metrics:
                     metrics.write(json.dumps(record) + "\n")

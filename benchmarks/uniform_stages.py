@@ -124,5 +124,6 @@ def _write_peak_at_exit() -> None:
     if directory and "RANK" in os.environ and not _registered:  # workers only, not the launcher's preflight
         _registered = True
         path = Path(directory) / f"activations-{os.getpid()}.json"
-        atexit.register(lambda: path.write_text(json.dumps({"rank": int(os.environ["RANK"]),
-                                                            "peak_bytes": SAVED.peak})))
+        atexit.register(
+            lambda: path.write_text(json.dumps({"rank": int(os.environ["RANK"]), "peak_bytes": SAVED.peak}))
+        )

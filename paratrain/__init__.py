@@ -10,7 +10,7 @@ Python API::
     trainer.close()
 """
 
-from paratrain.config import Config, load_config
+from paratrain.config.schema import Config, load_config
 from paratrain.errors import CheckpointError, ConfigError
 
 __all__ = ["CheckpointError", "Config", "ConfigError", "TrainResult", "Trainer", "load_config"]

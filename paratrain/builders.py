@@ -12,10 +12,10 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.utils.data import Dataset
 
-from paratrain.config import Config, ParallelConfig, PipelineConfig, TrainConfig
+from paratrain.config.schema import Config, ParallelConfig, PipelineConfig, TrainConfig
 from paratrain.data.sampler import GlobalBatchSampler
-from paratrain.distributed import DistContext
 from paratrain.engine import Engine, LossFn, MicroBatchEngine
+from paratrain.launch.process_group import DistContext
 from paratrain.models.init import declares_init, materialize
 from paratrain.models.plan import plan_of
 from paratrain.parallel.activation import apply_activation_checkpointing, apply_compile
@@ -39,8 +39,15 @@ class BuiltModel:
     runnable: nn.Module
 
 
-def build_model(factory: Callable[[], nn.Module], options: ParallelConfig, *, dims: ParallelDims,
-                mesh: DeviceMesh | None, device: torch.device, seed: int) -> BuiltModel:
+def build_model(
+    factory: Callable[[], nn.Module],
+    options: ParallelConfig,
+    *,
+    dims: ParallelDims,
+    mesh: DeviceMesh | None,
+    device: torch.device,
+    seed: int,
+) -> BuiltModel:
     """Builds the model on the meta device and applies the layout in one fixed order: tensor
     parallel, activation checkpointing, compile, FSDP; then materialises; then DDP or DataParallel.
 
@@ -69,26 +76,49 @@ class Layout:
     engine: Engine
 
 
-def build_layout(model_factory: Callable[[], nn.Module], loss_fn: LossFn, *, parallel: ParallelConfig,
-                 pipeline: PipelineConfig, train: TrainConfig, output_dir: Path, dims: ParallelDims,
-                 mesh: DeviceMesh | None, ctx: DistContext, dp_rank: int, dataset: Dataset,
-                 precision: MixedPrecision) -> Layout:
+def build_layout(
+    model_factory: Callable[[], nn.Module],
+    loss_fn: LossFn,
+    *,
+    parallel: ParallelConfig,
+    pipeline: PipelineConfig,
+    train: TrainConfig,
+    output_dir: Path,
+    dims: ParallelDims,
+    mesh: DeviceMesh | None,
+    ctx: DistContext,
+    dp_rank: int,
+    dataset: Dataset,
+    precision: MixedPrecision,
+) -> Layout:
     """The model and engine of the layout: a pipeline schedule for pp, micro-batch accumulation otherwise."""
     if dims.pp > 1:
-        from paratrain.pipeline.runtime import build_pipeline_runtime  # loads torch._dynamo: only when used
+        from paratrain.parallel.pipeline.runtime import build_pipeline_runtime  # loads torch._dynamo: only when used
 
         runtime = build_pipeline_runtime(
-            model_factory, loss_fn, parallel=parallel, pipeline=pipeline, train=train, output_dir=output_dir,
-            dims=dims, mesh=mesh, device=ctx.device, rank=ctx.rank, dp_rank=dp_rank, dataset=dataset,
-            autocast=precision.autocast)
+            model_factory,
+            loss_fn,
+            parallel=parallel,
+            pipeline=pipeline,
+            train=train,
+            output_dir=output_dir,
+            dims=dims,
+            mesh=mesh,
+            device=ctx.device,
+            rank=ctx.rank,
+            dp_rank=dp_rank,
+            dataset=dataset,
+            autocast=precision.autocast,
+        )
         return Layout(runtime.bare, nn.ModuleList(runtime.stage_modules), runtime.engine)
     built = build_model(model_factory, parallel, dims=dims, mesh=mesh, device=ctx.device, seed=train.seed)
     runnable, device = built.runnable, ctx.device
     if parallel.strategy == "model_parallel":
         runnable = apply_model_parallel(built.bare, pipeline)
         device = runnable.devices[-1]  # where the output, so the loss, is computed
-    engine = MicroBatchEngine(runnable, loss_fn, precision, device=device,
-                              sync_every_micro_batch=_syncs_every_micro_batch(parallel))
+    engine = MicroBatchEngine(
+        runnable, loss_fn, precision, device=device, sync_every_micro_batch=_syncs_every_micro_batch(parallel)
+    )
     return Layout(built.bare, runnable, engine)
 
 
@@ -115,12 +145,20 @@ def lay_out_model(model: nn.Module, options: ParallelConfig, *, dims: ParallelDi
         logger.warning("parallel.strategy=tp with parallel.tp=1 shards nothing")
 
 
-def _wrap_replicas(model: nn.Module, options: ParallelConfig, *, mesh: DeviceMesh | None, device: torch.device) -> nn.Module:
+def _wrap_replicas(
+    model: nn.Module, options: ParallelConfig, *, mesh: DeviceMesh | None, device: torch.device
+) -> nn.Module:
     if options.strategy == "ddp":
         ddp = options.ddp
-        return apply_ddp(model, mesh, device=device, bucket_cap_mb=ddp.bucket_cap_mb, static_graph=ddp.static_graph,
-                         find_unused_parameters=ddp.find_unused_parameters,
-                         gradient_as_bucket_view=ddp.gradient_as_bucket_view)
+        return apply_ddp(
+            model,
+            mesh,
+            device=device,
+            bucket_cap_mb=ddp.bucket_cap_mb,
+            static_graph=ddp.static_graph,
+            find_unused_parameters=ddp.find_unused_parameters,
+            gradient_as_bucket_view=ddp.gradient_as_bucket_view,
+        )
     if options.strategy == "dp":
         return apply_data_parallel(model, device=device)
     return model
@@ -138,8 +176,9 @@ def micro_batch_size(train: TrainConfig, pipeline: PipelineConfig, *, dims: Para
     return train.micro_batch_size
 
 
-def build_sampler(dataset_size: int, config: Config, *, dp_rank: int, dp_size: int,
-                  micro_batch_size: int) -> GlobalBatchSampler:
+def build_sampler(
+    dataset_size: int, config: Config, *, dp_rank: int, dp_size: int, micro_batch_size: int
+) -> GlobalBatchSampler:
     return GlobalBatchSampler(
         dataset_size=dataset_size,
         global_batch_size=config.train.global_batch_size,

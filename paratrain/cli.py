@@ -7,10 +7,10 @@ import os
 import sys
 from pathlib import Path
 
-from paratrain.config import config_to_yaml, load_config
-from paratrain.config_warnings import ineffective_options
+from paratrain.config.schema import config_to_yaml, load_config
+from paratrain.config.warnings import ineffective_options
 from paratrain.errors import EXIT_REQUEUE, EXIT_USER_ERROR, CheckpointError, ConfigError, Preempted
-from paratrain.launch import LaunchOptions
+from paratrain.launch.launcher import LaunchOptions
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -45,7 +45,7 @@ def train_command(args: argparse.Namespace) -> int:
         return dry_run_command(args)
     options.validate()
     config = load_config(args.config, args.overrides)
-    from paratrain.preflight import preflight  # imported once the config parses: it loads torch.distributed
+    from paratrain.config.preflight import preflight  # imported once the config parses: it loads torch.distributed
 
     preflight(config, world_size=options.world_size, nproc_per_node=options.nproc_per_node)
     for warning in ineffective_options(config):
@@ -56,7 +56,7 @@ def train_command(args: argparse.Namespace) -> int:
         configure_logging(rank=0)
         run(config)
         return 0
-    from paratrain.launch import launch
+    from paratrain.launch.launcher import launch
     from paratrain.train import PREFLIGHT_DONE_ENV
 
     return launch(options, [args.config, *args.overrides], env={PREFLIGHT_DONE_ENV: "1"})
@@ -76,7 +76,7 @@ def config_show_command(args: argparse.Namespace) -> int:
 
 
 def export_command(args: argparse.Namespace) -> int:
-    from paratrain.export import export_safetensors  # keeps safetensors off the training path
+    from paratrain.tools.export import export_safetensors  # keeps safetensors off the training path
 
     count = export_safetensors(Path(args.checkpoint), Path(args.out))
     print(f"wrote {count} tensors to {args.out}")
@@ -85,16 +85,23 @@ def export_command(args: argparse.Namespace) -> int:
 
 def pipeline_show_command(args: argparse.Namespace) -> int:
     config = load_config(args.config, args.overrides)
-    from paratrain.pipeline.show import show_pipeline  # loads torch.distributed.pipelining and matplotlib
+    from paratrain.tools.pipeline_show import show_pipeline  # loads torch.distributed.pipelining and matplotlib
 
     out = Path(args.out) if args.out else config.run.output_dir / "pipeline" / "schedule.png"
-    print(show_pipeline(config, world_size=args.nproc_per_node * args.nnodes, nproc_per_node=args.nproc_per_node,
-                        out=out, run_dir=Path(args.run) if args.run else None))
+    print(
+        show_pipeline(
+            config,
+            world_size=args.nproc_per_node * args.nnodes,
+            nproc_per_node=args.nproc_per_node,
+            out=out,
+            run_dir=Path(args.run) if args.run else None,
+        )
+    )
     return 0
 
 
 def report_command(args: argparse.Namespace) -> int:
-    from paratrain.report import NO_MEMORY, write_report  # loads matplotlib
+    from paratrain.tools.report import NO_MEMORY, write_report  # loads matplotlib
 
     runs = [Path(run) for run in args.runs]
     report = write_report(runs, out=Path(args.out) if args.out else runs[0] / "report")
@@ -107,15 +114,21 @@ def report_command(args: argparse.Namespace) -> int:
 
 
 def bench_comm_command(args: argparse.Namespace) -> int:
-    from paratrain.bench_comm import run_benchmark  # loads torch.distributed and matplotlib
+    from paratrain.tools.bench_comm import run_benchmark  # loads torch.distributed and matplotlib
 
-    bench = run_benchmark(nproc_per_node=args.nproc_per_node, sizes=args.sizes, iters=args.iters, warmup=args.warmup,
-                          device=args.device, out=Path(args.out))
+    bench = run_benchmark(
+        nproc_per_node=args.nproc_per_node,
+        sizes=args.sizes,
+        iters=args.iters,
+        warmup=args.warmup,
+        device=args.device,
+        out=Path(args.out),
+    )
     return 0 if bench else 1
 
 
 def verify_command(args: argparse.Namespace) -> int:
-    from paratrain.verify import verify
+    from paratrain.tools.verify import verify
 
     return verify(args.config, args.overrides, nproc_per_node=args.nproc_per_node, steps=args.steps)
 
@@ -124,8 +137,9 @@ def plan_command(args: argparse.Namespace) -> int:
     config = load_config(args.config, args.overrides)
     from paratrain.planner.plan import plan_command_text  # loads torch
 
-    text, code = plan_command_text(config, config_path=args.config, gpus=args.gpus, gpu_memory=args.gpu_memory,
-                                   nodes=args.nodes)
+    text, code = plan_command_text(
+        config, config_path=args.config, gpus=args.gpus, gpu_memory=args.gpu_memory, nodes=args.nodes
+    )
     print(text)
     return code
 
@@ -136,15 +150,20 @@ def build_parser() -> argparse.ArgumentParser:
 
     train = commands.add_parser("train", help="train from a YAML config")
     train.add_argument("config", help="YAML config file")
-    train.add_argument("overrides", nargs="*", metavar="key=value", help="dotted config overrides, e.g. train.max_steps=50")
+    train.add_argument(
+        "overrides", nargs="*", metavar="key=value", help="dotted config overrides, e.g. train.max_steps=50"
+    )
     train.add_argument("--nproc-per-node", type=int, default=1, help="processes on this node (one per GPU)")
     train.add_argument("--nnodes", type=int, default=1, help="number of nodes")
     train.add_argument("--node-rank", type=int, default=0, help="this node's rank, 0..nnodes-1")
     train.add_argument("--rdzv-endpoint", help="HOST:PORT of node 0, the same on every node (multi-node)")
     train.add_argument("--max-restarts", type=int, default=0, help="restart the group this often after a failure")
-    train.add_argument("--dry-run", action="store_true",
-                       help="build the mesh (fake process group), the model on meta and the layout for the whole world in "
-                            "this one process; print each rank's place and expected memory; train nothing")
+    train.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="build the mesh (fake process group), the model on meta and the layout for the whole world in "
+        "this one process; print each rank's place and expected memory; train nothing",
+    )
     train.set_defaults(handler=train_command)
 
     config = commands.add_parser("config", help="inspect configs")
@@ -162,7 +181,8 @@ def build_parser() -> argparse.ArgumentParser:
     pipeline = commands.add_parser("pipeline", help="inspect pipeline schedules")
     pipeline_commands = pipeline.add_subparsers(dest="pipeline_command", required=True)
     pipeline_show = pipeline_commands.add_parser(
-        "show", help="print each rank's schedule timeline and bubble, and draw it as a PNG")
+        "show", help="print each rank's schedule timeline and bubble, and draw it as a PNG"
+    )
     pipeline_show.add_argument("config", help="YAML config file")
     pipeline_show.add_argument("overrides", nargs="*", metavar="key=value")
     pipeline_show.add_argument("--nproc-per-node", type=int, default=1, help="processes per node, as for train")
@@ -178,28 +198,43 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = commands.add_parser("bench", help="micro-benchmarks")
     bench_commands = bench.add_subparsers(dest="bench_command", required=True)
-    comm = bench_commands.add_parser("comm", help="time collectives over a size sweep; algbw and busbw as nccl-tests defines them")
+    comm = bench_commands.add_parser(
+        "comm", help="time collectives over a size sweep; algbw and busbw as nccl-tests defines them"
+    )
     comm.add_argument("--nproc-per-node", type=int, default=2, help="processes (one per GPU on CUDA)")
     comm.add_argument("--sizes", nargs="+", help="sizes S in bytes, binary units (1KB = 1024 B); default 1KB to 16MB")
     comm.add_argument("--iters", type=int, default=20, help="timed iterations per operation and size")
     comm.add_argument("--warmup", type=int, default=5, help="untimed iterations before them")
-    comm.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto", help="auto: CUDA with NCCL when present, else CPU with gloo")
+    comm.add_argument(
+        "--device",
+        choices=("auto", "cpu", "cuda"),
+        default="auto",
+        help="auto: CUDA with NCCL when present, else CPU with gloo",
+    )
     comm.add_argument("--out", default="runs/bench-comm", help="directory for comm.json and comm.png")
     comm.set_defaults(handler=bench_comm_command)
 
-    verify = commands.add_parser("verify", help="train the config's layout and one process for a few steps and compare losses")
+    verify = commands.add_parser(
+        "verify", help="train the config's layout and one process for a few steps and compare losses"
+    )
     verify.add_argument("config", help="YAML config file")
     verify.add_argument("overrides", nargs="*", metavar="key=value", help="dotted config overrides, as for train")
-    verify.add_argument("--nproc-per-node", type=int, help="processes for the layout (default: 2, or 1 for single, dp, model_parallel)")
+    verify.add_argument(
+        "--nproc-per-node", type=int, help="processes for the layout (default: 2, or 1 for single, dp, model_parallel)"
+    )
     verify.add_argument("--steps", type=int, default=20, help="optimizer steps each run trains (default 20)")
     verify.set_defaults(handler=verify_command)
 
-    plan = commands.add_parser("plan", help="memory per GPU of every layout a cluster allows, ranked, with a recommendation")
+    plan = commands.add_parser(
+        "plan", help="memory per GPU of every layout a cluster allows, ranked, with a recommendation"
+    )
     plan.add_argument("config", help="YAML config file")
     plan.add_argument("overrides", nargs="*", metavar="key=value", help="dotted config overrides, as for train")
     plan.add_argument("--gpus", type=int, required=True, help="GPUs in the cluster (all nodes)")
     plan.add_argument("--gpu-memory", required=True, help="memory per GPU, e.g. 80GB (10^9 B) or 80GiB (2^30 B)")
-    plan.add_argument("--nodes", type=int, default=1, help="nodes the GPUs are spread over evenly (tensor parallel stays in one)")
+    plan.add_argument(
+        "--nodes", type=int, default=1, help="nodes the GPUs are spread over evenly (tensor parallel stays in one)"
+    )
     plan.set_defaults(handler=plan_command)
     return parser
 

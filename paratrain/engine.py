@@ -8,7 +8,8 @@ place without the loop changing.
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable, Protocol
+from collections.abc import Callable
+from typing import Any, Protocol
 
 import torch
 from torch import nn
@@ -37,8 +38,15 @@ class MicroBatchEngine:
     sync_every_micro_batch (FSDP's memory-saving policy: reduce-scatter as you go).
     """
 
-    def __init__(self, model: nn.Module, loss_fn: LossFn, precision: MixedPrecision, *, device: torch.device,
-                 sync_every_micro_batch: bool = False):
+    def __init__(
+        self,
+        model: nn.Module,
+        loss_fn: LossFn,
+        precision: MixedPrecision,
+        *,
+        device: torch.device,
+        sync_every_micro_batch: bool = False,
+    ):
         self.model = model
         self.loss_fn = loss_fn
         self.precision = precision

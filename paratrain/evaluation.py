@@ -15,11 +15,11 @@ import torch
 from torch import nn
 from torch.utils.data import Dataset, default_collate
 
-from paratrain.collectives import all_reduce_sum
-from paratrain.config import EvalConfig, TrainConfig
+from paratrain.config.factories import call_factory
+from paratrain.config.schema import EvalConfig, TrainConfig
 from paratrain.errors import ConfigError
-from paratrain.factories import call_factory
 from paratrain.losses import LossFn
+from paratrain.parallel.collectives import all_reduce_sum
 from paratrain.parallel.dims import ParallelDims
 
 
@@ -34,15 +34,34 @@ def check_evaluation(options: EvalConfig, dims: ParallelDims, *, has_dataset: bo
         )
 
 
-def build_evaluator(options: EvalConfig, dataset: Dataset | None, loss_fn: LossFn, *, model: nn.Module,
-                    device: torch.device, autocast: Callable[[], contextlib.AbstractContextManager], dp_rank: int,
-                    dp_size: int, train: TrainConfig) -> Evaluator | None:
+def build_evaluator(
+    options: EvalConfig,
+    dataset: Dataset | None,
+    loss_fn: LossFn,
+    *,
+    model: nn.Module,
+    device: torch.device,
+    autocast: Callable[[], contextlib.AbstractContextManager],
+    dp_rank: int,
+    dp_size: int,
+    train: TrainConfig,
+) -> Evaluator | None:
     """An Evaluator over ``dataset`` (from the Python API) or eval.factory's; None when neither is given."""
     if dataset is None and options.factory is None:
         return None
     dataset = dataset if dataset is not None else call_factory(options, key="eval")
-    return Evaluator(dataset, loss_fn, options, model=model, device=device, autocast=autocast, dp_rank=dp_rank,
-                     dp_size=dp_size, batch_size=options.batch_size or train.micro_batch_size, max_steps=train.max_steps)
+    return Evaluator(
+        dataset,
+        loss_fn,
+        options,
+        model=model,
+        device=device,
+        autocast=autocast,
+        dp_rank=dp_rank,
+        dp_size=dp_size,
+        batch_size=options.batch_size or train.micro_batch_size,
+        max_steps=train.max_steps,
+    )
 
 
 class Evaluator:
@@ -59,9 +78,20 @@ class Evaluator:
         max_steps: The last step, which is always evaluated.
     """
 
-    def __init__(self, dataset: Dataset, loss_fn: LossFn, options: EvalConfig, *, model: nn.Module, device: torch.device,
-                 autocast: Callable[[], contextlib.AbstractContextManager], dp_rank: int, dp_size: int, batch_size: int,
-                 max_steps: int):
+    def __init__(
+        self,
+        dataset: Dataset,
+        loss_fn: LossFn,
+        options: EvalConfig,
+        *,
+        model: nn.Module,
+        device: torch.device,
+        autocast: Callable[[], contextlib.AbstractContextManager],
+        dp_rank: int,
+        dp_size: int,
+        batch_size: int,
+        max_steps: int,
+    ):
         self.dataset, self.loss_fn, self.options, self.model, self.device = dataset, loss_fn, options, model, device
         self.autocast, self.dp_rank, self.dp_size = autocast, dp_rank, dp_size
         self.batch_size, self.max_steps = batch_size, max_steps
@@ -74,6 +104,7 @@ class Evaluator:
     def evaluate(self) -> float:
         """The mean loss over the validation samples of every rank (the same value on every rank)."""
         from paratrain.engine import move_to  # the engine loads FSDP: preflight imports this module without it
+
         was_training = self.model.training
         self.model.eval()
         totals = torch.zeros(2, dtype=torch.float64, device=self.device)  # loss x samples, samples

@@ -15,8 +15,9 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 
-def clip_grad_norm(params: list[torch.nn.Parameter], max_norm: float | None, *,
-                   sum_over: dist.ProcessGroup | None = None) -> torch.Tensor:
+def clip_grad_norm(
+    params: list[torch.nn.Parameter], max_norm: float | None, *, sum_over: dist.ProcessGroup | None = None
+) -> torch.Tensor:
     """Scales gradients so their global norm is at most max_norm (None: only measure it).
 
     Args:
@@ -30,7 +31,11 @@ def clip_grad_norm(params: list[torch.nn.Parameter], max_norm: float | None, *,
     if not norms and sum_over is None:
         return torch.zeros(())
     device = norms[0].device if norms else params[0].device
-    total = torch.linalg.vector_norm(torch.stack([n.to(device) for n in norms])) if norms else torch.zeros((), device=device)
+    total = (
+        torch.linalg.vector_norm(torch.stack([n.to(device) for n in norms]))
+        if norms
+        else torch.zeros((), device=device)
+    )
     if sum_over is not None:
         squared = total.square()
         dist.all_reduce(squared, op=dist.ReduceOp.SUM, group=sum_over)

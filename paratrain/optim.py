@@ -9,7 +9,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.optim.lr_scheduler import LambdaLR
 
-from paratrain.config import OptimConfig
+from paratrain.config.schema import OptimConfig
 
 
 def scaled_lr(options: OptimConfig, *, dp_size: int) -> float:
@@ -26,8 +26,10 @@ def build_optimizer(model: nn.Module, options: OptimConfig, *, dp_size: int) -> 
     plain; torch's multi-tensor kernels refuse that mix, so such a model steps one tensor at a time.
     """
     params = [p for p in model.parameters() if p.requires_grad]
-    groups = [{"params": [p for p in params if p.ndim >= 2], "weight_decay": options.weight_decay},
-              {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}]
+    groups = [
+        {"params": [p for p in params if p.ndim >= 2], "weight_decay": options.weight_decay},
+        {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0},
+    ]
     foreach = len({isinstance(p, DTensor) for p in params}) == 1
     lr = scaled_lr(options, dp_size=dp_size)
     if options.name == "adamw":

@@ -11,11 +11,11 @@ import logging
 import os
 import sys
 
-from paratrain.config import Config, load_config
-from paratrain.config_warnings import ineffective_options
-from paratrain.distributed import world_size_from_env
+from paratrain.config.preflight import preflight
+from paratrain.config.schema import Config, load_config
+from paratrain.config.warnings import ineffective_options
 from paratrain.errors import EXIT_REQUEUE, EXIT_USER_ERROR, CheckpointError, ConfigError, Preempted
-from paratrain.preflight import preflight
+from paratrain.launch.process_group import world_size_from_env
 from paratrain.trainer import Trainer, TrainResult
 
 # Set by the CLI once it has run the checks, so workers it launches do not repeat them.
@@ -63,7 +63,9 @@ def configure_logging(rank: int) -> None:
     """Rank 0 logs progress; other ranks only warnings, so the terminal shows one voice."""
     logging.basicConfig(
         level=logging.INFO if rank == 0 else logging.WARNING,
-        format="%(asctime)s paratrain: %(message)s" if rank == 0 else f"%(asctime)s paratrain[rank {rank}]: %(message)s",
+        format="%(asctime)s paratrain: %(message)s"
+        if rank == 0
+        else f"%(asctime)s paratrain[rank {rank}]: %(message)s",
         datefmt="%H:%M:%S",
         stream=sys.stderr,
     )

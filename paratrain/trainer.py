@@ -17,34 +17,39 @@ import torch
 from torch import nn
 from torch.utils.data import Dataset, default_collate
 
-from paratrain import faults
 from paratrain.builders import build_layout, build_sampler, micro_batch_size, tokens_per_sample
 from paratrain.callbacks.base import Callback, CallbackList
 from paratrain.callbacks.build import build_callbacks
+from paratrain.callbacks.profiling import maybe_profiler
 from paratrain.checkpoint import Checkpointer
 from paratrain.checkpoint.config_changes import check_resume_config, log_resume_changes
 from paratrain.checkpoint.manifest import read_manifest
 from paratrain.checkpoint.state import ModelState, OptimizerState, Progress, RNGState
-from paratrain.collectives import all_reduce_sum
-from paratrain.config import Config, config_to_yaml
+from paratrain.config.factories import call_factory
+from paratrain.config.schema import Config, config_to_yaml
 from paratrain.data.loader import StepBatches
 from paratrain.data.sampler import DataPosition
 from paratrain.debug import dump_gradients
-from paratrain.distributed import (DistContext, destroy_distributed, init_distributed, local_world_size_from_env,
-                                   world_size_from_env)
 from paratrain.engine import LossFn
-from paratrain.evaluation import build_evaluator, check_evaluation
 from paratrain.errors import Preempted
-from paratrain.factories import call_factory
+from paratrain.evaluation import build_evaluator, check_evaluation
 from paratrain.gradients import clip_grad_norm
-from paratrain.metrics import MetricsLogger, NoMetrics
+from paratrain.launch import faults
+from paratrain.launch.preemption import StopSignals, announce_stop
+from paratrain.launch.process_group import (
+    DistContext,
+    destroy_distributed,
+    init_distributed,
+    local_world_size_from_env,
+    world_size_from_env,
+)
+from paratrain.launch.watchdog import StepWatchdog
 from paratrain.optim import build_lr_scheduler, build_optimizer
+from paratrain.parallel.collectives import all_reduce_sum
 from paratrain.parallel.ddp import settle_buckets
 from paratrain.parallel.dims import ParallelDims, data_parallel_coordinates
 from paratrain.precision import build_mixed_precision
-from paratrain.preemption import StopSignals, announce_stop
-from paratrain.profiling import maybe_profiler
-from paratrain.watchdog import StepWatchdog
+from paratrain.tracking.metrics import MetricsLogger, NoMetrics
 
 logger = logging.getLogger("paratrain")
 
@@ -89,41 +94,88 @@ class Trainer:
         eval_dataset: A validation dataset like ``dataset``; defaults to ``eval.factory`` (none if null).
     """
 
-    def __init__(self, config: Config, *, model_factory: Callable[[], nn.Module] | None = None,
-                 dataset: Dataset | None = None, loss_fn: LossFn | None = None, callbacks: list[Callback] = (),
-                 eval_dataset: Dataset | None = None):
+    def __init__(
+        self,
+        config: Config,
+        *,
+        model_factory: Callable[[], nn.Module] | None = None,
+        dataset: Dataset | None = None,
+        loss_fn: LossFn | None = None,
+        callbacks: list[Callback] = (),
+        eval_dataset: Dataset | None = None,
+    ):
         self.config = config
-        self.dims = ParallelDims.resolve(config.parallel.strategy, world_size=world_size_from_env(),
-                                         local_world_size=local_world_size_from_env(), degrees=config.parallel.degrees())
+        self.dims = ParallelDims.resolve(
+            config.parallel.strategy,
+            world_size=world_size_from_env(),
+            local_world_size=local_world_size_from_env(),
+            degrees=config.parallel.degrees(),
+        )
         check_evaluation(config.eval, self.dims, has_dataset=eval_dataset is not None)
         user_callbacks = build_callbacks(config.callbacks, callbacks)
-        self.ctx: DistContext = init_distributed(device_kind=config.train.device, needs_group=self.dims.needs_process_group,
-                                                 timeout_s=config.parallel.collective_timeout_s)
+        self.ctx: DistContext = init_distributed(
+            device_kind=config.train.device,
+            needs_group=self.dims.needs_process_group,
+            timeout_s=config.parallel.collective_timeout_s,
+        )
         self.mesh = self.dims.build_mesh(self.ctx.device.type)
         logger.info("layout %s: %s on %s", config.parallel.strategy, self.dims.describe(), self.ctx.device)
         self.dp_rank, self.dp_size = data_parallel_coordinates(self.mesh)
         self.precision = build_mixed_precision(config.precision, device=self.ctx.device, sharded=self.dims.is_sharded)
         self.dataset = dataset if dataset is not None else call_factory(config.data, key="data")
         loss_fn = loss_fn or call_factory(config.loss, key="loss")
-        layout = build_layout(model_factory or (lambda: call_factory(config.model, key="model")), loss_fn,
-                              parallel=config.parallel, pipeline=config.pipeline, train=config.train,
-                              output_dir=config.run.output_dir, dims=self.dims, mesh=self.mesh, ctx=self.ctx,
-                              dp_rank=self.dp_rank, dataset=self.dataset, precision=self.precision)
+        layout = build_layout(
+            model_factory or (lambda: call_factory(config.model, key="model")),
+            loss_fn,
+            parallel=config.parallel,
+            pipeline=config.pipeline,
+            train=config.train,
+            output_dir=config.run.output_dir,
+            dims=self.dims,
+            mesh=self.mesh,
+            ctx=self.ctx,
+            dp_rank=self.dp_rank,
+            dataset=self.dataset,
+            precision=self.precision,
+        )
         self.bare_model, self.model, self.engine = layout.bare, layout.runnable, layout.engine
         # Data-parallel ranks draw different random numbers (e.g. dropout masks); tensor-parallel
         # ranks of one replica must draw the same, since they compute on the same activations.
         torch.manual_seed(config.train.seed + self.dp_rank)
         self.optimizer = build_optimizer(self.bare_model, config.optim, dp_size=self.dp_size)
         self.lr_scheduler = build_lr_scheduler(self.optimizer, config.optim, max_steps=config.train.max_steps)
-        self.sampler = build_sampler(len(self.dataset), config, dp_rank=self.dp_rank, dp_size=self.dp_size,
-                                     micro_batch_size=micro_batch_size(config.train, config.pipeline, dims=self.dims))
+        self.sampler = build_sampler(
+            len(self.dataset),
+            config,
+            dp_rank=self.dp_rank,
+            dp_size=self.dp_size,
+            micro_batch_size=micro_batch_size(config.train, config.pipeline, dims=self.dims),
+        )
         self.tokens_per_sample = tokens_per_sample(self.dataset)
         self.progress, self.position = Progress(), DataPosition()
-        self.evaluator = build_evaluator(config.eval, eval_dataset, loss_fn, model=self.model, device=self.engine.device,
-                                         autocast=self.precision.autocast, dp_rank=self.dp_rank, dp_size=self.dp_size,
-                                         train=config.train)
-        self.callbacks = CallbackList([*maybe_profiler(config.profile, directory=config.run.output_dir / "profile",
-                                                       rank=self.ctx.rank, device=self.ctx.device), *user_callbacks], self)
+        self.evaluator = build_evaluator(
+            config.eval,
+            eval_dataset,
+            loss_fn,
+            model=self.model,
+            device=self.engine.device,
+            autocast=self.precision.autocast,
+            dp_rank=self.dp_rank,
+            dp_size=self.dp_size,
+            train=config.train,
+        )
+        self.callbacks = CallbackList(
+            [
+                *maybe_profiler(
+                    config.profile,
+                    directory=config.run.output_dir / "profile",
+                    rank=self.ctx.rank,
+                    device=self.ctx.device,
+                ),
+                *user_callbacks,
+            ],
+            self,
+        )
         self.checkpointer = self._build_checkpointer()
         self._prepare_output_dir()
         self._maybe_resume()
@@ -135,8 +187,12 @@ class Trainer:
         window, last_loss, last_checkpoint = self._new_window(), None, None
         self._say_if_nothing_to_train()
         stop = StopSignals.install(self.ctx.device)
-        watchdog = StepWatchdog(self.config.debug.step_timeout_s, directory=self.config.run.output_dir / "hang",
-                                rank=self.ctx.rank, world_size=self.ctx.world_size)
+        watchdog = StepWatchdog(
+            self.config.debug.step_timeout_s,
+            directory=self.config.run.output_dir / "hang",
+            rank=self.ctx.rank,
+            world_size=self.ctx.world_size,
+        )
         self.callbacks.call("on_train_start")
         try:
             while self.progress.step < self.config.train.max_steps:
@@ -218,8 +274,13 @@ class Trainer:
 
     def step_batches(self) -> Iterator[list[Any]]:
         """This rank's micro-batches, one list per optimizer step, from the current data position."""
-        return StepBatches(self.dataset, self.sampler, start=self.position, num_workers=self.config.data.num_workers,
-                           pin_memory=self.ctx.device.type == "cuda")
+        return StepBatches(
+            self.dataset,
+            self.sampler,
+            start=self.position,
+            num_workers=self.config.data.num_workers,
+            pin_memory=self.ctx.device.type == "cuda",
+        )
 
     def _advance(self, window: _LogWindow, loss: torch.Tensor) -> None:
         self.progress.step += 1
@@ -229,8 +290,11 @@ class Trainer:
 
     def _say_if_nothing_to_train(self) -> None:
         if self.progress.step >= self.config.train.max_steps:
-            logger.info("already at step %d of train.max_steps=%d: nothing to train",
-                        self.progress.step, self.config.train.max_steps)
+            logger.info(
+                "already at step %d of train.max_steps=%d: nothing to train",
+                self.progress.step,
+                self.config.train.max_steps,
+            )
 
     def _should_log(self) -> bool:
         # The first step is always logged: it shows the job is running and when training began.
@@ -251,15 +315,25 @@ class Trainer:
     def _new_window(self) -> _LogWindow:
         return _LogWindow(torch.zeros((), device=self.ctx.device), started=time.perf_counter())
 
-    def _log(self, metrics: MetricsLogger, window: _LogWindow, step: StepOutput, *, evaluated: dict[str, float]) -> float:
+    def _log(
+        self, metrics: MetricsLogger, window: _LogWindow, step: StepOutput, *, evaluated: dict[str, float]
+    ) -> float:
         # Only ranks holding the last pipeline stage have a loss (all ranks, without a pipeline); the
         # others add zero. The reduction also waits for the window's work, for the step time.
         loss = all_reduce_sum(window.loss_sum / window.steps).item() / (self.ctx.world_size // self.dims.pp)
         step_time = (time.perf_counter() - window.started) / window.steps
         samples_per_s = self.config.train.global_batch_size / step_time
-        record = {"step": self.progress.step, "loss": loss, "lr": step.lr, "grad_norm": step.grad_norm.item(),
-                  "step_time_s": step_time, "samples_per_s": samples_per_s, "epoch": self.position.epoch,
-                  "world_size": self.ctx.world_size, "time": time.time()}
+        record = {
+            "step": self.progress.step,
+            "loss": loss,
+            "lr": step.lr,
+            "grad_norm": step.grad_norm.item(),
+            "step_time_s": step_time,
+            "samples_per_s": samples_per_s,
+            "epoch": self.position.epoch,
+            "world_size": self.ctx.world_size,
+            "time": time.time(),
+        }
         if self.tokens_per_sample:
             record["tokens_per_s"] = samples_per_s * self.tokens_per_sample
         record.update(evaluated)
@@ -286,8 +360,12 @@ class Trainer:
         if path is None:
             return
         # Refused on every rank (a changed config would train neither run); listed by rank 0.
-        changes = check_resume_config(read_manifest(path).get("config", {}), self.config.model_dump(mode="json"),
-                                      checkpoint=path, allow_change=self.config.checkpoint.allow_config_change)
+        changes = check_resume_config(
+            read_manifest(path).get("config", {}),
+            self.config.model_dump(mode="json"),
+            checkpoint=path,
+            allow_change=self.config.checkpoint.allow_config_change,
+        )
         if self.ctx.is_main:
             log_resume_changes(changes, path)
         # A run switched to fp16 resumes a checkpoint without a gradient scaler: its scaler starts fresh.
@@ -295,13 +373,21 @@ class Trainer:
         logger.info("resumed from %s at step %d (epoch %d)", path, self.progress.step, self.position.epoch)
         # Any samples do: only the order in which gradients become ready matters (see settle_buckets).
         samples = range(self.sampler.micro_batch_size)
-        settle_buckets(self.model, lambda: self.engine.forward_backward([default_collate([self.dataset[i] for i in samples])]),
-                       device=self.ctx.device)
+        settle_buckets(
+            self.model,
+            lambda: self.engine.forward_backward([default_collate([self.dataset[i] for i in samples])]),
+            device=self.ctx.device,
+        )
 
     def _build_checkpointer(self) -> Checkpointer:
-        return Checkpointer(self.config.run.output_dir / "checkpoints", keep_last=self.config.checkpoint.keep_last,
-                            rank=self.ctx.rank, world_size=self.ctx.world_size,
-                            config=self.config.model_dump(mode="json"), async_save=self.config.checkpoint.async_save)
+        return Checkpointer(
+            self.config.run.output_dir / "checkpoints",
+            keep_last=self.config.checkpoint.keep_last,
+            rank=self.ctx.rank,
+            world_size=self.ctx.world_size,
+            config=self.config.model_dump(mode="json"),
+            async_save=self.config.checkpoint.async_save,
+        )
 
     def _prepare_output_dir(self) -> None:
         if self.ctx.is_main:
@@ -311,9 +397,13 @@ class Trainer:
     def _open_metrics(self) -> MetricsLogger | NoMetrics:
         if not self.ctx.is_main:
             return NoMetrics()
-        return MetricsLogger(self.config.run.output_dir, tensorboard=self.config.log.tensorboard,
-                             progress_bar=self.config.log.progress_bar, start_step=self.progress.step,
-                             max_steps=self.config.train.max_steps)
+        return MetricsLogger(
+            self.config.run.output_dir,
+            tensorboard=self.config.log.tensorboard,
+            progress_bar=self.config.log.progress_bar,
+            start_step=self.progress.step,
+            max_steps=self.config.train.max_steps,
+        )
 
     def _stopped(self, signal_name: str, checkpoint: Path, *, received: str | None) -> Preempted:
         """Announces an agreed stop (its checkpoint is complete) and returns the exception to end with."""

@@ -22,11 +22,14 @@ from typing import Any
 import torch
 import yaml
 
-from paratrain.export import read_tensor, tensor_names
+from paratrain.tools.export import read_tensor, tensor_names
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
-TINY_GPT = {"factory": "paratrain.models.gpt:build_gpt", "args": {"block_size": 16, "n_layer": 2, "n_head": 2, "n_embd": 32}}
+TINY_GPT = {
+    "factory": "paratrain.models.gpt:build_gpt",
+    "args": {"block_size": 16, "n_layer": 2, "n_head": 2, "n_embd": 32},
+}
 TINY_TEXT = {"factory": "paratrain.data.text:build_char_dataset", "args": {"block_size": 16, "max_chars": 40_000}}
 
 
@@ -60,8 +63,14 @@ def free_loopback_port() -> int:
 def start_cli(args: list[str], *, env: dict[str, str] | None = None) -> subprocess.Popen:
     """Starts ``python -m paratrain.cli ARGS`` without waiting (e.g. one process per node)."""
     full_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
-    return subprocess.Popen([sys.executable, "-m", "paratrain.cli", *args], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, env=full_env, cwd=REPO_ROOT)
+    return subprocess.Popen(
+        [sys.executable, "-m", "paratrain.cli", *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=full_env,
+        cwd=REPO_ROOT,
+    )
 
 
 def wait_for_first_step(output_dir: Path, process: subprocess.Popen, timeout: float = 120) -> None:
@@ -79,11 +88,19 @@ def child_pids(pid: int) -> list[int]:
     return [int(child) for task in tasks.iterdir() for child in (task / "children").read_text().split()]
 
 
-def run_cli(args: list[str], *, env: dict[str, str] | None = None, timeout: float = 240, cwd: Path | None = None) -> subprocess.CompletedProcess:
+def run_cli(
+    args: list[str], *, env: dict[str, str] | None = None, timeout: float = 240, cwd: Path | None = None
+) -> subprocess.CompletedProcess:
     """Runs ``python -m paratrain.cli ARGS`` and returns it finished, output captured."""
     full_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
-    return subprocess.run([sys.executable, "-m", "paratrain.cli", *args], capture_output=True, text=True,
-                          timeout=timeout, env=full_env, cwd=cwd or REPO_ROOT)
+    return subprocess.run(
+        [sys.executable, "-m", "paratrain.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=full_env,
+        cwd=cwd or REPO_ROOT,
+    )
 
 
 def run_cli_in_process(args: list[str]) -> tuple[int, str]:
@@ -102,7 +119,9 @@ def run_cli_in_process(args: list[str]) -> tuple[int, str]:
     return code, stderr.getvalue()
 
 
-def train(config_path: Path, *extra: str, nproc: int = 1, env: dict[str, str] | None = None, check: bool = True) -> subprocess.CompletedProcess:
+def train(
+    config_path: Path, *extra: str, nproc: int = 1, env: dict[str, str] | None = None, check: bool = True
+) -> subprocess.CompletedProcess:
     args = ["train", str(config_path), *extra]
     if nproc > 1:
         args += ["--nproc-per-node", str(nproc)]
@@ -115,8 +134,14 @@ def train(config_path: Path, *extra: str, nproc: int = 1, env: dict[str, str] | 
 def launch_workers(nproc: int, module: str, *args: str, timeout: float = 240) -> subprocess.CompletedProcess:
     """Runs ``python -m MODULE ARGS`` on nproc processes through paratrain's launcher, whose stores
     listen on loopback only (see tests/launch_workers.py), and returns it finished."""
-    return subprocess.run([sys.executable, "-m", "tests.launch_workers", str(nproc), module, *args], capture_output=True,
-                          text=True, timeout=timeout, cwd=REPO_ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    return subprocess.run(
+        [sys.executable, "-m", "tests.launch_workers", str(nproc), module, *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=REPO_ROOT,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
 
 
 def in_private_network(command: list[str]) -> list[str]:
@@ -127,7 +152,11 @@ def in_private_network(command: list[str]) -> list[str]:
 
 def private_network_unavailable() -> str | None:
     """Why in_private_network cannot run here (not root, no unshare or ip), or None when it can."""
-    probe = subprocess.run(in_private_network(["true"]), capture_output=True, text=True) if shutil.which("unshare") else None
+    probe = (
+        subprocess.run(in_private_network(["true"]), capture_output=True, text=True)
+        if shutil.which("unshare")
+        else None
+    )
     if probe is None or probe.returncode != 0:
         return "needs `unshare --net` and `ip` (root) to keep torchrun's stores off every interface but loopback"
     return None
@@ -172,8 +201,9 @@ class LayoutRuns:
         sections: config sections every run shares (see tiny_config).
     """
 
-    def __init__(self, root: Path, layouts: dict[str, tuple[list[str], int]], *, together: tuple[str, ...] = (),
-                 **sections: Any):
+    def __init__(
+        self, root: Path, layouts: dict[str, tuple[list[str], int]], *, together: tuple[str, ...] = (), **sections: Any
+    ):
         self.root, self.layouts, self.together, self.sections = root, layouts, together, sections
         self.done: dict[str, Path] = {}
 
@@ -204,12 +234,16 @@ class LayoutRuns:
         runs_file = self.root / f"together-{nproc}-{len(self.done)}.json"
         runs_file.write_text(json.dumps(runs))
         result = launch_workers(nproc, "tests.train_many", str(runs_file), timeout=600)
-        assert result.returncode == 0, f"training {names} together failed ({result.returncode}):\n{result.stderr[-4000:]}"
+        assert result.returncode == 0, (
+            f"training {names} together failed ({result.returncode}):\n{result.stderr[-4000:]}"
+        )
         self.done.update(output_dirs)
 
     def _overrides(self, layout: str) -> list[str]:
-        return [re.sub(r"\{run:([^}]+)\}", lambda match: str(self._output_dir(match[1])), override)
-                for override in self.layouts[layout][0]]
+        return [
+            re.sub(r"\{run:([^}]+)\}", lambda match: str(self._output_dir(match[1])), override)
+            for override in self.layouts[layout][0]
+        ]
 
     def _output_dir(self, name: str) -> Path:
         return self.root / name.replace(" ", "_").replace("+", "_")

@@ -4,7 +4,7 @@ processes through paratrain's own launcher, so test workers get the loopback-onl
 
 import sys
 
-from paratrain.launch import LaunchOptions, launch
+from paratrain.launch.launcher import LaunchOptions, launch
 
 if __name__ == "__main__":
     nproc, module, *worker_args = sys.argv[1:]

@@ -10,7 +10,7 @@ import sys
 
 import torch.distributed as dist
 
-from paratrain.config import load_config
+from paratrain.config.schema import load_config
 from paratrain.train import configure_logging, run
 
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 from typing import Any
 
 from paratrain.callbacks.base import HOOKS, Callback
-from paratrain.config import CallbackConfig
+from paratrain.config.factories import check_factory_args
+from paratrain.config.schema import CallbackConfig
 from paratrain.errors import ConfigError
-from paratrain.factories import check_factory_args
 
 
 def build_callbacks(configs: list[CallbackConfig], given: list[Any] = ()) -> list[Callback]:

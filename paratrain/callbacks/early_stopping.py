@@ -9,7 +9,7 @@ from typing import Literal
 import torch
 
 from paratrain.callbacks.base import Callback, CallbackContext
-from paratrain.collectives import all_reduce_min_max
+from paratrain.parallel.collectives import all_reduce_min_max
 
 logger = logging.getLogger("paratrain")
 
@@ -31,12 +31,25 @@ class EarlyStopping(Callback):
         mode: ``min`` (lower is better, e.g. a loss) or ``max``.
     """
 
-    def __init__(self, *, monitor: str = "eval_loss", patience: int = 3, min_delta: float = 0.0,
-                 mode: Literal["min", "max"] = "min"):
+    def __init__(
+        self,
+        *,
+        monitor: str = "eval_loss",
+        patience: int = 3,
+        min_delta: float = 0.0,
+        mode: Literal["min", "max"] = "min",
+    ):
         if patience < 1 or min_delta < 0 or mode not in ("min", "max"):
-            raise ValueError(f"EarlyStopping: patience={patience} must be >= 1, min_delta={min_delta} >= 0 and "
-                             f"mode={mode!r} 'min' or 'max'")
-        self.monitor, self.patience, self.min_delta, self.sign = monitor, patience, min_delta, 1.0 if mode == "min" else -1.0
+            raise ValueError(
+                f"EarlyStopping: patience={patience} must be >= 1, min_delta={min_delta} >= 0 and "
+                f"mode={mode!r} 'min' or 'max'"
+            )
+        self.monitor, self.patience, self.min_delta, self.sign = (
+            monitor,
+            patience,
+            min_delta,
+            1.0 if mode == "min" else -1.0,
+        )
         self.best, self.readings_without_improvement = math.inf, 0
 
     def on_step_end(self, context: CallbackContext) -> None:
@@ -50,5 +63,7 @@ class EarlyStopping(Callback):
         wants_stop = float(self.readings_without_improvement >= self.patience)
         _, any_rank = all_reduce_min_max(torch.tensor([wants_stop], device=context.trainer.ctx.device))
         if any_rank.item():
-            context.request_stop(f"{self.monitor} did not improve by more than {self.min_delta} for "
-                                 f"{self.patience} reading(s) (best {self.sign * self.best:.6g})")
+            context.request_stop(
+                f"{self.monitor} did not improve by more than {self.min_delta} for "
+                f"{self.patience} reading(s) (best {self.sign * self.best:.6g})"
+            )

@@ -15,7 +15,7 @@ import resource
 import torch
 
 from paratrain.callbacks.base import Callback, CallbackContext
-from paratrain.collectives import all_reduce_min_max
+from paratrain.parallel.collectives import all_reduce_min_max
 
 MIB = 1024 * 1024
 _PAGE_SIZE = os.sysconf("SC_PAGE_SIZE")

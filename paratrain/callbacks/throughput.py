@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from paratrain.callbacks.base import Callback, CallbackContext
-from paratrain.collectives import all_reduce_sum
+from paratrain.parallel.collectives import all_reduce_sum
 
 logger = logging.getLogger("paratrain")
 
@@ -58,16 +58,23 @@ class ThroughputMonitor(Callback):
         trainer = context.trainer
         if self.flops_per_sample is None:
             pipeline_group = trainer.mesh["pp"].get_group() if trainer.dims.pp > 1 else None
-            self.flops_per_sample = model_flops_per_sample(trainer.bare_model, tokens_per_sample=trainer.tokens_per_sample,
-                                                           pipeline_group=pipeline_group, device=trainer.ctx.device)
+            self.flops_per_sample = model_flops_per_sample(
+                trainer.bare_model,
+                tokens_per_sample=trainer.tokens_per_sample,
+                pipeline_group=pipeline_group,
+                device=trainer.ctx.device,
+            )
         if self.peak_flops_per_device is None:
             self.peak_flops_per_device = peak_flops(trainer.ctx.device, compute_dtype(trainer.config))
         # One device per process, except DataParallel, whose one process drives every visible GPU.
         gpus_per_process = torch.cuda.device_count() if trainer.config.parallel.strategy == "dp" else 1
         self.num_devices = trainer.ctx.world_size * max(gpus_per_process, 1)
         if self.peak_flops_per_device is None and trainer.ctx.is_main:
-            logger.info("MFU unavailable on %s: no peak FLOP/s known for it (pass the ThroughputMonitor's "
-                        "peak_flops_per_device); logging achieved FLOP/s only", device_name(trainer.ctx.device))
+            logger.info(
+                "MFU unavailable on %s: no peak FLOP/s known for it (pass the ThroughputMonitor's "
+                "peak_flops_per_device); logging achieved FLOP/s only",
+                device_name(trainer.ctx.device),
+            )
 
     def on_step_end(self, context: CallbackContext) -> None:
         if context.record is None:
@@ -79,8 +86,9 @@ class ThroughputMonitor(Callback):
             context.record["mfu"] = per_device / self.peak_flops_per_device
 
 
-def model_flops_per_sample(model: nn.Module, *, tokens_per_sample: int | None, pipeline_group=None,
-                           device: torch.device | None = None) -> float:
+def model_flops_per_sample(
+    model: nn.Module, *, tokens_per_sample: int | None, pipeline_group=None, device: torch.device | None = None
+) -> float:
     """Training FLOPs of one sample (see the module docstring for the order of sources)."""
     tokens = tokens_per_sample or 1
     if callable(getattr(model, "flops_per_sample", None)):

@@ -27,13 +27,20 @@ from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.stateful import Stateful
 
-from paratrain import faults
-from paratrain.checkpoint.manifest import find_checkpoints, is_complete, read_manifest, verify_checkpoint, write_manifest
+from paratrain.checkpoint.manifest import (
+    find_checkpoints,
+    is_complete,
+    read_manifest,
+    verify_checkpoint,
+    write_manifest,
+)
 from paratrain.checkpoint.safe_reader import SafeFileSystemReader, SafeLoadPlanner
-from paratrain.collectives import barrier, broadcast_object, is_distributed
 from paratrain.errors import CheckpointError
+from paratrain.launch import faults
+from paratrain.parallel.collectives import barrier, broadcast_object, is_distributed
 
 logger = logging.getLogger(__name__)
+
 
 class Checkpointer:
     """Writes step-<N> directories with DCP and decides which one a run resumes from.
@@ -48,8 +55,16 @@ class Checkpointer:
             it creates a process group of its own for the background writes.
     """
 
-    def __init__(self, directory: Path, *, keep_last: int | None, rank: int, world_size: int, config: dict[str, Any],
-                 async_save: bool = False):
+    def __init__(
+        self,
+        directory: Path,
+        *,
+        keep_last: int | None,
+        rank: int,
+        world_size: int,
+        config: dict[str, Any],
+        async_save: bool = False,
+    ):
         self.directory = directory
         self.keep_last = keep_last
         self.rank = rank
@@ -60,7 +75,9 @@ class Checkpointer:
         # two threads on one group would interleave with training's and hang (and DCP's async_save
         # refuses a group without a CPU backend, such as NCCL alone).
         self._group = dist.new_group(backend="gloo") if async_save and is_distributed() else None
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="paratrain-checkpoint") if async_save else None
+        self._executor = (
+            ThreadPoolExecutor(max_workers=1, thread_name_prefix="paratrain-checkpoint") if async_save else None
+        )
         self._stager = _build_stager() if async_save else None
         self._in_flight: _InFlightSave | None = None
         if async_save and not is_distributed():
@@ -85,8 +102,13 @@ class Checkpointer:
             return path
         started = time.perf_counter()
         with quiet_single_process():
-            written = dcp.async_save(state, storage_writer=FileSystemWriter(path), process_group=self._group,
-                                     async_stager=self._stager, no_dist=not is_distributed())
+            written = dcp.async_save(
+                state,
+                storage_writer=FileSystemWriter(path),
+                process_group=self._group,
+                async_stager=self._stager,
+                no_dist=not is_distributed(),
+            )
         faults.maybe_kill("mid_async_save", step=step, rank=self.rank)
         assert self._executor is not None
         done = self._executor.submit(self._finish_async, written, path, step, started)
@@ -149,12 +171,21 @@ class Checkpointer:
         saved_keys = SafeFileSystemReader(path).read_metadata().state_dict_metadata.keys()
         missing = [name for name in optional if name in state and not _saved(state[name], name, saved_keys)]
         for name in missing:
-            logger.warning("%s holds no %r state for rank %d (saved by %s ranks); it starts fresh",
-                           path, name, self.rank, read_manifest(path).get("world_size", "?"))
+            logger.warning(
+                "%s holds no %r state for rank %d (saved by %s ranks); it starts fresh",
+                path,
+                name,
+                self.rank,
+                read_manifest(path).get("world_size", "?"),
+            )
         loadable = {name: value for name, value in state.items() if name not in missing}
         with quiet_single_process():
-            dcp.load(loadable, storage_reader=SafeFileSystemReader(path), planner=SafeLoadPlanner(),
-                     no_dist=not is_distributed())
+            dcp.load(
+                loadable,
+                storage_reader=SafeFileSystemReader(path),
+                planner=SafeLoadPlanner(),
+                no_dist=not is_distributed(),
+            )
 
     def choose_resume(self, resume: str) -> Path | None:
         """The verified checkpoint to resume from (decided on rank 0, agreed by all ranks)."""
@@ -216,8 +247,11 @@ def _build_stager() -> DefaultStager:
     fresh allocation per save made staging a 315 MB state take 0.4 s instead of 0.1 s
     (docs/benchmarks.md). Reuse is safe because a save stages only once the previous one is written."""
     pinned = torch.cuda.is_available()
-    return DefaultStager(StagingOptions(use_pinned_memory=pinned, use_shared_memory=False, use_async_staging=False,
-                                        use_non_blocking_copy=False))
+    return DefaultStager(
+        StagingOptions(
+            use_pinned_memory=pinned, use_shared_memory=False, use_async_staging=False, use_non_blocking_copy=False
+        )
+    )
 
 
 @dataclass(frozen=True)

@@ -21,8 +21,17 @@ from paratrain.errors import ConfigError
 logger = logging.getLogger("paratrain")
 
 # Dotted keys, or whole sections, whose change alters the training math.
-MATH_KEYS = ("train.global_batch_size", "train.seed", "train.grad_clip", "model", "data.factory", "data.args",
-             "data.shuffle", "loss", "optim")
+MATH_KEYS = (
+    "train.global_batch_size",
+    "train.seed",
+    "train.grad_clip",
+    "model",
+    "data.factory",
+    "data.args",
+    "data.shuffle",
+    "loss",
+    "optim",
+)
 OVERRIDE_KEY = "checkpoint.allow_config_change"
 
 
@@ -47,8 +56,9 @@ def compare_configs(saved: dict[str, Any], current: dict[str, Any]) -> ConfigCha
     return ConfigChanges(math, harmless)
 
 
-def check_resume_config(saved: dict[str, Any], current: dict[str, Any], *, checkpoint: Path,
-                        allow_change: bool) -> ConfigChanges:
+def check_resume_config(
+    saved: dict[str, Any], current: dict[str, Any], *, checkpoint: Path, allow_change: bool
+) -> ConfigChanges:
     """The changes between the checkpoint's config and the current one.
 
     Raises:
@@ -69,11 +79,16 @@ def check_resume_config(saved: dict[str, Any], current: dict[str, Any], *, check
 def log_resume_changes(changes: ConfigChanges, checkpoint: Path) -> None:
     """Says which changes a resume lets through: those to the math (allowed by the override) loudly."""
     if changes.math:
-        logger.warning("resuming %s with changes to what is trained (%s=true): %s", checkpoint, OVERRIDE_KEY,
-                       "; ".join(changes.math))
+        logger.warning(
+            "resuming %s with changes to what is trained (%s=true): %s",
+            checkpoint,
+            OVERRIDE_KEY,
+            "; ".join(changes.math),
+        )
     if changes.harmless:
-        logger.info("resuming %s with config changes that keep the training math: %s", checkpoint,
-                    "; ".join(changes.harmless))
+        logger.info(
+            "resuming %s with config changes that keep the training math: %s", checkpoint, "; ".join(changes.harmless)
+        )
 
 
 class _Unset:

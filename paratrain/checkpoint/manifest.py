@@ -51,7 +51,9 @@ def is_complete(directory: Path) -> bool:
 def read_manifest(directory: Path) -> dict[str, Any]:
     path = directory / MANIFEST_NAME
     if not path.is_file():
-        raise CheckpointError(f"{directory} is not a complete checkpoint: {MANIFEST_NAME} is missing (the save did not finish)")
+        raise CheckpointError(
+            f"{directory} is not a complete checkpoint: {MANIFEST_NAME} is missing (the save did not finish)"
+        )
     try:
         return json.loads(path.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as error:
@@ -66,7 +68,9 @@ def verify_checkpoint(directory: Path) -> dict[str, Any]:
     """
     directory = Path(directory)
     if not directory.is_dir():
-        raise CheckpointError(f"checkpoint {directory} does not exist; pass an existing step-<N> directory or checkpoint.resume=auto")
+        raise CheckpointError(
+            f"checkpoint {directory} does not exist; pass an existing step-<N> directory or checkpoint.resume=auto"
+        )
     manifest = read_manifest(directory)
     for name, expected in manifest["files"].items():
         _verify_file(directory / name, expected)
@@ -85,9 +89,13 @@ def _verify_file(path: Path, expected: dict[str, Any]) -> None:
         raise CheckpointError(f"checkpoint file {path} is missing; use an earlier checkpoint")
     size = path.stat().st_size
     if size != expected["bytes"]:
-        raise CheckpointError(f"checkpoint file {path} is truncated or altered: {size} bytes, expected {expected['bytes']}; use an earlier checkpoint")
+        raise CheckpointError(
+            f"checkpoint file {path} is truncated or altered: {size} bytes, expected {expected['bytes']}; use an earlier checkpoint"
+        )
     if _sha256(path) != expected["sha256"]:
-        raise CheckpointError(f"checkpoint file {path} is corrupt: its SHA-256 does not match the manifest; use an earlier checkpoint")
+        raise CheckpointError(
+            f"checkpoint file {path} is corrupt: its SHA-256 does not match the manifest; use an earlier checkpoint"
+        )
 
 
 def _describe_file(path: Path) -> dict[str, Any]:

@@ -14,8 +14,8 @@ from typing import Any
 
 import torch
 from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
-from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint._traverse import set_element
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import ReadItem
 
 from paratrain.errors import CheckpointError

@@ -47,7 +47,9 @@ class OptimizerState(Stateful):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         # Implementation flags (foreach) belong to this layout, not the one that saved: tensor
         # parallel needs foreach off where fsdp had it on. Hyperparameters come from the checkpoint.
-        local_flags = [{k: group[k] for k in _IMPLEMENTATION_FLAGS if k in group} for group in self.optimizer.param_groups]
+        local_flags = [
+            {k: group[k] for k in _IMPLEMENTATION_FLAGS if k in group} for group in self.optimizer.param_groups
+        ]
         set_optimizer_state_dict(self.model, self.optimizer, state_dict)
         for group, flags in zip(self.optimizer.param_groups, local_flags, strict=True):
             group.update(flags)

@@ -25,7 +25,9 @@ class _MicroBatchIndices:
 class StepBatches:
     """Iterates lists of ``accumulation_steps`` collated micro-batches, one list per optimizer step."""
 
-    def __init__(self, dataset: Dataset, sampler: GlobalBatchSampler, *, start: DataPosition, num_workers: int, pin_memory: bool):
+    def __init__(
+        self, dataset: Dataset, sampler: GlobalBatchSampler, *, start: DataPosition, num_workers: int, pin_memory: bool
+    ):
         self.sampler = sampler
         loader = DataLoader(
             dataset,

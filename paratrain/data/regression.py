@@ -6,7 +6,9 @@ import torch
 from torch.utils.data import TensorDataset
 
 
-def build_regression_dataset(*, size: int = 2048, in_features: int = 20, out_features: int = 1, noise: float = 0.1, seed: int = 1234) -> TensorDataset:
+def build_regression_dataset(
+    *, size: int = 2048, in_features: int = 20, out_features: int = 1, noise: float = 0.1, seed: int = 1234
+) -> TensorDataset:
     """Factory for config files: ``data.factory: paratrain.data.regression:build_regression_dataset``.
 
     Its own seed keeps the data the same whatever ``train.seed`` is.

@@ -17,6 +17,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
+
 from paratrain.errors import ConfigError
 
 

@@ -104,8 +104,14 @@ class GPT(nn.Module):
         c = self.config
         return ParallelPlan(
             blocks=tuple(f"blocks.{i}" for i in range(len(self.blocks))),
-            block_tp_plan={"attn.q_proj": "colwise", "attn.k_proj": "colwise", "attn.v_proj": "colwise",
-                           "attn.out_proj": "rowwise", "mlp.up_proj": "colwise", "mlp.down_proj": "rowwise"},
+            block_tp_plan={
+                "attn.q_proj": "colwise",
+                "attn.k_proj": "colwise",
+                "attn.v_proj": "colwise",
+                "attn.out_proj": "rowwise",
+                "mlp.up_proj": "colwise",
+                "mlp.down_proj": "rowwise",
+            },
             block_norms=("attn_norm", "mlp_norm"),
             tp_divisible={"model.args.n_head": c.n_head, "model.args.n_embd": c.n_embd},
             pipeline_sequence=("embed", *(f"blocks.{i}" for i in range(len(self.blocks))), "final_norm", "lm_head"),

@@ -27,7 +27,9 @@ def declares_init(model: nn.Module) -> bool:
     return callable(getattr(model, "init_parameter", None))
 
 
-def materialize(model: nn.Module, *, device: torch.device, seed: int, allocate_via: list[nn.Module] | None = None) -> None:
+def materialize(
+    model: nn.Module, *, device: torch.device, seed: int, allocate_via: list[nn.Module] | None = None
+) -> None:
     """Allocates every parameter and buffer on device and initialises it (see module docstring).
 
     Args:

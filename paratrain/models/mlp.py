@@ -37,6 +37,8 @@ class MLP(nn.Module):
         return self.head(x)
 
 
-def build_mlp(*, in_features: int = 20, hidden_features: int = 64, out_features: int = 1, num_hidden_layers: int = 2) -> MLP:
+def build_mlp(
+    *, in_features: int = 20, hidden_features: int = 64, out_features: int = 1, num_hidden_layers: int = 2
+) -> MLP:
     """Factory for config files: ``model.factory: paratrain.models.mlp:build_mlp``."""
     return MLP(in_features, hidden_features, out_features, num_hidden_layers)

@@ -13,7 +13,6 @@ from typing import Literal
 
 from torch import nn
 
-
 TensorParallelStyle = Literal["colwise", "rowwise"]
 
 

@@ -53,8 +53,14 @@ class ParallelDims:
     tp: int = 1
 
     @classmethod
-    def resolve(cls, strategy: Strategy, *, world_size: int, local_world_size: int = 1,
-                degrees: dict[str, int | None] | None = None) -> ParallelDims:
+    def resolve(
+        cls,
+        strategy: Strategy,
+        *,
+        world_size: int,
+        local_world_size: int = 1,
+        degrees: dict[str, int | None] | None = None,
+    ) -> ParallelDims:
         """Fills the strategy's defaults, resolves -1 and checks the product.
 
         Args:
@@ -155,11 +161,15 @@ def _check_strategy_fits(strategy: Strategy, chosen: dict[str, int], world_size:
         )
     if strategy == "tp" and (chosen.get("dp_replicate", 1) != 1 or chosen.get("dp_shard", 1) != 1):
         # Nothing would synchronise the data-parallel replicas' gradients: they would drift apart.
-        raise ConfigError("parallel.strategy=tp is tensor parallel alone; to add data parallel, use "
-                          "parallel.strategy=fsdp (or hsdp) with parallel.tp")
+        raise ConfigError(
+            "parallel.strategy=tp is tensor parallel alone; to add data parallel, use "
+            "parallel.strategy=fsdp (or hsdp) with parallel.tp"
+        )
     if strategy == "fsdp" and chosen.get("dp_replicate", 1) != 1:
-        raise ConfigError("parallel.strategy=fsdp shards over all data-parallel ranks; to replicate across "
-                          "parallel.dp_replicate groups as well, use parallel.strategy=hsdp")
+        raise ConfigError(
+            "parallel.strategy=fsdp shards over all data-parallel ranks; to replicate across "
+            "parallel.dp_replicate groups as well, use parallel.strategy=hsdp"
+        )
 
 
 def _fill(chosen: dict[str, int], world_size: int) -> dict[str, int]:
@@ -180,5 +190,7 @@ def _fill(chosen: dict[str, int], world_size: int) -> dict[str, int]:
 
 def _product_message(degrees: dict[str, int], world_size: int, problem: str) -> str:
     shown = " x ".join(f"parallel.{name}={value}" for name, value in degrees.items())
-    return (f"{shown} does not fit the world size {world_size}: {problem}; set degrees whose product is "
-            f"{world_size}, or one of them to -1")
+    return (
+        f"{shown} does not fit the world size {world_size}: {problem}; set degrees whose product is "
+        f"{world_size}, or one of them to -1"
+    )

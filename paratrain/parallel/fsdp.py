@@ -9,7 +9,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
-from paratrain.config import FSDPConfig
+from paratrain.config.schema import FSDPConfig
 from paratrain.models.plan import ParallelPlan
 
 logger = logging.getLogger(__name__)
@@ -17,8 +17,9 @@ logger = logging.getLogger(__name__)
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-def apply_fsdp(model: nn.Module, mesh: DeviceMesh, *, plan: ParallelPlan, options: FSDPConfig,
-               roots: list[nn.Module] | None = None) -> None:
+def apply_fsdp(
+    model: nn.Module, mesh: DeviceMesh, *, plan: ParallelPlan, options: FSDPConfig, roots: list[nn.Module] | None = None
+) -> None:
     """Shards the model (in place) over ``mesh``: 1-D shards everywhere (fsdp); 2-D (replicate,
     shard) shards within and replicates across (hsdp).
 
@@ -31,8 +32,10 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, *, plan: ParallelPlan, option
     common = {"mesh": mesh, "mp_policy": _mixed_precision(options), "offload_policy": _offload(options)}
     blocks = [model.get_submodule(path) for path in plan.blocks]
     if not blocks:
-        logger.warning("parallel.strategy=fsdp: the model declares no blocks (ParallelPlan.blocks); sharding it "
-                       "as one unit, so its whole parameter set is gathered for forward and backward")
+        logger.warning(
+            "parallel.strategy=fsdp: the model declares no blocks (ParallelPlan.blocks); sharding it "
+            "as one unit, so its whole parameter set is gathered for forward and backward"
+        )
     for index, block in enumerate(blocks):
         # The last block's parameters are needed again at once by backward: no point freeing them.
         reshard = options.reshard_after_forward and index < len(blocks) - 1

@@ -14,11 +14,11 @@ import logging
 import torch
 from torch import nn
 
-from paratrain.config import PipelineConfig
+from paratrain.config.schema import PipelineConfig
 from paratrain.engine import move_to
 from paratrain.errors import ConfigError
-from paratrain.pipeline.split import cut_stages
-from paratrain.pipeline.stages import StageModule, stage_modules
+from paratrain.parallel.pipeline.split import cut_stages
+from paratrain.parallel.pipeline.stages import StageModule, stage_modules
 
 logger = logging.getLogger("paratrain")
 
@@ -77,7 +77,8 @@ def parse_device(name: str) -> torch.device:
     except RuntimeError:
         raise ConfigError(f"pipeline.devices: {name!r} is not a device; use names like cuda:0, cuda:1 or cpu") from None
     if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
-        raise ConfigError(f"pipeline.devices: {name} does not exist here ({torch.cuda.device_count()} GPU(s) visible); "
-                          f"list devices this machine has, or leave pipeline.devices empty")
+        raise ConfigError(
+            f"pipeline.devices: {name} does not exist here ({torch.cuda.device_count()} GPU(s) visible); "
+            f"list devices this machine has, or leave pipeline.devices empty"
+        )
     return device
-

@@ -6,8 +6,13 @@ from __future__ import annotations
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Replicate, Shard
-from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
-                                               SequenceParallel, parallelize_module)
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    PrepareModuleInput,
+    RowwiseParallel,
+    SequenceParallel,
+    parallelize_module,
+)
 
 from paratrain.errors import ConfigError
 from paratrain.models.plan import ParallelPlan
@@ -56,8 +61,11 @@ def _shard_sequence_at_block_edges(model: nn.Module, mesh: DeviceMesh, plan: Par
     """The first block receives replicated activations and splits them; after the last block they
     are gathered again so the rest of the model sees ordinary tensors."""
     first, last = model.get_submodule(plan.blocks[0]), model.get_submodule(plan.blocks[-1])
-    parallelize_module(first, mesh, PrepareModuleInput(input_layouts=(Replicate(),), desired_input_layouts=(Shard(1),),
-                                                       use_local_output=True))
+    parallelize_module(
+        first,
+        mesh,
+        PrepareModuleInput(input_layouts=(Replicate(),), desired_input_layouts=(Shard(1),), use_local_output=True),
+    )
     last.register_forward_hook(_gather_sequence(mesh))
 
 

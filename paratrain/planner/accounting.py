@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from paratrain.builders import micro_batch_size
-from paratrain.config import Config, FSDPConfig, OptimConfig
+from paratrain.config.schema import Config, FSDPConfig, OptimConfig
 from paratrain.parallel.dims import ParallelDims
 from paratrain.planner.activations import ActivationShape, head_bytes, layer_bytes, recompute_bytes
 from paratrain.planner.model_facts import ModelFacts, ParamFacts
@@ -56,8 +56,9 @@ def fsdp_degree(dims: ParallelDims) -> int:
     return dims.dp_shard if dims.strategy in ("fsdp", "hsdp") else 1
 
 
-def model_state_bytes(params: list[ParamFacts] | tuple[ParamFacts, ...], *, dims: ParallelDims,
-                      optim: OptimConfig) -> tuple[int, int, int]:
+def model_state_bytes(
+    params: list[ParamFacts] | tuple[ParamFacts, ...], *, dims: ParallelDims, optim: OptimConfig
+) -> tuple[int, int, int]:
     """(parameter, gradient, optimizer-state) bytes one rank holds for these parameters."""
     numel = sum(param.local_numel(tp=dims.tp, dp_shard=fsdp_degree(dims)) for param in params)
     return FP32 * numel, FP32 * numel, optimizer_bytes(numel, num_tensors=len(params), optim=optim)
@@ -76,16 +77,17 @@ def stage_shares(facts: ModelFacts, config: Config, dims: ParallelDims) -> list[
     sequence = facts.plan.pipeline_sequence
     if dims.pp == 1:
         return [StageShare(0, sequence, facts.params, len(facts.plan.blocks), True)]
-    from paratrain.pipeline.build import pipeline_shape  # loads torch.distributed.pipelining: pp only
-    from paratrain.pipeline.split import cut_stages
+    from paratrain.parallel.pipeline.build import pipeline_shape  # loads torch.distributed.pipelining: pp only
+    from paratrain.parallel.pipeline.split import cut_stages
 
     shape = pipeline_shape(config.pipeline, dims=dims, train=config.train)
     stages = cut_stages(facts.model, config.pipeline, shape.num_stages)
     shares = []
     for pp_rank in range(dims.pp):
         pieces = tuple(piece for index in shape.stages_of_rank(pp_rank) for piece in stages[index])
-        shares.append(StageShare(pp_rank, pieces, tuple(facts.params_in(pieces)), facts.blocks_in(pieces),
-                                 sequence[-1] in pieces))
+        shares.append(
+            StageShare(pp_rank, pieces, tuple(facts.params_in(pieces)), facts.blocks_in(pieces), sequence[-1] in pieces)
+        )
     return shares
 
 
@@ -94,20 +96,25 @@ def micro_batches_in_flight(config: Config, dims: ParallelDims) -> int:
     its micro-batch), all m under GPipe, at most p under 1F1B and the other schedules (first stage)."""
     if dims.pp == 1:
         return 1
-    microbatches = config.train.global_batch_size // (micro_batch_size(config.train, config.pipeline, dims=dims) * dims.dp)
+    microbatches = config.train.global_batch_size // (
+        micro_batch_size(config.train, config.pipeline, dims=dims) * dims.dp
+    )
     return microbatches if config.pipeline.schedule == "GPipe" else min(dims.pp, microbatches)
 
 
 def activation_shape(config: Config, dims: ParallelDims) -> ActivationShape:
     return ActivationShape(
         micro_batch=micro_batch_size(config.train, config.pipeline, dims=dims),
-        element_bytes=DTYPE_BYTES[config.precision], tp=dims.tp,
+        element_bytes=DTYPE_BYTES[config.precision],
+        tp=dims.tp,
         sequence_parallel=config.parallel.sequence_parallel and dims.tp > 1,
-        checkpointing=config.parallel.activation_checkpointing)
+        checkpointing=config.parallel.activation_checkpointing,
+    )
 
 
-def activation_bytes(facts: ModelFacts, share: StageShare, config: Config, dims: ParallelDims, *,
-                     measured_per_sample: float | None) -> int:
+def activation_bytes(
+    facts: ModelFacts, share: StageShare, config: Config, dims: ParallelDims, *, measured_per_sample: float | None
+) -> int:
     """Activations of one pipeline rank: the transformer formula, or for other models the bytes measured
     per sample on the meta device (fp32), scaled by micro-batch, compute dtype and the share of parameters."""
     shape = activation_shape(config, dims)
@@ -135,8 +142,9 @@ def working_bytes(facts: ModelFacts, share: StageShare, config: Config, dims: Pa
     return _fsdp_working_bytes(facts, share, parallel.fsdp, dims=dims, accumulating=_accumulates(config, dims))
 
 
-def _fsdp_working_bytes(facts: ModelFacts, share: StageShare, fsdp: FSDPConfig, *, dims: ParallelDims,
-                        accumulating: bool) -> int:
+def _fsdp_working_bytes(
+    facts: ModelFacts, share: StageShare, fsdp: FSDPConfig, *, dims: ParallelDims, accumulating: bool
+) -> int:
     gathered = DTYPE_BYTES[fsdp.param_dtype] if fsdp.param_dtype else FP32
     reduced = DTYPE_BYTES[fsdp.reduce_dtype or fsdp.param_dtype or "fp32"]
     block_names = [block for block in facts.plan.blocks if block in share.pieces]
@@ -158,11 +166,16 @@ def _accumulates(config: Config, dims: ParallelDims) -> bool:
     return dims.pp == 1 and config.train.global_batch_size > config.train.micro_batch_size * dims.dp
 
 
-def rank_memory(facts: ModelFacts, share: StageShare, config: Config, dims: ParallelDims, *,
-                measured_per_sample: float | None) -> RankMemory:
+def rank_memory(
+    facts: ModelFacts, share: StageShare, config: Config, dims: ParallelDims, *, measured_per_sample: float | None
+) -> RankMemory:
     """Everything one rank of this pipeline rank's share holds (the same on every data/tensor-parallel rank,
     up to FSDP's padding: this is rank 0's, the largest)."""
     params, grads, optimizer = model_state_bytes(share.params, dims=dims, optim=config.optim)
-    return RankMemory(params, grads, optimizer,
-                      activation_bytes(facts, share, config, dims, measured_per_sample=measured_per_sample),
-                      working_bytes(facts, share, config, dims))
+    return RankMemory(
+        params,
+        grads,
+        optimizer,
+        activation_bytes(facts, share, config, dims, measured_per_sample=measured_per_sample),
+        working_bytes(facts, share, config, dims),
+    )

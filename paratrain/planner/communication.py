@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from paratrain.builders import micro_batch_size
-from paratrain.config import Config
+from paratrain.config.schema import Config
 from paratrain.parallel.dims import ParallelDims
 from paratrain.planner.accounting import DTYPE_BYTES, FP32, StageShare, activation_shape
 from paratrain.planner.model_facts import ModelFacts
@@ -37,8 +37,9 @@ class Traffic:
     messages: int = 0  # collectives and sends issued
 
     def __add__(self, other: Traffic) -> Traffic:
-        return Traffic(self.intra_node + other.intra_node, self.inter_node + other.inter_node,
-                       self.messages + other.messages)
+        return Traffic(
+            self.intra_node + other.intra_node, self.inter_node + other.inter_node, self.messages + other.messages
+        )
 
     @property
     def total(self) -> float:
@@ -46,14 +47,16 @@ class Traffic:
 
     @property
     def seconds(self) -> float:
-        return (self.intra_node / INTRA_NODE_BYTES_PER_S + self.inter_node / INTER_NODE_BYTES_PER_S
-                + self.messages * LATENCY_S)
+        return (
+            self.intra_node / INTRA_NODE_BYTES_PER_S
+            + self.inter_node / INTER_NODE_BYTES_PER_S
+            + self.messages * LATENCY_S
+        )
 
 
 def group_spans_nodes(dims: ParallelDims, axis: str, *, gpus_per_node: int) -> bool:
     """Whether the ranks of one group along ``axis`` lie on more than one node."""
-    stride = {"tp": 1, "dp_shard": dims.tp, "dp_replicate": dims.tp * dims.dp_shard,
-              "pp": dims.tp * dims.dp}[axis]
+    stride = {"tp": 1, "dp_shard": dims.tp, "dp_replicate": dims.tp * dims.dp_shard, "pp": dims.tp * dims.dp}[axis]
     return stride * getattr(dims, axis) > gpus_per_node
 
 
@@ -69,27 +72,38 @@ def ring_factor(n: int, *, all_reduce: bool) -> float:
     return (2.0 if all_reduce else 1.0) * (n - 1) / n
 
 
-def step_traffic(facts: ModelFacts, share: StageShare, config: Config, dims: ParallelDims, *,
-                 gpus_per_node: int) -> Traffic:
+def step_traffic(
+    facts: ModelFacts, share: StageShare, config: Config, dims: ParallelDims, *, gpus_per_node: int
+) -> Traffic:
     """What one rank of this pipeline share sends in one optimizer step."""
-    micro_batches = config.train.global_batch_size // (micro_batch_size(config.train, config.pipeline, dims=dims) * dims.dp)
+    micro_batches = config.train.global_batch_size // (
+        micro_batch_size(config.train, config.pipeline, dims=dims) * dims.dp
+    )
     numel = sum(param.local_numel(tp=dims.tp) for param in share.params)  # before FSDP cuts it
     units = sum(1 for block in facts.plan.blocks if block in share.pieces) + 1  # FSDP: each block, and the root
-    traffic = _data_parallel_traffic(numel, config, dims, micro_batches=micro_batches, units=units,
-                                     gpus_per_node=gpus_per_node)
-    return traffic + _activation_traffic(facts, share, config, dims, micro_batches=micro_batches,
-                                         gpus_per_node=gpus_per_node)
+    traffic = _data_parallel_traffic(
+        numel, config, dims, micro_batches=micro_batches, units=units, gpus_per_node=gpus_per_node
+    )
+    return traffic + _activation_traffic(
+        facts, share, config, dims, micro_batches=micro_batches, gpus_per_node=gpus_per_node
+    )
 
 
-def _data_parallel_traffic(numel: int, config: Config, dims: ParallelDims, *, micro_batches: int, units: int,
-                           gpus_per_node: int) -> Traffic:
+def _data_parallel_traffic(
+    numel: int, config: Config, dims: ParallelDims, *, micro_batches: int, units: int, gpus_per_node: int
+) -> Traffic:
     """DDP all-reduces fp32 gradients once per step. FSDP all-gathers parameters for every micro-batch's
     forward (and again for backward when it reshards after forward) and reduce-scatters gradients (every
     micro-batch, or once); HSDP then all-reduces its shard across replicas."""
     if dims.strategy == "ddp":
         buckets = -(-FP32 * numel // DDP_BUCKET_BYTES)
-        return _sent(ring_factor(dims.dp_replicate, all_reduce=True) * FP32 * numel, dims, "dp_replicate",
-                     gpus_per_node=gpus_per_node, messages=buckets)
+        return _sent(
+            ring_factor(dims.dp_replicate, all_reduce=True) * FP32 * numel,
+            dims,
+            "dp_replicate",
+            gpus_per_node=gpus_per_node,
+            messages=buckets,
+        )
     if dims.strategy not in ("fsdp", "hsdp"):
         return Traffic()
     fsdp = config.parallel.fsdp
@@ -99,15 +113,22 @@ def _data_parallel_traffic(numel: int, config: Config, dims: ParallelDims, *, mi
     gathers = accumulation * (2 if fsdp.reshard_after_forward else 1)
     reductions = accumulation if fsdp.grad_sync == "every_micro_batch" else 1
     shard = ring_factor(dims.dp_shard, all_reduce=False) * numel
-    traffic = _sent((gathers * gathered + reductions * reduced) * shard, dims, "dp_shard", gpus_per_node=gpus_per_node,
-                    messages=(gathers + reductions) * units)
+    traffic = _sent(
+        (gathers * gathered + reductions * reduced) * shard,
+        dims,
+        "dp_shard",
+        gpus_per_node=gpus_per_node,
+        messages=(gathers + reductions) * units,
+    )
     replicas = ring_factor(dims.dp_replicate, all_reduce=True) * reduced * numel / dims.dp_shard
-    return traffic + _sent(reductions * replicas, dims, "dp_replicate", gpus_per_node=gpus_per_node,
-                           messages=reductions * units)
+    return traffic + _sent(
+        reductions * replicas, dims, "dp_replicate", gpus_per_node=gpus_per_node, messages=reductions * units
+    )
 
 
-def _activation_traffic(facts: ModelFacts, share: StageShare, config: Config, dims: ParallelDims, *,
-                        micro_batches: int, gpus_per_node: int) -> Traffic:
+def _activation_traffic(
+    facts: ModelFacts, share: StageShare, config: Config, dims: ParallelDims, *, micro_batches: int, gpus_per_node: int
+) -> Traffic:
     """Tensor parallel all-reduces each layer's activations; a pipeline sends each micro-batch's activations
     forward and their gradients back. Needs the transformer sizes (other models: no tp plan, pp not counted)."""
     sizes = facts.transformer
@@ -119,5 +140,6 @@ def _activation_traffic(facts: ModelFacts, share: StageShare, config: Config, di
     tp_bytes = tp_messages * ring_factor(dims.tp, all_reduce=True) * activation if dims.tp > 1 else 0.0
     pp_messages = 2 * micro_batches
     pp_bytes = pp_messages * activation if dims.pp > 1 else 0.0
-    return (_sent(tp_bytes, dims, "tp", gpus_per_node=gpus_per_node, messages=tp_messages)
-            + _sent(pp_bytes, dims, "pp", gpus_per_node=gpus_per_node, messages=pp_messages))
+    return _sent(tp_bytes, dims, "tp", gpus_per_node=gpus_per_node, messages=tp_messages) + _sent(
+        pp_bytes, dims, "pp", gpus_per_node=gpus_per_node, messages=pp_messages
+    )

@@ -16,9 +16,9 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from paratrain.config import Config
+from paratrain.config.factories import call_factory
+from paratrain.config.schema import Config
 from paratrain.errors import ConfigError
-from paratrain.factories import call_factory
 from paratrain.parallel.dims import MESH_DIMS, ParallelDims
 from paratrain.planner.accounting import FP32, StageShare, rank_memory, stage_shares
 from paratrain.planner.layouts import check_layout
@@ -55,8 +55,10 @@ def dry_run(config: Config, *, nproc_per_node: int, nnodes: int) -> str:
     measured, source = activation_source(facts, config, read_data_sample=False)
     shares = stage_shares(facts, config, dims)
     memory = [rank_memory(facts, share, config, dims, measured_per_sample=measured) for share in shares]
-    lines = [f"dry run: {world_size} ranks ({nnodes} node(s) x {nproc_per_node}), parallel.strategy="
-             f"{config.parallel.strategy}: {dims.describe()}; nothing trained (no data read, nothing written)"]
+    lines = [
+        f"dry run: {world_size} ranks ({nnodes} node(s) x {nproc_per_node}), parallel.strategy="
+        f"{config.parallel.strategy}: {dims.describe()}; nothing trained (no data read, nothing written)"
+    ]
     if not dims.needs_process_group:
         return "\n".join([*lines, "one process, no process group", *_memory_lines(shares, memory, source)])
     with fake_process_group(world_size):
@@ -64,8 +66,10 @@ def dry_run(config: Config, *, nproc_per_node: int, nnodes: int) -> str:
         model = build_rank0_on_meta(config, dims, mesh)
         ranks = mesh.mesh.clone()
     lines += _parameter_lines(model, dims)
-    lines += [f"rank 0 built on meta: {format_bytes(_local_bytes(model))} of fp32 parameters; "
-              f"planner: {format_bytes(memory[0].params)}"]
+    lines += [
+        f"rank 0 built on meta: {format_bytes(_local_bytes(model))} of fp32 parameters; "
+        f"planner: {format_bytes(memory[0].params)}"
+    ]
     lines += _memory_lines(shares, memory, source)
     lines += _group_lines(ranks, dims)
     lines += _rank_lines(ranks, shares, memory, nproc_per_node=nproc_per_node)
@@ -74,11 +78,12 @@ def dry_run(config: Config, *, nproc_per_node: int, nnodes: int) -> str:
 
 def build_rank0_on_meta(config: Config, dims: ParallelDims, mesh) -> nn.Module:
     """Rank 0's model on meta, laid out by the functions training uses, stopped before materialising."""
+
     def factory() -> nn.Module:
         return call_factory(config.model, key="model")
 
     if dims.pp > 1:
-        from paratrain.pipeline.build import lay_out_stages, pipeline_shape
+        from paratrain.parallel.pipeline.build import lay_out_stages, pipeline_shape
 
         shape = pipeline_shape(config.pipeline, dims=dims, train=config.train)
         return lay_out_stages(factory, config.parallel, config.pipeline, shape=shape, dims=dims, mesh=mesh).model
@@ -108,8 +113,9 @@ def _parameter_lines(model: nn.Module, dims: ParallelDims) -> list[str]:
             continue
         seen.add((pattern, param.shape))
         if isinstance(param, DTensor):
-            placements = ", ".join(f"{placement} on {dim}" for placement, dim
-                                   in zip(param.placements, param.device_mesh.mesh_dim_names))
+            placements = ", ".join(
+                f"{placement} on {dim}" for placement, dim in zip(param.placements, param.device_mesh.mesh_dim_names)
+            )
         else:
             placements = "whole on this rank, replicated over " + (" x ".join(replicated_over) or "nothing")
         lines.append(f"  {pattern}: {list(param.shape)} -> {list(_local(param).shape)}: {placements}")
@@ -120,9 +126,11 @@ def _memory_lines(shares: list[StageShare], memory, source: str) -> list[str]:
     lines = [f"expected memory per rank (planner; activations: {source}):"]
     for share, rank in zip(shares, memory):
         where = f"pp rank {share.pp_rank}" if len(shares) > 1 else "every rank"
-        lines.append(f"  {where}: params {format_bytes(rank.params)}, grads {format_bytes(rank.grads)}, optimizer "
-                     f"{format_bytes(rank.optimizer)}, activations {format_bytes(rank.activations)}, working "
-                     f"{format_bytes(rank.working)}: total {format_bytes(rank.total)}")
+        lines.append(
+            f"  {where}: params {format_bytes(rank.params)}, grads {format_bytes(rank.grads)}, optimizer "
+            f"{format_bytes(rank.optimizer)}, activations {format_bytes(rank.activations)}, working "
+            f"{format_bytes(rank.working)}: total {format_bytes(rank.total)}"
+        )
     return lines
 
 
@@ -152,8 +160,10 @@ def _rank_lines(ranks: torch.Tensor, shares: list[StageShare], memory, *, nproc_
         coords = [int(value) for value in (ranks == rank).nonzero()[0]]
         share, held = shares[coords[0]], memory[coords[0]]
         pieces = _pieces_text(share.pieces)
-        lines.append(f"  rank {rank:>4} node {rank // nproc_per_node}/{rank % nproc_per_node}: "
-                     f"({', '.join(map(str, coords))})  {pieces}  {format_bytes(held.total)}")
+        lines.append(
+            f"  rank {rank:>4} node {rank // nproc_per_node}/{rank % nproc_per_node}: "
+            f"({', '.join(map(str, coords))})  {pieces}  {format_bytes(held.total)}"
+        )
     return lines
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from paratrain.config import Config
+from paratrain.config.schema import Config
 from paratrain.errors import ConfigError
 from paratrain.parallel.dims import MESH_DIMS, ParallelDims
 from paratrain.planner.model_facts import ModelFacts
@@ -33,8 +33,10 @@ class Cluster:
         if self.gpus < 1 or self.nodes < 1:
             raise ConfigError(f"--gpus={self.gpus} --nodes={self.nodes}: both must be at least 1")
         if self.gpus % self.nodes:
-            raise ConfigError(f"--gpus={self.gpus} does not split evenly over --nodes={self.nodes}; "
-                              f"give a GPU count that is a multiple of the node count")
+            raise ConfigError(
+                f"--gpus={self.gpus} does not split evenly over --nodes={self.nodes}; "
+                f"give a GPU count that is a multiple of the node count"
+            )
 
 
 def divisors(n: int) -> list[int]:
@@ -78,7 +80,9 @@ def describe_layout(dims: ParallelDims) -> str:
 def with_layout(config: Config, dims: ParallelDims) -> Config:
     """The config with its parallel degrees and strategy replaced by this layout's."""
     degrees = {name: getattr(dims, name) for name in MESH_DIMS}
-    return config.model_copy(update={"parallel": config.parallel.model_copy(update={"strategy": dims.strategy, **degrees})})
+    return config.model_copy(
+        update={"parallel": config.parallel.model_copy(update={"strategy": dims.strategy, **degrees})}
+    )
 
 
 def layout_problem(config: Config, facts: ModelFacts, dims: ParallelDims, *, gpus_per_node: int) -> str | None:
@@ -99,19 +103,24 @@ def check_layout(config: Config, facts: ModelFacts, *, world_size: int, gpus_per
     Raises:
         ConfigError: naming the key and the fix.
     """
-    resolved = ParallelDims.resolve(config.parallel.strategy, world_size=world_size,
-                                    local_world_size=gpus_per_node, degrees=config.parallel.degrees())
+    resolved = ParallelDims.resolve(
+        config.parallel.strategy,
+        world_size=world_size,
+        local_world_size=gpus_per_node,
+        degrees=config.parallel.degrees(),
+    )
     step_unit = config.train.micro_batch_size * resolved.dp
     if config.train.global_batch_size % step_unit:
         raise ConfigError(
             f"train.global_batch_size={config.train.global_batch_size} is not divisible by train.micro_batch_size="
-            f"{config.train.micro_batch_size} x data-parallel size {resolved.dp}; use a multiple of {step_unit}")
+            f"{config.train.micro_batch_size} x data-parallel size {resolved.dp}; use a multiple of {step_unit}"
+        )
     if resolved.tp > 1:
         from paratrain.parallel.tensor import check_tensor_parallel_plan  # loads DTensor: only when used
 
         check_tensor_parallel_plan(facts.plan, resolved.tp)
     if resolved.pp > 1:
-        from paratrain.pipeline.checks import check_pipeline
+        from paratrain.parallel.pipeline.checks import check_pipeline
 
         check_pipeline(config, resolved, model=facts.model)
     return resolved

@@ -12,9 +12,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from paratrain.config import ModelConfig
+from paratrain.config.factories import call_factory
+from paratrain.config.schema import ModelConfig
 from paratrain.errors import ConfigError
-from paratrain.factories import call_factory
 from paratrain.models.plan import ParallelPlan, TensorParallelStyle, plan_of
 
 
@@ -103,16 +103,19 @@ def read_model_facts(model_config: ModelConfig, *, seq_len: int | None = None) -
         raise ConfigError(
             f"model.factory={model_config.factory!r} does not build on the meta device ({type(error).__name__}: "
             f"{error}); the planner counts parameters without allocating them, so the constructor must not "
-            f"need real tensor values or a fixed device") from None
+            f"need real tensor values or a fixed device"
+        ) from None
     if not isinstance(model, nn.Module) or not any(True for _ in model.parameters()):
         raise ConfigError(
             f"model.factory={model_config.factory!r} gives a model with no size information (no parameters to "
             f"count); the planner needs an nn.Module whose parameters exist once it is constructed (not created "
-            f"lazily in forward, e.g. nn.LazyLinear)")
+            f"lazily in forward, e.g. nn.LazyLinear)"
+        )
     if any(isinstance(param, nn.parameter.UninitializedParameter) for param in model.parameters()):
         raise ConfigError(
             f"model.factory={model_config.factory!r} has lazy parameters whose size is unknown until the first "
-            f"forward; give every layer its sizes (nn.Linear instead of nn.LazyLinear) so the planner can count them")
+            f"forward; give every layer its sizes (nn.Linear instead of nn.LazyLinear) so the planner can count them"
+        )
     plan = plan_of(model)
     return ModelFacts(model, tuple(_param_facts(model, plan)), plan, transformer_sizes(model, seq_len=seq_len))
 
@@ -123,12 +126,18 @@ def transformer_sizes(model: nn.Module, *, seq_len: int | None = None) -> Transf
     names = ("n_layer", "n_embd", "n_head", "block_size", "vocab_size")
     if config is None or not all(isinstance(getattr(config, name, None), int) for name in names):
         return None
-    return TransformerSizes(config.n_layer, config.n_embd, config.n_head, seq_len or config.block_size, config.vocab_size)
+    return TransformerSizes(
+        config.n_layer, config.n_embd, config.n_head, seq_len or config.block_size, config.vocab_size
+    )
 
 
 def _param_facts(model: nn.Module, plan: ParallelPlan) -> Iterable[ParamFacts]:
-    styles = {f"{block}.{layer}.{kind}": style for block in plan.blocks
-              for layer, style in plan.block_tp_plan.items() for kind in ("weight", "bias")}
+    styles = {
+        f"{block}.{layer}.{kind}": style
+        for block in plan.blocks
+        for layer, style in plan.block_tp_plan.items()
+        for kind in ("weight", "bias")
+    }
     for name, param in model.named_parameters():
         style = styles.get(name)
         if style == "rowwise" and name.endswith(".bias"):

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import torch
 
-from paratrain.config import Config
+from paratrain.config.factories import call_factory
+from paratrain.config.schema import Config
 from paratrain.errors import ConfigError
-from paratrain.factories import call_factory
 from paratrain.planner.activations import measure_saved_bytes
 from paratrain.planner.layouts import Cluster
 from paratrain.planner.model_facts import ModelFacts, read_model_facts
@@ -15,8 +15,9 @@ from paratrain.planner.report import format_plan
 from paratrain.planner.units import parse_memory
 
 
-def plan_layouts(config: Config, *, gpus: int, gpu_memory: str, nodes: int = 1,
-                 read_data_sample: bool = True) -> tuple[Plan, ModelFacts, str]:
+def plan_layouts(
+    config: Config, *, gpus: int, gpu_memory: str, nodes: int = 1, read_data_sample: bool = True
+) -> tuple[Plan, ModelFacts, str]:
     """Ranks the layouts for ``config``'s model on the cluster.
 
     Args:
@@ -41,14 +42,18 @@ def activation_source(facts: ModelFacts, config: Config, *, read_data_sample: bo
     """Bytes per sample measured on the meta device for models the formula does not cover, and how it was found."""
     sizes = facts.transformer
     if sizes is not None:
-        return None, (f"transformer formula (layers {sizes.num_layers}, hidden {sizes.hidden}, heads {sizes.heads}, "
-                      f"sequence {sizes.seq_len}, vocab {sizes.vocab})")
+        return None, (
+            f"transformer formula (layers {sizes.num_layers}, hidden {sizes.hidden}, heads {sizes.heads}, "
+            f"sequence {sizes.seq_len}, vocab {sizes.vocab})"
+        )
     if not read_data_sample:
         return None, "not estimated (the model is not GPT-like; `paratrain plan` measures them from one data sample)"
     inputs = call_factory(config.data, key="data")[0][0]
     if not isinstance(inputs, torch.Tensor):
-        raise ConfigError(f"data.factory={config.data.factory!r}: the planner measures activations of models that are "
-                          f"not GPT-like from one sample, which must be a tensor (got {type(inputs).__name__})")
+        raise ConfigError(
+            f"data.factory={config.data.factory!r}: the planner measures activations of models that are "
+            f"not GPT-like from one sample, which must be a tensor (got {type(inputs).__name__})"
+        )
     per_sample = measure_saved_bytes(facts.model, inputs.unsqueeze(0).to("meta"))
     return float(per_sample), "measured: tensors autograd saves in one forward on the meta device, per sample"
 

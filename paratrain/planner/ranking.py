@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from paratrain.config import Config
+from paratrain.config.schema import Config
 from paratrain.parallel.dims import ParallelDims
 from paratrain.planner.accounting import RankMemory, rank_memory, stage_shares
 from paratrain.planner.communication import Traffic, step_traffic
@@ -69,14 +69,17 @@ class Plan:
         return self.fitting[0] if self.fitting else None
 
 
-def estimate_layout(facts: ModelFacts, config: Config, dims: ParallelDims, *, gpus_per_node: int,
-                    measured_per_sample: float | None) -> LayoutEstimate:
+def estimate_layout(
+    facts: ModelFacts, config: Config, dims: ParallelDims, *, gpus_per_node: int, measured_per_sample: float | None
+) -> LayoutEstimate:
     """Memory and traffic of one layout (config's parallel section is replaced by it)."""
     config = with_layout(config, dims)
     shares = stage_shares(facts, config, dims)
     memory = tuple(rank_memory(facts, share, config, dims, measured_per_sample=measured_per_sample) for share in shares)
-    traffic = max((step_traffic(facts, share, config, dims, gpus_per_node=gpus_per_node) for share in shares),
-                  key=lambda sent: sent.seconds)
+    traffic = max(
+        (step_traffic(facts, share, config, dims, gpus_per_node=gpus_per_node) for share in shares),
+        key=lambda sent: sent.seconds,
+    )
     return LayoutEstimate(dims, memory, traffic, bubble_fraction(config, dims) * compute_seconds(facts, config, dims))
 
 
@@ -91,7 +94,7 @@ def bubble_fraction(config: Config, dims: ParallelDims) -> float:
     """Idle share of a pipeline step: (p-1)/(v·m + p-1), REFERENCE.md's GPipe/1F1B/interleaved formula."""
     if dims.pp == 1:
         return 0.0
-    from paratrain.pipeline.build import pipeline_shape  # loads torch.distributed.pipelining: pp only
+    from paratrain.parallel.pipeline.build import pipeline_shape  # loads torch.distributed.pipelining: pp only
 
     shape = pipeline_shape(config.pipeline, dims=dims, train=config.train)
     return (dims.pp - 1) / (shape.stages_per_rank * shape.microbatches + dims.pp - 1)
@@ -106,8 +109,11 @@ def rank_layouts(facts: ModelFacts, config: Config, cluster: Cluster, *, measure
         if problem:
             refused.append((dims, problem))
             continue
-        estimates.append(estimate_layout(facts, config, dims, gpus_per_node=cluster.gpus_per_node,
-                                         measured_per_sample=measured_per_sample))
+        estimates.append(
+            estimate_layout(
+                facts, config, dims, gpus_per_node=cluster.gpus_per_node, measured_per_sample=measured_per_sample
+            )
+        )
     estimates.sort(key=lambda estimate: estimate.sort_key(cluster.gpu_memory))
     return Plan(cluster, tuple(estimates), tuple(refused))
 
@@ -118,13 +124,17 @@ def recommendation_reason(plan: Plan) -> str:
     if best is None:
         return "no layout fits"
     gpu = plan.cluster.gpu_memory
-    reason = (f"its fullest rank needs {best.peak.total / gpu:.0%} of a GPU's memory (at most {USABLE_FRACTION:.0%} "
-              f"counts as fitting), and of the {len(plan.fitting)} layout(s) that fit it has the least estimated "
-              f"overhead per step: {format_seconds(best.traffic.seconds)} of communication")
+    reason = (
+        f"its fullest rank needs {best.peak.total / gpu:.0%} of a GPU's memory (at most {USABLE_FRACTION:.0%} "
+        f"counts as fitting), and of the {len(plan.fitting)} layout(s) that fit it has the least estimated "
+        f"overhead per step: {format_seconds(best.traffic.seconds)} of communication"
+    )
     if best.dims.pp > 1:
         reason += f" + {format_seconds(best.bubble_seconds)} of pipeline bubble"
     others = [estimate for estimate in plan.fitting[1:] if estimate.traffic.seconds < best.traffic.seconds]
     if others:
-        reason += (f"; {describe_layout(others[0].dims)} sends less but idles {format_seconds(others[0].bubble_seconds)} "
-                   f"in its pipeline bubble")
+        reason += (
+            f"; {describe_layout(others[0].dims)} sends less but idles {format_seconds(others[0].bubble_seconds)} "
+            f"in its pipeline bubble"
+        )
     return reason

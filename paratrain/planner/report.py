@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from paratrain.config import Config
+from paratrain.config.schema import Config
 from paratrain.parallel.dims import MESH_DIMS
 from paratrain.planner.layouts import describe_layout, layout_overrides
 from paratrain.planner.model_facts import ModelFacts
@@ -13,14 +13,23 @@ SHOWN_LAYOUTS = 12
 
 
 def format_plan(plan: Plan, facts: ModelFacts, config: Config, *, config_path: str, activation_source: str) -> str:
-    lines = [*_header(plan, facts, config, activation_source), "", *_table(plan), *_refused(plan), "",
-             *_verdict(plan, config_path)]
+    lines = [
+        *_header(plan, facts, config, activation_source),
+        "",
+        *_table(plan),
+        *_refused(plan),
+        "",
+        *_verdict(plan, config_path),
+    ]
     return "\n".join(lines)
 
 
 def _refused(plan: Plan, shown: int = 3) -> list[str]:
     """A few layouts paratrain train would refuse, with the first line of its reason."""
-    lines = [f"  refused: {describe_layout(dims)}: {_shorten(reason.splitlines()[0])}" for dims, reason in plan.refused[:shown]]
+    lines = [
+        f"  refused: {describe_layout(dims)}: {_shorten(reason.splitlines()[0])}"
+        for dims, reason in plan.refused[:shown]
+    ]
     if len(plan.refused) > shown:
         lines.append(f"  refused: ... {len(plan.refused) - shown} more")
     return lines
@@ -42,8 +51,10 @@ def _header(plan: Plan, facts: ModelFacts, config: Config, activation_source: st
 
 
 def _table(plan: Plan) -> list[str]:
-    header = (f"{'#':>3}  {'layout':<38} {'params':>10} {'grads':>10} {'optim':>10} {'activ.':>10} {'working':>10} "
-              f"{'total':>10} {'of GPU':>6}  {'comm/step':>10} {'x-node':>10} {'overhead':>9}  fits")
+    header = (
+        f"{'#':>3}  {'layout':<38} {'params':>10} {'grads':>10} {'optim':>10} {'activ.':>10} {'working':>10} "
+        f"{'total':>10} {'of GPU':>6}  {'comm/step':>10} {'x-node':>10} {'overhead':>9}  fits"
+    )
     rows = [header]
     for index, estimate in enumerate(plan.ranked[:SHOWN_LAYOUTS], start=1):
         rows.append(_row(index, estimate, plan.cluster.gpu_memory))
@@ -54,12 +65,17 @@ def _table(plan: Plan) -> list[str]:
 
 def _row(index: int, estimate: LayoutEstimate, gpu_memory: int) -> str:
     peak, traffic = estimate.peak, estimate.traffic
-    cells = [format_bytes(value) for value in (peak.params, peak.grads, peak.optimizer, peak.activations,
-                                                 peak.working, peak.total)]
-    return (f"{index:>3}  {describe_layout(estimate.dims):<38} " + " ".join(f"{cell:>10}" for cell in cells)
-            + f" {peak.total / gpu_memory:>6.0%}  {format_bytes(traffic.total):>10} {format_bytes(traffic.inter_node):>10}"
-            + f" {format_seconds(estimate.overhead_seconds):>9}"
-            + f"  {'yes' if estimate.fits(gpu_memory) else 'no'}")
+    cells = [
+        format_bytes(value)
+        for value in (peak.params, peak.grads, peak.optimizer, peak.activations, peak.working, peak.total)
+    ]
+    return (
+        f"{index:>3}  {describe_layout(estimate.dims):<38} "
+        + " ".join(f"{cell:>10}" for cell in cells)
+        + f" {peak.total / gpu_memory:>6.0%}  {format_bytes(traffic.total):>10} {format_bytes(traffic.inter_node):>10}"
+        + f" {format_seconds(estimate.overhead_seconds):>9}"
+        + f"  {'yes' if estimate.fits(gpu_memory) else 'no'}"
+    )
 
 
 def _shorten(text: str, limit: int = 160) -> str:
@@ -70,14 +86,23 @@ def _verdict(plan: Plan, config_path: str) -> list[str]:
     best = plan.recommended
     if best is None:
         smallest = min(plan.ranked, key=lambda estimate: estimate.peak.total, default=None)
-        hint = (f" the least memory is {describe_layout(smallest.dims)} at {format_bytes(smallest.peak.total)} per rank"
-                if smallest else "")
-        return [f"no layout fits in {format_bytes(USABLE_FRACTION * plan.cluster.gpu_memory)} per GPU;{hint}. Try "
-                f"parallel.activation_checkpointing=true, a smaller train.micro_batch_size, or more GPUs."]
+        hint = (
+            f" the least memory is {describe_layout(smallest.dims)} at {format_bytes(smallest.peak.total)} per rank"
+            if smallest
+            else ""
+        )
+        return [
+            f"no layout fits in {format_bytes(USABLE_FRACTION * plan.cluster.gpu_memory)} per GPU;{hint}. Try "
+            f"parallel.activation_checkpointing=true, a smaller train.micro_batch_size, or more GPUs."
+        ]
     cluster = plan.cluster
-    command = (f"paratrain train {config_path} --nproc-per-node {cluster.gpus_per_node} --nnodes {cluster.nodes} "
-               + " ".join(layout_overrides(best.dims)))
+    command = (
+        f"paratrain train {config_path} --nproc-per-node {cluster.gpus_per_node} --nnodes {cluster.nodes} "
+        + " ".join(layout_overrides(best.dims))
+    )
     degrees = " x ".join(f"{name}={getattr(best.dims, name)}" for name in MESH_DIMS)
-    return [f"recommended: {describe_layout(best.dims)} ({degrees}), {format_bytes(best.peak.total)} per rank",
-            f"why: {recommendation_reason(plan)}.",
-            f"run it: {command}"]
+    return [
+        f"recommended: {describe_layout(best.dims)} ({degrees}), {format_bytes(best.peak.total)} per rank",
+        f"why: {recommendation_reason(plan)}.",
+        f"run it: {command}",
+    ]

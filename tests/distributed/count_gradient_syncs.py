@@ -2,7 +2,6 @@
 micro-batch size given (one after the other in the same processes), counting DDP's gradient
 all-reduces with a comm hook. Writes {micro_batch_size: {"syncs": N, "steps": S}} from rank 0."""
 
-
 import sys
 
 import torch
@@ -24,14 +23,23 @@ def counting_allreduce(state: dict, bucket: dist.GradBucket) -> torch.futures.Fu
 
 
 def count(micro_batch_size: int, output_dir: str) -> dict:
-    config = paratrain.load_config(None, [
-        "parallel.strategy=ddp", "train.max_steps=3", "train.global_batch_size=16",
-        f"train.micro_batch_size={micro_batch_size}", f"run.output_dir={output_dir}",
-        "checkpoint.save_final=false", "parallel.ddp.bucket_cap_mb=0.0001",
-    ])
+    config = paratrain.load_config(
+        None,
+        [
+            "parallel.strategy=ddp",
+            "train.max_steps=3",
+            "train.global_batch_size=16",
+            f"train.micro_batch_size={micro_batch_size}",
+            f"run.output_dir={output_dir}",
+            "checkpoint.save_final=false",
+            "parallel.ddp.bucket_cap_mb=0.0001",
+        ],
+    )
     features = torch.randn(64, 6, generator=torch.Generator().manual_seed(0))
     dataset = TensorDataset(features, features.sum(dim=1, keepdim=True))
-    trainer = paratrain.Trainer(config, model_factory=build_model, dataset=dataset, loss_fn=torch.nn.functional.mse_loss)
+    trainer = paratrain.Trainer(
+        config, model_factory=build_model, dataset=dataset, loss_fn=torch.nn.functional.mse_loss
+    )
     state = {"syncs": 0}
     trainer.model.register_comm_hook(state, counting_allreduce)
     result = trainer.train()

@@ -11,7 +11,6 @@ import torch.distributed as dist
 from torch.utils.data import TensorDataset
 
 import paratrain
-
 from tests.distributed.one_launch import count_each
 
 # The benchmark's own counting (benchmarks/ is a folder of scripts, not a package).
@@ -29,11 +28,19 @@ MODEL_ARGS = "{block_size: 16, n_layer: 2, n_head: 4, n_embd: 64}"
 
 
 def layout_config(layout: str, output_dir: str) -> paratrain.Config:
-    return paratrain.load_config(None, [
-        *LAYOUTS[layout], f"run.output_dir={output_dir}", "train.max_steps=1", "train.global_batch_size=8",
-        "train.micro_batch_size=2", "checkpoint.save_final=false", "optim.name=adamw",
-        f"model.args={MODEL_ARGS}",
-    ])
+    return paratrain.load_config(
+        None,
+        [
+            *LAYOUTS[layout],
+            f"run.output_dir={output_dir}",
+            "train.max_steps=1",
+            "train.global_batch_size=8",
+            "train.micro_batch_size=2",
+            "checkpoint.save_final=false",
+            "optim.name=adamw",
+            f"model.args={MODEL_ARGS}",
+        ],
+    )
 
 
 def random_tokens() -> TensorDataset:
@@ -46,8 +53,11 @@ def count(layout: str, output_dir: str) -> list[dict]:
     trainer = paratrain.Trainer(layout_config(layout, output_dir), dataset=random_tokens())
     trainer.train_step(next(trainer.step_batches()))  # train_step clears gradients at its start: still held
     counted = model_state_bytes(trainer)
-    mine = {"params": counted["params"]["logical"], "grads": counted["grads"]["logical"],
-            "optimizer": counted["optim_moments"]["logical"] + counted["optim_steps"]["logical"]}
+    mine = {
+        "params": counted["params"]["logical"],
+        "grads": counted["grads"]["logical"],
+        "optimizer": counted["optim_moments"]["logical"] + counted["optim_steps"]["logical"],
+    }
     everyone = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, mine)
     trainer.close()

@@ -23,20 +23,34 @@ class CountingReduceScatter(DefaultReduceScatter):
 
 
 def count(policy: str, output_dir: str) -> dict:
-    config = paratrain.load_config(None, [
-        "parallel.strategy=fsdp", "train.max_steps=3", "train.global_batch_size=16", "train.micro_batch_size=2",
-        f"parallel.fsdp.grad_sync={policy}", f"run.output_dir={output_dir}", "checkpoint.save_final=false",
-        f"model.factory={TINY_GPT['factory']}", f"data.factory={TINY_TEXT['factory']}",
-        "model.args={block_size: 16, n_layer: 2, n_head: 2, n_embd: 32}", "data.args={block_size: 16, max_chars: 40000}",
-    ])
+    config = paratrain.load_config(
+        None,
+        [
+            "parallel.strategy=fsdp",
+            "train.max_steps=3",
+            "train.global_batch_size=16",
+            "train.micro_batch_size=2",
+            f"parallel.fsdp.grad_sync={policy}",
+            f"run.output_dir={output_dir}",
+            "checkpoint.save_final=false",
+            f"model.factory={TINY_GPT['factory']}",
+            f"data.factory={TINY_TEXT['factory']}",
+            "model.args={block_size: 16, n_layer: 2, n_head: 2, n_embd: 32}",
+            "data.args={block_size: 16, max_chars: 40000}",
+        ],
+    )
     trainer = paratrain.Trainer(config)
     units = [module for module in trainer.bare_model.modules() if isinstance(module, FSDPModule)]
     counter = {"calls": 0}
     for unit in units:
         unit.set_custom_reduce_scatter(CountingReduceScatter(counter))
     result = trainer.train()
-    counts = {"reduce_scatters": counter["calls"], "steps": result.steps, "units": len(units),
-              "accumulation": trainer.sampler.accumulation_steps}
+    counts = {
+        "reduce_scatters": counter["calls"],
+        "steps": result.steps,
+        "units": len(units),
+        "accumulation": trainer.sampler.accumulation_steps,
+    }
     trainer.close()
     return counts
 

@@ -27,8 +27,16 @@ class RecordingCallback(Callback):
         probe: step -> value of a ``probe`` field added to each logged record (for early stopping).
     """
 
-    def __init__(self, *, model_factory, validation: TensorDataset, loss_fn, events_path: Path | None = None,
-                 probe=None, max_samples: int | None = None):
+    def __init__(
+        self,
+        *,
+        model_factory,
+        validation: TensorDataset,
+        loss_fn,
+        events_path: Path | None = None,
+        probe=None,
+        max_samples: int | None = None,
+    ):
         self.model_factory, self.validation, self.loss_fn = model_factory, validation, loss_fn
         self.events_path, self.probe, self.max_samples = events_path, probe, max_samples
         self.events: list[list[Any]] = []
@@ -44,8 +52,13 @@ class RecordingCallback(Callback):
 
     def on_evaluation(self, context: CallbackContext) -> None:
         self.events.append(["evaluation", context.step, None])
-        self.evaluations.append({"step": context.step, "eval_loss": context.eval_loss,
-                                 "by_hand": self.loss_by_hand(context.trainer.bare_model)})
+        self.evaluations.append(
+            {
+                "step": context.step,
+                "eval_loss": context.eval_loss,
+                "by_hand": self.loss_by_hand(context.trainer.bare_model),
+            }
+        )
 
     def on_checkpoint_saved(self, context: CallbackContext) -> None:
         self.events.append(["checkpoint_saved", context.step, context.checkpoint.name])
@@ -58,8 +71,10 @@ class RecordingCallback(Callback):
     def loss_by_hand(self, trained: nn.Module) -> float:
         """The loss over the validation set (its first max_samples) in one batch, with the trained weights
         gathered into a fresh model in this process (a collective for sharded weights: every rank calls it)."""
-        weights = {name: value.full_tensor() if isinstance(value, DTensor) else value
-                   for name, value in trained.state_dict().items()}
+        weights = {
+            name: value.full_tensor() if isinstance(value, DTensor) else value
+            for name, value in trained.state_dict().items()
+        }
         model = self.model_factory()
         model.load_state_dict(weights)
         inputs, targets = self.validation.tensors

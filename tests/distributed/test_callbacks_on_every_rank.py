@@ -16,10 +16,19 @@ RANKS = (0, 1)
 
 # eval every 2 steps, log every 4 (and eval steps), checkpoint every 4; early stopping ends the run at 6.
 EXPECTED_EVENTS = [
-    ["train_start", 0, None], ["step_end", 1, "logged"],
-    ["evaluation", 2, None], ["step_end", 2, "logged"], ["step_end", 3, None],
-    ["evaluation", 4, None], ["step_end", 4, "logged"], ["checkpoint_saved", 4, "step-4"], ["step_end", 5, None],
-    ["evaluation", 6, None], ["step_end", 6, "logged"], ["checkpoint_saved", 6, "step-6"], ["train_end", 6, None],
+    ["train_start", 0, None],
+    ["step_end", 1, "logged"],
+    ["evaluation", 2, None],
+    ["step_end", 2, "logged"],
+    ["step_end", 3, None],
+    ["evaluation", 4, None],
+    ["step_end", 4, "logged"],
+    ["checkpoint_saved", 4, "step-4"],
+    ["step_end", 5, None],
+    ["evaluation", 6, None],
+    ["step_end", 6, "logged"],
+    ["checkpoint_saved", 6, "step-6"],
+    ["train_end", 6, None],
 ]
 
 

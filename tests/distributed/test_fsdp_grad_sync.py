@@ -7,6 +7,7 @@ from pathlib import Path
 
 from tests.harness import launch_workers
 
+
 def count(tmp_path: Path, *policies: str) -> dict:
     out = tmp_path / "counts.json"
     result = launch_workers(2, "tests.distributed.count_reduce_scatters", str(out), str(tmp_path), *policies)

@@ -10,7 +10,9 @@ from tests.harness import launch_workers
 
 def count_syncs(tmp_path: Path, *micro_batch_sizes: int) -> dict:
     out = tmp_path / "syncs.json"
-    result = launch_workers(2, "tests.distributed.count_gradient_syncs", str(out), str(tmp_path), *map(str, micro_batch_sizes))
+    result = launch_workers(
+        2, "tests.distributed.count_gradient_syncs", str(out), str(tmp_path), *map(str, micro_batch_sizes)
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     return json.loads(out.read_text())
 

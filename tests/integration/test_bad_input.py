@@ -49,34 +49,62 @@ CASES = {
     "wrong type": (["train.max_steps=many"], ["train.max_steps", "valid integer", "'many'"]),
     "batch not divisible by micro batch x data-parallel size": (
         ["parallel.strategy=ddp", "train.global_batch_size=6", "--nproc-per-node", "2"],
-        ["train.global_batch_size=6", "micro_batch_size=2 x data-parallel size 2", "multiple of 4"]),
+        ["train.global_batch_size=6", "micro_batch_size=2 x data-parallel size 2", "multiple of 4"],
+    ),
     "cuda asked for on a machine without": (["train.device=cuda"], ["train.device=cuda", "train.device=cpu"]),
-    "one-process strategy on two processes": (["parallel.strategy=single", "--nproc-per-node", "2"],
-                                              ["parallel.strategy=single", "use parallel.strategy=ddp"]),
-    "model factory that does not import": (["model.factory=no_such_package.models:build"],
-                                           ["model.factory", "no_such_package", "does not import"]),
-    "factory argument it does not take": (["model.args.n_layers=3"], ["model.args", "n_layers", "it accepts: vocab_size"]),
-    "resume path that does not exist": (["checkpoint.resume=/nonexistent/step-5"],
-                                        ["checkpoint.resume=/nonexistent/step-5", "no such checkpoint"]),
+    "one-process strategy on two processes": (
+        ["parallel.strategy=single", "--nproc-per-node", "2"],
+        ["parallel.strategy=single", "use parallel.strategy=ddp"],
+    ),
+    "model factory that does not import": (
+        ["model.factory=no_such_package.models:build"],
+        ["model.factory", "no_such_package", "does not import"],
+    ),
+    "factory argument it does not take": (
+        ["model.args.n_layers=3"],
+        ["model.args", "n_layers", "it accepts: vocab_size"],
+    ),
+    "resume path that does not exist": (
+        ["checkpoint.resume=/nonexistent/step-5"],
+        ["checkpoint.resume=/nonexistent/step-5", "no such checkpoint"],
+    ),
     "degrees whose product is not the world size": (
         ["parallel.strategy=fsdp", "parallel.dp_shard=3", "--nproc-per-node", "2"],
-        ["parallel.dp_shard=3", "does not fit the world size 2", "product is 3"]),
-    "two degrees left to fill": (["parallel.strategy=fsdp", "parallel.tp=-1", "--nproc-per-node", "2"],
-                                 ["only one degree may be -1", "parallel.dp_shard, parallel.tp"]),
+        ["parallel.dp_shard=3", "does not fit the world size 2", "product is 3"],
+    ),
+    "two degrees left to fill": (
+        ["parallel.strategy=fsdp", "parallel.tp=-1", "--nproc-per-node", "2"],
+        ["only one degree may be -1", "parallel.dp_shard, parallel.tp"],
+    ),
     "tp degree that does not divide the attention heads": (
         ["parallel.strategy=tp", "model.args.n_head=3", "model.args.n_embd=33", "--nproc-per-node", "2"],
-        ["parallel.tp=2 does not divide model.args.n_head=3"]),
+        ["parallel.tp=2 does not divide model.args.n_head=3"],
+    ),
     "tp on a model that declares no plan": (
-        ["parallel.strategy=tp", "model.factory=paratrain.models.mlp:build_mlp", "model.args={}",
-         "data.factory=paratrain.data.regression:build_regression_dataset", "data.args={}",
-         "loss.factory=paratrain.losses:mse", "--nproc-per-node", "2"],
-        ["parallel.tp=2: the model declares no tensor-parallel plan", "block_tp_plan"]),
-    "ddp combined with tensor parallel": (["parallel.strategy=ddp", "parallel.tp=2", "--nproc-per-node", "2"],
-                                          ["parallel.strategy=ddp replicates whole models", "use parallel.strategy=fsdp"]),
-    "fp16 with tensor parallel alone": (["parallel.strategy=tp", "precision=fp16", "--nproc-per-node", "2"],
-                                        ["precision=fp16 with tensor parallel alone", "parallel.strategy=fsdp with parallel.tp"]),
-    "fp16 with fsdp cpu offload": (["parallel.strategy=fsdp", "precision=fp16", "parallel.fsdp.cpu_offload=true",
-                                    "--nproc-per-node", "2"], ["precision=fp16 with parallel.fsdp.cpu_offload=true"]),
+        [
+            "parallel.strategy=tp",
+            "model.factory=paratrain.models.mlp:build_mlp",
+            "model.args={}",
+            "data.factory=paratrain.data.regression:build_regression_dataset",
+            "data.args={}",
+            "loss.factory=paratrain.losses:mse",
+            "--nproc-per-node",
+            "2",
+        ],
+        ["parallel.tp=2: the model declares no tensor-parallel plan", "block_tp_plan"],
+    ),
+    "ddp combined with tensor parallel": (
+        ["parallel.strategy=ddp", "parallel.tp=2", "--nproc-per-node", "2"],
+        ["parallel.strategy=ddp replicates whole models", "use parallel.strategy=fsdp"],
+    ),
+    "fp16 with tensor parallel alone": (
+        ["parallel.strategy=tp", "precision=fp16", "--nproc-per-node", "2"],
+        ["precision=fp16 with tensor parallel alone", "parallel.strategy=fsdp with parallel.tp"],
+    ),
+    "fp16 with fsdp cpu offload": (
+        ["parallel.strategy=fsdp", "precision=fp16", "parallel.fsdp.cpu_offload=true", "--nproc-per-node", "2"],
+        ["precision=fp16 with parallel.fsdp.cpu_offload=true"],
+    ),
 }
 
 
@@ -87,8 +115,15 @@ def test_bad_input_fails_before_training_with_a_message_naming_the_key(tmp_path,
 
 
 def test_every_config_error_is_reported_at_once(tmp_path, output_dir):
-    fails_cleanly(["train", config_file(tmp_path, output_dir), "train.max_stepz=5", "optim.lr=-1", "precision=fp8"],
-                  "3 problems", "train.max_stepz", "optim.lr", "precision", output_dir=output_dir, own_process=True)
+    fails_cleanly(
+        ["train", config_file(tmp_path, output_dir), "train.max_stepz=5", "optim.lr=-1", "precision=fp8"],
+        "3 problems",
+        "train.max_stepz",
+        "optim.lr",
+        "precision",
+        output_dir=output_dir,
+        own_process=True,
+    )
 
 
 def test_output_dir_that_is_not_writable_is_refused(tmp_path):
@@ -99,8 +134,12 @@ def test_output_dir_that_is_not_writable_is_refused(tmp_path):
 
 def test_resume_never_refuses_to_mix_with_existing_checkpoints(tmp_path, output_dir):
     (output_dir / "checkpoints/step-10").mkdir(parents=True)
-    fails_cleanly(["train", config_file(tmp_path, output_dir), "checkpoint.resume=never"],
-                  "checkpoint.resume=never", "use checkpoint.resume=auto", output_dir=output_dir)
+    fails_cleanly(
+        ["train", config_file(tmp_path, output_dir), "checkpoint.resume=never"],
+        "checkpoint.resume=never",
+        "use checkpoint.resume=auto",
+        output_dir=output_dir,
+    )
 
 
 def test_missing_config_file_is_named(tmp_path):
@@ -126,8 +165,12 @@ def test_truncated_checkpoint_given_as_resume_path_is_refused_naming_the_file(tm
     run = tmp_path / "copy"
     copy_tree(finished_run, run)
     shard = truncate_shard(run / "checkpoints/step-4")
-    fails_cleanly(["train", config_file(tmp_path, tmp_path / "new"), f"checkpoint.resume={run}/checkpoints/step-4"],
-                  "checkpoint.resume=", str(shard), "truncated")
+    fails_cleanly(
+        ["train", config_file(tmp_path, tmp_path / "new"), f"checkpoint.resume={run}/checkpoints/step-4"],
+        "checkpoint.resume=",
+        str(shard),
+        "truncated",
+    )
 
 
 def test_corrupt_latest_checkpoint_makes_auto_fall_back_to_the_previous_one(tmp_path, finished_run):
@@ -149,8 +192,11 @@ def test_planted_pickle_in_checkpoint_metadata_is_refused(tmp_path, finished_run
     checkpoint = run / "checkpoints/step-4"
     plant_pickle_payload(checkpoint / ".metadata", marker=tmp_path / "pwned")
 
-    fails_cleanly(["train", config_file(tmp_path, tmp_path / "new"), f"checkpoint.resume={checkpoint}"],
-                  "refusing to load", "posix.system")
+    fails_cleanly(
+        ["train", config_file(tmp_path, tmp_path / "new"), f"checkpoint.resume={checkpoint}"],
+        "refusing to load",
+        "posix.system",
+    )
     assert not (tmp_path / "pwned").exists()
 
 
@@ -169,8 +215,10 @@ def plant_pickle_payload(metadata: Path, *, marker: Path) -> None:
     metadata.write_bytes(pickle.dumps(Payload()))
     manifest_path = metadata.parent / "paratrain-manifest.json"
     manifest = json.loads(manifest_path.read_text())
-    manifest["files"][metadata.name] = {"bytes": metadata.stat().st_size,
-                                        "sha256": hashlib.sha256(metadata.read_bytes()).hexdigest()}
+    manifest["files"][metadata.name] = {
+        "bytes": metadata.stat().st_size,
+        "sha256": hashlib.sha256(metadata.read_bytes()).hexdigest(),
+    }
     manifest_path.write_text(json.dumps(manifest))
 
 
@@ -188,9 +236,13 @@ def test_options_without_effect_in_the_layout_are_warned_about_and_training_goes
 
 
 def test_fsdp_on_a_model_without_blocks_shards_it_as_one_unit_and_says_so(tmp_path):
-    config = config_file(tmp_path, tmp_path / "run", train={"max_steps": 2},
-                         model={"factory": "tests.integration.plain_models:build_sequential", "args": {}},
-                         data={"factory": "paratrain.data.regression:build_regression_dataset", "args": {"in_features": 4}},
-                         loss={"factory": "paratrain.losses:mse"})
+    config = config_file(
+        tmp_path,
+        tmp_path / "run",
+        train={"max_steps": 2},
+        model={"factory": "tests.integration.plain_models:build_sequential", "args": {}},
+        data={"factory": "paratrain.data.regression:build_regression_dataset", "args": {"in_features": 4}},
+        loss={"factory": "paratrain.losses:mse"},
+    )
     result = train(Path(config), "parallel.strategy=fsdp", nproc=2)
     assert "the model declares no blocks" in result.stderr and "sharding it as one unit" in result.stderr

@@ -12,16 +12,30 @@ import torch
 import yaml
 from safetensors.torch import load_file
 
-from tests.harness import (REPO_ROOT, checkpoint_weights, in_private_network, private_network_unavailable, read_metrics,
-                           run_cli, tiny_config, train, write_config)
+from tests.harness import (
+    REPO_ROOT,
+    checkpoint_weights,
+    in_private_network,
+    private_network_unavailable,
+    read_metrics,
+    run_cli,
+    tiny_config,
+    train,
+    write_config,
+)
 
 
 @pytest.fixture(scope="module")
 def ddp_run(tmp_path_factory) -> Path:
     """A 2-process ddp run with TensorBoard on and checkpoints every 3 steps, kept 2 at a time."""
     tmp_path = tmp_path_factory.mktemp("ddp")
-    config = tiny_config(tmp_path / "run", parallel={"strategy": "ddp"}, train={"max_steps": 12},
-                         log={"every_steps": 4, "tensorboard": True}, checkpoint={"every_steps": 3, "keep_last": 2})
+    config = tiny_config(
+        tmp_path / "run",
+        parallel={"strategy": "ddp"},
+        train={"max_steps": 12},
+        log={"every_steps": 4, "tensorboard": True},
+        checkpoint={"every_steps": 3, "keep_last": 2},
+    )
     train(write_config(tmp_path / "config.yaml", config), nproc=2)
     return tmp_path / "run"
 
@@ -81,7 +95,8 @@ def test_user_model_data_and_loss_factories_import_from_the_working_directory(tm
     package = tmp_path / "mypkg"
     package.mkdir()
     (package / "__init__.py").write_text("")
-    (package / "workload.py").write_text(textwrap.dedent("""
+    (package / "workload.py").write_text(
+        textwrap.dedent("""
         import torch
         from torch.utils.data import TensorDataset
 
@@ -94,11 +109,17 @@ def test_user_model_data_and_loss_factories_import_from_the_working_directory(tm
 
         def build_loss():
             return torch.nn.functional.l1_loss
-    """))
-    config = tiny_config(tmp_path / "run", model={"factory": "mypkg.workload:build_model", "args": {"width": 16}},
-                         data={"factory": "mypkg.workload:build_data", "args": {}},
-                         loss={"factory": "mypkg.workload:build_loss"}, train={"max_steps": 40},
-                         optim={"lr": 0.02}, log={"every_steps": 10})
+    """)
+    )
+    config = tiny_config(
+        tmp_path / "run",
+        model={"factory": "mypkg.workload:build_model", "args": {"width": 16}},
+        data={"factory": "mypkg.workload:build_data", "args": {}},
+        loss={"factory": "mypkg.workload:build_loss"},
+        train={"max_steps": 40},
+        optim={"lr": 0.02},
+        log={"every_steps": 10},
+    )
     result = run_cli(["train", str(write_config(tmp_path / "c.yaml", config))], cwd=tmp_path)
     assert result.returncode == 0, result.stderr
     records = read_metrics(tmp_path / "run")
@@ -110,8 +131,18 @@ def test_worker_runs_under_plain_torchrun(tmp_path):
     if reason := private_network_unavailable():
         pytest.skip(reason)
     config = write_config(tmp_path / "c.yaml", tiny_config(tmp_path / "run", parallel={"strategy": "ddp"}))
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-               "-m", "paratrain.train", str(config), "train.max_steps=5"]
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        "-m",
+        "paratrain.train",
+        str(config),
+        "train.max_steps=5",
+    ]
     result = subprocess.run(in_private_network(command), capture_output=True, text=True, timeout=180, cwd=REPO_ROOT)
     assert result.returncode == 0, result.stderr[-3000:]
     assert read_metrics(tmp_path / "run")[-1]["step"] == 5
@@ -119,8 +150,9 @@ def test_worker_runs_under_plain_torchrun(tmp_path):
 
 @pytest.mark.parametrize("strategy,precision", [("dp", "fp32"), ("single", "bf16"), ("single", "fp16")])
 def test_data_parallel_and_mixed_precision_train_on_cpu(tmp_path, strategy, precision):
-    config = write_config(tmp_path / "c.yaml", tiny_config(tmp_path / "run", parallel={"strategy": strategy},
-                                                           train={"max_steps": 10}))
+    config = write_config(
+        tmp_path / "c.yaml", tiny_config(tmp_path / "run", parallel={"strategy": strategy}, train={"max_steps": 10})
+    )
     result = train(config, f"precision={precision}")
     if strategy == "dp":
         assert "running on cpu without DataParallel" in result.stderr

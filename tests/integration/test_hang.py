@@ -9,8 +9,12 @@ from tests.harness import tiny_config, train, write_config
 
 
 def test_a_rank_stuck_in_a_step_makes_every_rank_report_its_stack_and_the_job_exit_124(tmp_path):
-    config = write_config(tmp_path / "run.yaml", tiny_config(
-        tmp_path / "run", train={"max_steps": 20}, parallel={"strategy": "ddp"}, debug={"step_timeout_s": 3}))
+    config = write_config(
+        tmp_path / "run.yaml",
+        tiny_config(
+            tmp_path / "run", train={"max_steps": 20}, parallel={"strategy": "ddp"}, debug={"step_timeout_s": 3}
+        ),
+    )
 
     started = time.monotonic()
     hung = train(config, nproc=2, env={"PARATRAIN_FAULT": "stall_in_step:4:1"}, check=False)

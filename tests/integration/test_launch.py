@@ -15,8 +15,10 @@ from tests.harness import child_pids, start_cli, tiny_config, wait_for_first_ste
 
 
 def test_single_node_run_listens_on_loopback_only_and_stops_for_a_requeue_on_sigusr1_to_the_launcher(tmp_path):
-    config = write_config(tmp_path / "run.yaml", tiny_config(tmp_path / "run", train={"max_steps": 400},
-                                                             parallel={"strategy": "ddp"}, log={"every_steps": 1}))
+    config = write_config(
+        tmp_path / "run.yaml",
+        tiny_config(tmp_path / "run", train={"max_steps": 400}, parallel={"strategy": "ddp"}, log={"every_steps": 1}),
+    )
     launcher = start_cli(["train", str(config), "--nproc-per-node", "2"])
     try:
         wait_for_first_step(tmp_path / "run", launcher)
@@ -46,7 +48,7 @@ def _listening_addresses(pid: int) -> list[str]:
         except OSError:
             continue
         if target.startswith("socket:["):
-            inodes.add(target[len("socket:["):-1])
+            inodes.add(target[len("socket:[") : -1])
     addresses = []
     for table, family in (("tcp", socket.AF_INET), ("tcp6", socket.AF_INET6)):
         for line in Path(f"/proc/{pid}/net/{table}").read_text().splitlines()[1:]:
@@ -61,7 +63,7 @@ def _decode_address(hex_address: str, family: int) -> str:
     """/proc/net/tcp{,6} prints addresses as 32-bit words in host (little-endian) byte order."""
     host, port = hex_address.split(":")
     raw = bytes.fromhex(host)
-    raw = b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4))
+    raw = b"".join(raw[i : i + 4][::-1] for i in range(0, len(raw), 4))
     return f"{socket.inet_ntop(family, raw)}:{int(port, 16)}"
 
 

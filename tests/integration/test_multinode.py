@@ -15,8 +15,17 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.harness import (REPO_ROOT, checkpoint_weights, losses_by_step, max_relative_difference, max_weight_difference,
-                           read_metrics, tiny_config, train, write_config)
+from tests.harness import (
+    REPO_ROOT,
+    checkpoint_weights,
+    losses_by_step,
+    max_relative_difference,
+    max_weight_difference,
+    read_metrics,
+    tiny_config,
+    train,
+    write_config,
+)
 
 STEPS = 20
 EVERY = 10
@@ -75,13 +84,19 @@ def _ip(*args: str) -> None:
 
 
 def config_for(root: Path, name: str) -> Path:
-    config = tiny_config(root / name, train={"max_steps": STEPS}, parallel={"strategy": "ddp"},
-                         checkpoint={"every_steps": EVERY}, log={"every_steps": 1})
+    config = tiny_config(
+        root / name,
+        train={"max_steps": STEPS},
+        parallel={"strategy": "ddp"},
+        checkpoint={"every_steps": EVERY},
+        log={"every_steps": 1},
+    )
     return write_config(root / f"{name}.yaml", config)
 
 
-def train_on_two_nodes(hosts: list[Host], config: Path, *extra: str, port: int,
-                       fault_on_node_1: str | None = None) -> list[str]:
+def train_on_two_nodes(
+    hosts: list[Host], config: Path, *extra: str, port: int, fault_on_node_1: str | None = None
+) -> list[str]:
     """``paratrain train`` on both hosts (2 processes each), node 0's address as the endpoint;
     returns each node's stderr once both launchers succeeded."""
     nodes = []
@@ -89,11 +104,29 @@ def train_on_two_nodes(hosts: list[Host], config: Path, *extra: str, port: int,
         env = {**os.environ, "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": host.interface}
         if rank == 1 and fault_on_node_1:
             env["PARATRAIN_FAULT"] = fault_on_node_1
-        argv = ["ip", "netns", "exec", host.namespace, sys.executable, "-m", "paratrain.cli", "train", str(config),
-                "--nnodes", "2", "--nproc-per-node", "2", "--node-rank", str(rank),
-                "--rdzv-endpoint", f"{hosts[0].address}:{port}", *extra]
-        nodes.append(subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
-                                      cwd=REPO_ROOT))
+        argv = [
+            "ip",
+            "netns",
+            "exec",
+            host.namespace,
+            sys.executable,
+            "-m",
+            "paratrain.cli",
+            "train",
+            str(config),
+            "--nnodes",
+            "2",
+            "--nproc-per-node",
+            "2",
+            "--node-rank",
+            str(rank),
+            "--rdzv-endpoint",
+            f"{hosts[0].address}:{port}",
+            *extra,
+        ]
+        nodes.append(
+            subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=REPO_ROOT)
+        )
     stderrs = []
     for rank, node in enumerate(nodes):
         try:
@@ -125,8 +158,9 @@ def killed_run(hosts, tmp_path_factory) -> KilledRun:
     worker) after step 15, 5 steps past the step-10 checkpoint. Node 0's workers see their peer
     vanish; both launchers restart their group, which resumes from step 10."""
     root = tmp_path_factory.mktemp("two-nodes")
-    node_0, _ = train_on_two_nodes(hosts, config_for(root, "killed"), "--max-restarts", "1", port=29500,
-                                   fault_on_node_1="after_step:15:3")
+    node_0, _ = train_on_two_nodes(
+        hosts, config_for(root, "killed"), "--max-restarts", "1", port=29500, fault_on_node_1="after_step:15:3"
+    )
     return KilledRun(root / "killed", node_0)
 
 
@@ -145,8 +179,9 @@ def test_two_nodes_of_two_processes_train_like_one_node_of_four(killed_run, one_
     one_node = {step: loss for step, loss in losses_by_step(one_node_run).items() if step in before_kill}
     assert max_relative_difference(before_kill, one_node) <= LOSS_RTOL
     final = f"checkpoints/step-{STEPS}"
-    difference = max_weight_difference(checkpoint_weights(killed_run.output_dir / final),
-                                       checkpoint_weights(one_node_run / final))
+    difference = max_weight_difference(
+        checkpoint_weights(killed_run.output_dir / final), checkpoint_weights(one_node_run / final)
+    )
     assert difference <= WEIGHT_ATOL
 
 

@@ -11,15 +11,20 @@ import torch
 
 from paratrain.checkpoint import Checkpointer, verify_checkpoint
 from paratrain.errors import EXIT_REQUEUE
-from tests.harness import (checkpoint_weights, read_metrics, tiny_config, train, write_config)
+from tests.harness import checkpoint_weights, read_metrics, tiny_config, train, write_config
 
 STEPS = 60
 EVERY = 30
 
 
 def config_for(tmp_path: Path, name: str, strategy: str) -> Path:
-    config = tiny_config(tmp_path / name, train={"max_steps": STEPS}, parallel={"strategy": strategy},
-                         checkpoint={"every_steps": EVERY, "keep_last": 2}, log={"every_steps": 10})
+    config = tiny_config(
+        tmp_path / name,
+        train={"max_steps": STEPS},
+        parallel={"strategy": strategy},
+        checkpoint={"every_steps": EVERY, "keep_last": 2},
+        log={"every_steps": 10},
+    )
     return write_config(tmp_path / f"{name}.yaml", config)
 
 
@@ -85,8 +90,10 @@ def assert_resumed_like_uninterrupted(output_dir: Path, reference: Path) -> None
 
 
 def test_kill_during_checkpoint_save_leaves_previous_checkpoint_chosen_by_auto(tmp_path):
-    config = write_config(tmp_path / "run.yaml", tiny_config(
-        tmp_path / "run", train={"max_steps": 60}, checkpoint={"every_steps": 20}, log={"every_steps": 10}))
+    config = write_config(
+        tmp_path / "run.yaml",
+        tiny_config(tmp_path / "run", train={"max_steps": 60}, checkpoint={"every_steps": 20}, log={"every_steps": 10}),
+    )
 
     killed = train(config, env={"PARATRAIN_FAULT": "mid_save:40"}, check=False)
     assert killed.returncode != 0
@@ -104,7 +111,9 @@ def test_async_checkpoints_resume_after_sigkill_matches_uninterrupted_run_bit_fo
     config = config_for(tmp_path, "async", "ddp")
 
     # 15 steps after the step-30 save began: its background write has long finished.
-    killed = train(config, "checkpoint.async_save=true", nproc=2, env={"PARATRAIN_FAULT": "after_step:45:1"}, check=False)
+    killed = train(
+        config, "checkpoint.async_save=true", nproc=2, env={"PARATRAIN_FAULT": "after_step:45:1"}, check=False
+    )
     assert killed.returncode != 0
     assert "checkpoints/step-30 written in the background" in killed.stderr
     verify_checkpoint(tmp_path / "async/checkpoints/step-30")
@@ -115,9 +124,16 @@ def test_async_checkpoints_resume_after_sigkill_matches_uninterrupted_run_bit_fo
 
 
 def test_kill_during_async_save_leaves_previous_checkpoint_chosen_by_auto(tmp_path):
-    config = write_config(tmp_path / "run.yaml", tiny_config(
-        tmp_path / "run", train={"max_steps": 30}, parallel={"strategy": "ddp"},
-        checkpoint={"every_steps": 10, "async_save": True}, log={"every_steps": 10}))
+    config = write_config(
+        tmp_path / "run.yaml",
+        tiny_config(
+            tmp_path / "run",
+            train={"max_steps": 30},
+            parallel={"strategy": "ddp"},
+            checkpoint={"every_steps": 10, "async_save": True},
+            log={"every_steps": 10},
+        ),
+    )
 
     killed = train(config, env={"PARATRAIN_FAULT": "mid_async_save:20"}, check=False)
     assert killed.returncode != 0
@@ -130,7 +146,8 @@ def test_kill_during_async_save_leaves_previous_checkpoint_chosen_by_auto(tmp_pa
 
 
 def test_sigterm_to_one_worker_during_an_async_save_waits_for_it_stops_every_rank_with_a_checkpoint_and_resume_matches(
-        tmp_path, uninterrupted_run):
+    tmp_path, uninterrupted_run
+):
     reference = uninterrupted_run("ddp", 2)  # saved synchronously
     config = config_for(tmp_path, "preempted", "ddp")
     # A real SIGTERM to rank 1 only, raised by the rank itself just after the step-30 save went to the
@@ -139,8 +156,15 @@ def test_sigterm_to_one_worker_during_an_async_save_waits_for_it_stops_every_ran
     # the stop, agreed a step or two later, finds it still being written. --max-restarts must not
     # restart a group that stopped on purpose.
     fault = f"sigterm_mid_async_save:{EVERY}:1,slow_async_save:{EVERY}"
-    preempted = train(config, "checkpoint.async_save=true", "--max-restarts", "1", nproc=2,
-                      env={"PARATRAIN_FAULT": fault}, check=False)
+    preempted = train(
+        config,
+        "checkpoint.async_save=true",
+        "--max-restarts",
+        "1",
+        nproc=2,
+        env={"PARATRAIN_FAULT": fault},
+        check=False,
+    )
     stderr = preempted.stderr
     assert preempted.returncode == EXIT_REQUEUE, stderr[-3000:]
     in_flight = tmp_path / "preempted" / "checkpoints" / f"step-{EVERY}"

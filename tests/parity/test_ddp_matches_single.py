@@ -6,8 +6,18 @@ from pathlib import Path
 
 import pytest
 
-from tests.harness import (checkpoint_weights, free_loopback_port, losses_by_step, max_relative_difference,
-                           max_weight_difference, read_metrics, start_cli, tiny_config, train, write_config)
+from tests.harness import (
+    checkpoint_weights,
+    free_loopback_port,
+    losses_by_step,
+    max_relative_difference,
+    max_weight_difference,
+    read_metrics,
+    start_cli,
+    tiny_config,
+    train,
+    write_config,
+)
 
 STEPS = 50
 LOSS_RTOL = 1e-5
@@ -33,7 +43,10 @@ def test_ddp_on_two_processes_matches_single_process_losses_and_weights(tmp_path
     assert len(single_losses) == STEPS
     assert max_relative_difference(ddp_losses, single_losses) <= LOSS_RTOL
     final = f"checkpoints/step-{STEPS}"
-    assert max_weight_difference(checkpoint_weights(ddp_run / final), checkpoint_weights(single_run / final)) <= WEIGHT_ATOL
+    assert (
+        max_weight_difference(checkpoint_weights(ddp_run / final), checkpoint_weights(single_run / final))
+        <= WEIGHT_ATOL
+    )
     assert single_losses[STEPS] < single_losses[1] - 0.5, "the reference run should actually learn"
 
 
@@ -43,7 +56,9 @@ def test_gradient_accumulation_of_four_micro_batches_matches_one_batch_of_four_t
 
     assert max_relative_difference(losses_by_step(whole), losses_by_step(single_run)) <= LOSS_RTOL
     final = f"checkpoints/step-{STEPS}"
-    assert max_weight_difference(checkpoint_weights(whole / final), checkpoint_weights(single_run / final)) <= WEIGHT_ATOL
+    assert (
+        max_weight_difference(checkpoint_weights(whole / final), checkpoint_weights(single_run / final)) <= WEIGHT_ATOL
+    )
 
 
 def test_ddp_with_accumulation_on_two_processes_matches_single_process(tmp_path, single_run):
@@ -55,11 +70,27 @@ def test_ddp_with_accumulation_on_two_processes_matches_single_process(tmp_path,
 
 def test_ddp_across_two_nodes_on_loopback_matches_single_process(tmp_path, single_run):
     output_dir = tmp_path / "two_nodes"
-    config = write_config(tmp_path / "two_nodes.yaml", tiny_config(
-        output_dir, train={"max_steps": STEPS}, parallel={"strategy": "ddp"}))
+    config = write_config(
+        tmp_path / "two_nodes.yaml", tiny_config(output_dir, train={"max_steps": STEPS}, parallel={"strategy": "ddp"})
+    )
     endpoint = f"127.0.0.1:{free_loopback_port()}"
-    nodes = [start_cli(["train", str(config), "--nnodes", "2", "--nproc-per-node", "1", "--node-rank", str(rank),
-                        "--rdzv-endpoint", endpoint]) for rank in (0, 1)]
+    nodes = [
+        start_cli(
+            [
+                "train",
+                str(config),
+                "--nnodes",
+                "2",
+                "--nproc-per-node",
+                "1",
+                "--node-rank",
+                str(rank),
+                "--rdzv-endpoint",
+                endpoint,
+            ]
+        )
+        for rank in (0, 1)
+    ]
     for node in nodes:
         _, stderr = node.communicate(timeout=240)
         assert node.returncode == 0, stderr[-3000:]

@@ -11,8 +11,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from paratrain.pipeline.schedules import PipelineShape, action_table
-from paratrain.pipeline.timeline import LETTER
+from paratrain.parallel.pipeline.schedules import PipelineShape, action_table
+from paratrain.parallel.pipeline.timeline import LETTER
 from tests.harness import LayoutRuns, checkpoint_weights, losses_by_step, max_relative_difference, run_cli
 
 STEPS = 20
@@ -35,8 +35,13 @@ LAYOUTS = {
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> LayoutRuns:
     together = tuple(name for name, (_, nproc) in LAYOUTS.items() if nproc > 1)
-    return LayoutRuns(tmp_path_factory.mktemp("pipeline"), LAYOUTS, together=together, train={"max_steps": STEPS},
-                      checkpoint={"every_steps": 10, "keep_last": None})
+    return LayoutRuns(
+        tmp_path_factory.mktemp("pipeline"),
+        LAYOUTS,
+        together=together,
+        train={"max_steps": STEPS},
+        checkpoint={"every_steps": 10, "keep_last": None},
+    )
 
 
 def assert_weights_close(actual_checkpoint: Path, expected_checkpoint: Path) -> None:
@@ -60,8 +65,12 @@ def test_checkpoint_moves_between_pipeline_and_other_layouts(runs, source, targe
     resumed = runs.get(target, f"checkpoint.resume={checkpoint}", name=f"{source} to {target}")
     reference = runs.get("single")
     assert min(losses_by_step(resumed)) == 11  # continued, did not start over
-    assert max_relative_difference(losses_by_step(resumed), {step: loss for step, loss in losses_by_step(reference).items()
-                                                             if step > 10}) <= LOSS_RTOL
+    assert (
+        max_relative_difference(
+            losses_by_step(resumed), {step: loss for step, loss in losses_by_step(reference).items() if step > 10}
+        )
+        <= LOSS_RTOL
+    )
     assert_weights_close(resumed / f"checkpoints/step-{STEPS}", reference / f"checkpoints/step-{STEPS}")
 
 
@@ -77,24 +86,38 @@ def test_export_consolidates_a_pipeline_checkpoint(runs, tmp_path):
         torch.testing.assert_close(exported[name], expected[name], rtol=0, atol=WEIGHT_ATOL, msg=name)
 
 
-@pytest.mark.parametrize("layout", ["pp 2 stages", "interleaved 2 ranks x 2 stages", "zero bubble V 2 ranks x 2 stages"])
+@pytest.mark.parametrize(
+    "layout", ["pp 2 stages", "interleaved 2 ranks x 2 stages", "zero bubble V 2 ranks x 2 stages"]
+)
 def test_recorded_timeline_runs_the_schedule_table_order(runs, layout):
     """What ``paratrain pipeline show`` draws in theory is the order each rank really ran."""
     for path in sorted((runs.get(layout) / "pipeline").glob("timeline-rank*.json")):
         record = json.loads(path.read_text())
         shape = PipelineShape(record["schedule"], record["pp"], record["stages_per_rank"], record["microbatches"])
-        expected = [(a.stage_index, LETTER[a.computation_type], a.microbatch_index)
-                    for a in action_table(shape)[record["pp_rank"]]]
+        expected = [
+            (a.stage_index, LETTER[a.computation_type], a.microbatch_index)
+            for a in action_table(shape)[record["pp_rank"]]
+        ]
         for step in record["steps"]:
             assert [(stage, kind, mb) for stage, kind, mb, _, _ in step["actions"]] == expected
-
 
 
 def test_pipeline_show_prints_each_rank_and_both_bubbles_and_draws_them(runs, tmp_path):
     run_dir = runs.get("pp 2 stages")
     out = tmp_path / "schedule.png"
-    result = run_cli(["pipeline", "show", str(run_dir / "config.yaml"), "--nproc-per-node", "2", "--out", str(out),
-                      "--run", str(run_dir)])
+    result = run_cli(
+        [
+            "pipeline",
+            "show",
+            str(run_dir / "config.yaml"),
+            "--nproc-per-node",
+            "2",
+            "--out",
+            str(out),
+            "--run",
+            str(run_dir),
+        ]
+    )
     assert result.returncode == 0, result.stderr
     text = result.stdout
     assert "rank 0: 0F0  0F1" in text and "rank 1:   .  1F0  1B0" in text

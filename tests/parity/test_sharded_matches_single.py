@@ -30,16 +30,24 @@ LAYOUTS = {
     # Checkpoints moving between layouts: each resumes a layout above at step 10 and trains on to 20.
     "tp x2 to fsdp x2": (["parallel.strategy=fsdp", "checkpoint.resume={run:tp x2}/checkpoints/step-10"], 2),
     "hsdp 2x2 to fsdp x2": (["parallel.strategy=fsdp", "checkpoint.resume={run:hsdp 2x2}/checkpoints/step-10"], 2),
-    "fsdp4 to ddp2": (["parallel.strategy=ddp", "checkpoint.resume={run:fsdp x4}/checkpoints/step-10",
-                       "checkpoint.every_steps=5"], 2),
+    "fsdp4 to ddp2": (
+        ["parallel.strategy=ddp", "checkpoint.resume={run:fsdp x4}/checkpoints/step-10", "checkpoint.every_steps=5"],
+        2,
+    ),
 }
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> LayoutRuns:
     together = tuple(name for name, (_, nproc) in LAYOUTS.items() if nproc > 1)
-    return LayoutRuns(tmp_path_factory.mktemp("sharded"), LAYOUTS, together=together, train={"max_steps": STEPS},
-                      checkpoint={"every_steps": 10, "keep_last": None}, debug={"dump_gradients_at_steps": [1]})
+    return LayoutRuns(
+        tmp_path_factory.mktemp("sharded"),
+        LAYOUTS,
+        together=together,
+        train={"max_steps": STEPS},
+        checkpoint={"every_steps": 10, "keep_last": None},
+        debug={"dump_gradients_at_steps": [1]},
+    )
 
 
 def relative_differences(a: dict[int, float], b: dict[int, float]) -> dict[int, float]:
@@ -47,8 +55,18 @@ def relative_differences(a: dict[int, float], b: dict[int, float]) -> dict[int, 
     return {step: abs(a[step] - b[step]) / abs(b[step]) for step in a}
 
 
-@pytest.mark.parametrize("layout", ["fsdp x2", "fsdp x4", "hsdp 2x2", "tp x2", "fsdp+tp 2x2", "tp x2 sequence parallel",
-                                    "fsdp x2 activation checkpointing"])
+@pytest.mark.parametrize(
+    "layout",
+    [
+        "fsdp x2",
+        "fsdp x4",
+        "hsdp 2x2",
+        "tp x2",
+        "fsdp+tp 2x2",
+        "tp x2 sequence parallel",
+        "fsdp x2 activation checkpointing",
+    ],
+)
 def test_sharded_layout_matches_single_process_losses_and_first_gradients(runs, layout):
     reference, sharded = runs.get("single"), runs.get(layout)
 
@@ -66,7 +84,10 @@ def test_sharded_layout_matches_single_process_losses_and_first_gradients(runs, 
 
 def assert_states_equal(actual_checkpoint: Path, expected_checkpoint: Path) -> None:
     for prefix in ("model.", "optimizer.state."):
-        expected, actual = checkpoint_weights(expected_checkpoint, prefix), checkpoint_weights(actual_checkpoint, prefix)
+        expected, actual = (
+            checkpoint_weights(expected_checkpoint, prefix),
+            checkpoint_weights(actual_checkpoint, prefix),
+        )
         assert actual.keys() == expected.keys()
         for name in expected:
             torch.testing.assert_close(actual[name], expected[name], rtol=0, atol=STATE_ATOL, msg=f"{prefix}{name}")
@@ -93,8 +114,10 @@ def test_checkpoint_moves_from_fsdp_x4_to_ddp_x2_to_a_single_process(runs):
     to_single = resume_in(runs, "single", via_ddp / "checkpoints/step-15", name="ddp2 to single")
 
     origin_losses = losses_by_step(origin)
-    chained = {**{s: l for s, l in losses_by_step(via_ddp).items() if s > 10},
-               **{s: l for s, l in losses_by_step(to_single).items() if s > 15}}
+    chained = {
+        **{s: loss for s, loss in losses_by_step(via_ddp).items() if s > 10},
+        **{s: loss for s, loss in losses_by_step(to_single).items() if s > 15},
+    }
     assert max(relative_differences(chained, {s: origin_losses[s] for s in chained}).values()) <= LOSS_RTOL
     assert_states_equal(to_single / f"checkpoints/step-{STEPS}", origin / f"checkpoints/step-{STEPS}")
 

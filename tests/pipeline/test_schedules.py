@@ -9,8 +9,8 @@ from fractions import Fraction
 import pytest
 from torch.distributed.pipelining.schedules import _ComputationType as Kind
 
-from paratrain.pipeline.schedules import PipelineShape, action_table
-from paratrain.pipeline.timeline import simulate
+from paratrain.parallel.pipeline.schedules import PipelineShape, action_table
+from paratrain.parallel.pipeline.timeline import simulate
 
 SHAPES = [(2, 2), (2, 4), (2, 8), (4, 4), (4, 8), (3, 6)]
 
@@ -35,8 +35,10 @@ def test_zero_bubble_beats_plain_interleaving():
     assert simulate(PipelineShape("ZBVZeroBubble", 4, 2, 8)).idle_fraction() < interleaved
 
 
-@pytest.mark.parametrize("schedule,stages_per_rank", [("GPipe", 1), ("1F1B", 1), ("Interleaved1F1B", 2),
-                                                      ("InterleavedZeroBubble", 2), ("ZBVZeroBubble", 2)])
+@pytest.mark.parametrize(
+    "schedule,stages_per_rank",
+    [("GPipe", 1), ("1F1B", 1), ("Interleaved1F1B", 2), ("InterleavedZeroBubble", 2), ("ZBVZeroBubble", 2)],
+)
 def test_each_rank_runs_its_stages_forward_and_backward_once_per_micro_batch(schedule, stages_per_rank):
     shape = PipelineShape(schedule, 2, stages_per_rank, 4)
     for rank, actions in enumerate(action_table(shape)):

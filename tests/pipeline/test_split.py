@@ -8,7 +8,7 @@ from torch import nn
 
 from paratrain.errors import ConfigError
 from paratrain.models.gpt import build_gpt
-from paratrain.pipeline.split import balance, measured_costs, parameter_costs, pipeline_sequence, split_at
+from paratrain.parallel.pipeline.split import balance, measured_costs, parameter_costs, pipeline_sequence, split_at
 
 
 def test_balance_minimises_the_most_expensive_stage():

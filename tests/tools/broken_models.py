@@ -9,7 +9,9 @@ from torch import nn
 from paratrain.models.gpt import build_gpt
 
 
-def build_gpt_with_wrong_gradient(*, block_size: int, n_layer: int, n_head: int, n_embd: int, grad_scale: float = 1.5) -> nn.Module:
+def build_gpt_with_wrong_gradient(
+    *, block_size: int, n_layer: int, n_head: int, n_embd: int, grad_scale: float = 1.5
+) -> nn.Module:
     """The tiny GPT, whose last block's MLP output weight gets grad_scale x its gradient under a world size > 1.
 
     One process trains correctly; any multi-process layout does not, as a layout bug would behave.

@@ -17,12 +17,25 @@ MODEL = "model.args={block_size: 16, n_layer: 4, n_head: 4, n_embd: 64}"
 @pytest.fixture(scope="module")
 def config_path(tmp_path_factory):
     root = tmp_path_factory.mktemp("dry_run")
-    return write_config(root / "c.yaml", tiny_config(root / "run", train={"global_batch_size": 64, "micro_batch_size": 2}))
+    return write_config(
+        root / "c.yaml", tiny_config(root / "run", train={"global_batch_size": 64, "micro_batch_size": 2})
+    )
 
 
 def dry_run(capsys, config_path, *overrides, nproc=8, nnodes=8) -> tuple[int, str, str]:
-    code = main(["train", str(config_path), "--dry-run", "--nproc-per-node", str(nproc), "--nnodes", str(nnodes),
-                 MODEL, *overrides])
+    code = main(
+        [
+            "train",
+            str(config_path),
+            "--dry-run",
+            "--nproc-per-node",
+            str(nproc),
+            "--nnodes",
+            str(nnodes),
+            MODEL,
+            *overrides,
+        ]
+    )
     captured = capsys.readouterr()
     return code, captured.out, captured.err
 
@@ -58,17 +71,30 @@ def test_fsdp_8_by_tensor_parallel_8_shards_every_block_linear_64_ways(capsys, c
     code, out, err = dry_run(capsys, config_path, "parallel.strategy=fsdp", "parallel.tp=8", "model.args.n_head=8")
     assert code == 0, err
     assert re.search(r"blocks\.\*\.mlp\.up_proj\.weight: \[256, 64\] -> \[4, 64\]: .* on dp_shard, S\(0\) on tp", out)
-    assert re.search(r"blocks\.\*\.attn\.out_proj\.weight: \[64, 64\] -> \[8, 8\]: S\(0\) on dp_shard, S\(1\) on tp", out)
+    assert re.search(
+        r"blocks\.\*\.attn\.out_proj\.weight: \[64, 64\] -> \[8, 8\]: S\(0\) on dp_shard, S\(1\) on tp", out
+    )
     assert "every rank: params" in out and len([line for line in out.splitlines() if line.startswith("  rank ")]) == 64
 
 
-@pytest.mark.parametrize("overrides, nproc, message", [
-    (["parallel.strategy=fsdp", "parallel.tp=3"], 8, "does not fit the world size 64: the other degrees (3) do not divide it"),
-    (["parallel.strategy=tp", "parallel.tp=16"], 1, "parallel.tp=16 does not fit the world size 8: their product is 16"),
-    (["parallel.strategy=fsdp", "parallel.tp=8"], 8, "parallel.tp=8 does not divide model.args.n_head=4"),
-    (["parallel.strategy=pp", "parallel.pp=-1"], 1, "the pipeline needs 8 stages"),
-    (["parallel.strategy=ddp", "parallel.tp=2"], 8, "parallel.strategy=ddp replicates whole models"),
-])
+@pytest.mark.parametrize(
+    "overrides, nproc, message",
+    [
+        (
+            ["parallel.strategy=fsdp", "parallel.tp=3"],
+            8,
+            "does not fit the world size 64: the other degrees (3) do not divide it",
+        ),
+        (
+            ["parallel.strategy=tp", "parallel.tp=16"],
+            1,
+            "parallel.tp=16 does not fit the world size 8: their product is 16",
+        ),
+        (["parallel.strategy=fsdp", "parallel.tp=8"], 8, "parallel.tp=8 does not divide model.args.n_head=4"),
+        (["parallel.strategy=pp", "parallel.pp=-1"], 1, "the pipeline needs 8 stages"),
+        (["parallel.strategy=ddp", "parallel.tp=2"], 8, "parallel.strategy=ddp replicates whole models"),
+    ],
+)
 def test_a_layout_that_cannot_run_is_refused_before_anything_is_built(capsys, config_path, overrides, nproc, message):
     code, out, err = dry_run(capsys, config_path, *overrides, nproc=nproc)
     assert code == 2 and message in err and out == ""

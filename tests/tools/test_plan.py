@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from paratrain.cli import main
-from paratrain.config import OptimConfig, load_config
+from paratrain.config.schema import OptimConfig, load_config
 from paratrain.errors import ConfigError
 from paratrain.models.gpt import build_gpt
 from paratrain.parallel.dims import ParallelDims
@@ -38,11 +38,20 @@ def test_a_memory_string_without_a_known_unit_is_refused_naming_the_argument_and
 
 def test_model_state_matches_hand_counted_bytes_per_layout():
     # A colwise 8x4 layer (weight + bias) feeding a rowwise 4x8 layer (weight + bias) and a norm of 4.
-    params = [ParamFacts("up.weight", (8, 4), "colwise"), ParamFacts("up.bias", (8,), "colwise"),
-              ParamFacts("down.weight", (4, 8), "rowwise"), ParamFacts("down.bias", (4,)), ParamFacts("norm", (4,))]
+    params = [
+        ParamFacts("up.weight", (8, 4), "colwise"),
+        ParamFacts("up.bias", (8,), "colwise"),
+        ParamFacts("down.weight", (4, 8), "rowwise"),
+        ParamFacts("down.bias", (4,)),
+        ParamFacts("norm", (4,)),
+    ]
     adamw, sgd = OptimConfig(name="adamw"), OptimConfig(name="sgd", momentum=0.9)
     psi = 32 + 8 + 32 + 4 + 4  # 80 parameters, 5 tensors
-    assert model_state_bytes(params, dims=ParallelDims("ddp", dp_replicate=4), optim=adamw) == (4 * psi, 4 * psi, 8 * psi + 4 * 5)
+    assert model_state_bytes(params, dims=ParallelDims("ddp", dp_replicate=4), optim=adamw) == (
+        4 * psi,
+        4 * psi,
+        8 * psi + 4 * 5,
+    )
     # FSDP over 4: dim 0 of each tensor cut in 4 (8x4 -> 2x4, 8 -> 2, 4x8 -> 1x8, 4 -> 1, 4 -> 1) = 20 elements.
     assert model_state_bytes(params, dims=ParallelDims("fsdp", dp_shard=4), optim=adamw) == (80, 80, 160 + 20)
     # FSDP over 3 pads up: 8 -> 3 rows, 4 -> 2 rows: 12 + 3 + 16 + 2 + 2 = 35 elements on rank 0.
@@ -74,8 +83,10 @@ def test_activation_formula_is_within_ten_percent_of_the_tensors_autograd_saves(
 
 
 def test_ddp_is_recommended_when_it_fits_and_sharding_when_it_does_not():
-    config = load_config(None, ["model.args={n_layer: 2, n_head: 4, n_embd: 64}", "train.global_batch_size=8",
-                                "train.micro_batch_size=2"])
+    config = load_config(
+        None,
+        ["model.args={n_layer: 2, n_head: 4, n_embd: 64}", "train.global_batch_size=8", "train.micro_batch_size=2"],
+    )
     plan, facts, _ = plan_layouts(config, gpus=4, gpu_memory="80GB")
     assert plan.recommended.dims == ParallelDims("ddp", dp_replicate=4)
     # A GPU between fsdp's and ddp's need: ddp no longer fits, and the recommendation shards.
@@ -100,16 +111,24 @@ def test_plan_command_prints_the_layouts_and_the_command_to_run_the_recommended_
     out = capsys.readouterr().out
     assert "cluster: 8 GPU(s) on 1 node(s), 16.00 GiB each (90% usable: 14.40 GiB)" in out
     assert "recommended: ddp dp_replicate=8 (pp=1 x dp_replicate=8 x dp_shard=1 x tp=1)" in out
-    assert (f"run it: paratrain train {config} --nproc-per-node 8 --nnodes 1 parallel.strategy=ddp parallel.pp=1 "
-            f"parallel.dp_replicate=8 parallel.dp_shard=1 parallel.tp=1") in out
+    assert (
+        f"run it: paratrain train {config} --nproc-per-node 8 --nnodes 1 parallel.strategy=ddp parallel.pp=1 "
+        f"parallel.dp_replicate=8 parallel.dp_shard=1 parallel.tp=1"
+    ) in out
     assert "fsdp dp_shard=8 " in out and "tp=2" in out
     assert "refused: tp tp=8: parallel.tp=8 does not divide model.args.n_head=2" in out
     assert not (tmp_path / "run").exists()
 
 
 def test_on_two_nodes_the_recommendation_sends_less_across_them_and_tensor_parallel_stays_in_one():
-    config = load_config(None, ["model.args={block_size: 16, n_layer: 2, n_head: 8, n_embd: 512}",
-                                "train.global_batch_size=16", "train.micro_batch_size=2"])
+    config = load_config(
+        None,
+        [
+            "model.args={block_size: 16, n_layer: 2, n_head: 8, n_embd: 512}",
+            "train.global_batch_size=16",
+            "train.micro_batch_size=2",
+        ],
+    )
     plan, _, _ = plan_layouts(config, gpus=8, nodes=2, gpu_memory="16GiB")
     ddp = next(estimate for estimate in plan.ranked if estimate.dims == ParallelDims("ddp", dp_replicate=8))
     best = plan.recommended
@@ -124,10 +143,13 @@ def test_plan_exits_1_when_no_layout_fits(tmp_path, capsys):
     assert "no layout fits in" in capsys.readouterr().out
 
 
-@pytest.mark.parametrize("factory, message", [
-    ("tests.tools.planner_models:build_lazy_mlp", "lazy parameters whose size is unknown"),
-    ("tests.tools.planner_models:build_parameterless", "no size information"),
-])
+@pytest.mark.parametrize(
+    "factory, message",
+    [
+        ("tests.tools.planner_models:build_lazy_mlp", "lazy parameters whose size is unknown"),
+        ("tests.tools.planner_models:build_parameterless", "no size information"),
+    ],
+)
 def test_a_model_without_size_information_is_refused(tmp_path, capsys, factory, message):
     config = write_config(tmp_path / "c.yaml", tiny_config(tmp_path / "run", model={"factory": factory, "args": {}}))
     assert main(["plan", str(config), "--gpus", "2", "--gpu-memory", "80GB"]) == 2
@@ -144,7 +166,13 @@ def test_unparsable_gpu_memory_and_uneven_nodes_are_refused_on_the_command_line(
 
 
 def test_a_model_that_is_not_a_transformer_gets_activations_measured_on_meta():
-    config = load_config(None, ["model.factory=paratrain.models.mlp:build_mlp", "data.factory=paratrain.data.regression:build_regression_dataset"])
+    config = load_config(
+        None,
+        [
+            "model.factory=paratrain.models.mlp:build_mlp",
+            "data.factory=paratrain.data.regression:build_regression_dataset",
+        ],
+    )
     plan, facts, source = plan_layouts(config, gpus=2, gpu_memory="1GB")
     assert facts.transformer is None and source.startswith("measured")
     assert plan.recommended.peak.activations > 0
@@ -160,16 +188,23 @@ def measured_model_state(tmp_path_factory) -> dict:
     return json.loads(out.read_text())
 
 
-@pytest.mark.parametrize("layout, dims", [
-    ("ddp", ParallelDims("ddp", dp_replicate=4)),
-    ("fsdp", ParallelDims("fsdp", dp_shard=4)),
-    ("fsdp2", ParallelDims("hsdp", dp_replicate=2, dp_shard=2)),  # each parameter cut across 2 ranks
-    ("tp", ParallelDims("tp", tp=4)),
-])
-def test_planned_bytes_per_rank_are_within_ten_percent_of_what_a_real_step_holds(measured_model_state, layout, dims, tmp_path):
+@pytest.mark.parametrize(
+    "layout, dims",
+    [
+        ("ddp", ParallelDims("ddp", dp_replicate=4)),
+        ("fsdp", ParallelDims("fsdp", dp_shard=4)),
+        ("fsdp2", ParallelDims("hsdp", dp_replicate=2, dp_shard=2)),  # each parameter cut across 2 ranks
+        ("tp", ParallelDims("tp", tp=4)),
+    ],
+)
+def test_planned_bytes_per_rank_are_within_ten_percent_of_what_a_real_step_holds(
+    measured_model_state, layout, dims, tmp_path
+):
     config = layout_config(layout, str(tmp_path))
     facts = read_model_facts(config.model)
-    planned = dict(zip(("params", "grads", "optimizer"), model_state_bytes(facts.params, dims=dims, optim=config.optim)))
+    planned = dict(
+        zip(("params", "grads", "optimizer"), model_state_bytes(facts.params, dims=dims, optim=config.optim))
+    )
     for rank, measured in enumerate(measured_model_state[layout]):
         for kind, planned_bytes in planned.items():
             assert measured[kind] == pytest.approx(planned_bytes, rel=0.10), f"{layout} rank {rank} {kind}"

@@ -12,23 +12,37 @@ import pytest
 from PIL import Image
 
 from paratrain.cli import main
-from paratrain.config import config_to_yaml, load_config
-from paratrain.report import NO_MEMORY, load_runs
+from paratrain.config.schema import config_to_yaml, load_config
+from paratrain.tools.report import NO_MEMORY, load_runs
 from tests.harness import tiny_config, write_config
 
 
-def write_run(directory: Path, *, name: str, lr: float, world_size: int = 1, memory: bool = False, steps: int = 20) -> Path:
+def write_run(
+    directory: Path, *, name: str, lr: float, world_size: int = 1, memory: bool = False, steps: int = 20
+) -> Path:
     """A run directory as paratrain train leaves it: the resolved config.yaml and one metrics line per step."""
     directory.mkdir(parents=True)
     strategy = "ddp" if world_size > 1 else "single"
-    write_config(directory / "given.yaml", tiny_config(directory, run={"name": name}, optim={"lr": lr}, parallel={"strategy": strategy}))
+    write_config(
+        directory / "given.yaml",
+        tiny_config(directory, run={"name": name}, optim={"lr": lr}, parallel={"strategy": strategy}),
+    )
     (directory / "config.yaml").write_text(config_to_yaml(load_config(directory / "given.yaml", [])))
     with open(directory / "metrics.jsonl", "w") as metrics:
         for step in range(1, steps + 1):
             step_time = 0.05 + 0.002 * (step % 3)
-            record = {"step": step, "loss": 4.9 * math.exp(-lr * 30 * step), "lr": lr * min(1.0, step / 2) * (1 - step / (2 * steps)),
-                      "grad_norm": 2.0 / step, "step_time_s": step_time, "samples_per_s": 8 / step_time,
-                      "epoch": 0, "world_size": world_size, "time": 1.7e9 + step * step_time, "tokens_per_s": 128 / step_time}
+            record = {
+                "step": step,
+                "loss": 4.9 * math.exp(-lr * 30 * step),
+                "lr": lr * min(1.0, step / 2) * (1 - step / (2 * steps)),
+                "grad_norm": 2.0 / step,
+                "step_time_s": step_time,
+                "samples_per_s": 8 / step_time,
+                "epoch": 0,
+                "world_size": world_size,
+                "time": 1.7e9 + step * step_time,
+                "tokens_per_s": 128 / step_time,
+            }
             if memory:
                 record |= {"memory_rss_max_gb": 0.5 + 0.01 * step, "memory_rss_min_gb": 0.45 + 0.01 * step}
             metrics.write(json.dumps(record) + "\n")
@@ -60,7 +74,7 @@ def test_report_of_one_run_writes_plots_and_a_page_embedding_them(tmp_path, caps
     assert not (out / "memory.png").exists()
     page = (out / "report.html").read_text()
     assert embedded_images(page) == [plot.read_bytes() for plot in plots]
-    assert "src=\"http" not in page and "<link" not in page  # nothing to fetch: the page stands alone
+    assert 'src="http' not in page and "<link" not in page  # nothing to fetch: the page stands alone
     assert NO_MEMORY in page and NO_MEMORY in capsys.readouterr().out
     assert "<td>baseline</td>" in page and "<td>20/20</td>" in page
     assert f"<td>{4.9 * math.exp(-1e-3 * 30 * 20):.4f}</td>" in page  # the final loss
@@ -80,11 +94,15 @@ def test_report_of_two_runs_overlays_them_and_plots_memory_when_recorded(tmp_pat
     assert embedded_images(page) == [plot.read_bytes() for plot in plots]
     assert NO_MEMORY not in page
     assert "<td>lr-1e-3</td>" in page and "<td>lr-3e-3</td>" in page
-    assert "<td>single x1</td>" in page and "<td>ddp x2</td>" in page  # strategy from config.yaml, world size from the metrics
+    assert (
+        "<td>single x1</td>" in page and "<td>ddp x2</td>" in page
+    )  # strategy from config.yaml, world size from the metrics
 
 
 def test_runs_sharing_a_name_are_told_apart_by_directory(tmp_path):
-    runs = load_runs([write_run(tmp_path / "first", name="test", lr=1e-3), write_run(tmp_path / "second", name="test", lr=2e-3)])
+    runs = load_runs(
+        [write_run(tmp_path / "first", name="test", lr=1e-3), write_run(tmp_path / "second", name="test", lr=2e-3)]
+    )
     assert [run.label for run in runs] == ["test (first)", "test (second)"]
 
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from paratrain.cli import main
-from paratrain.verify import LOSS_RTOL, StepLoss, Verdict, compare, format_verdict
+from paratrain.tools.verify import LOSS_RTOL, StepLoss, Verdict, compare, format_verdict
 from tests.harness import REPO_ROOT, TINY_GPT, read_metrics, tiny_config, write_config
 
 STEPS = 3
@@ -20,8 +20,10 @@ BROKEN_GPT = {"factory": "tests.tools.broken_models:build_gpt_with_wrong_gradien
 def verify_config(tmp_path: Path, **sections) -> Path:
     # SGD without clipping: AdamW would normalise a gradient scaled by a constant away.
     defaults = {"parallel": {"strategy": "ddp"}, "optim": {"name": "sgd", "lr": 0.5}, "train": {"grad_clip": None}}
-    config = tiny_config(tmp_path / "run", **{name: {**defaults.get(name, {}), **sections.get(name, {})}
-                                              for name in defaults.keys() | sections.keys()})
+    config = tiny_config(
+        tmp_path / "run",
+        **{name: {**defaults.get(name, {}), **sections.get(name, {})} for name in defaults.keys() | sections.keys()},
+    )
     return write_config(tmp_path / "config.yaml", config)
 
 
@@ -65,7 +67,9 @@ def test_verify_fails_a_layout_that_scales_a_gradient_wrongly_and_exits_1(tmp_pa
 
 def test_verify_refuses_more_processes_than_the_machine_can_run(tmp_path, capsys):
     too_many = 4 * (os.cpu_count() or 1) + 1
-    assert main(["verify", str(verify_config(tmp_path, train={"device": "cpu"})), "--nproc-per-node", str(too_many)]) == 2
+    assert (
+        main(["verify", str(verify_config(tmp_path, train={"device": "cpu"})), "--nproc-per-node", str(too_many)]) == 2
+    )
     error = capsys.readouterr().err
     assert f"--nproc-per-node {too_many} on CPU" in error and "verify at a smaller world size" in error
     assert "model.args.n_layer=2" in error
@@ -79,7 +83,9 @@ def test_verify_refuses_cuda_on_a_machine_without_gpus(tmp_path, capsys):
 
 
 def test_verify_reports_a_layout_preflight_refuses_naming_the_layout(tmp_path, capsys):
-    config = verify_config(tmp_path, parallel={"strategy": "ddp"}, train={"global_batch_size": 6, "micro_batch_size": 2})
+    config = verify_config(
+        tmp_path, parallel={"strategy": "ddp"}, train={"global_batch_size": 6, "micro_batch_size": 2}
+    )
     assert main(["verify", str(config), "--nproc-per-node", "4"]) == 2
     error = capsys.readouterr().err
     assert "the layout (ddp on 4 processes) cannot run here" in error and "train.global_batch_size=6" in error

@@ -11,13 +11,13 @@ import torch
 
 import paratrain
 from paratrain.callbacks.throughput import peak_flops_of
-from paratrain.config import load_config
+from paratrain.config.preflight import preflight
+from paratrain.config.schema import load_config
 from paratrain.data.regression import build_regression_dataset
 from paratrain.errors import ConfigError
 from paratrain.losses import mse
 from paratrain.models.gpt import build_gpt
 from paratrain.models.mlp import build_mlp
-from paratrain.preflight import preflight
 from tests.distributed.recording_callback import RecordingCallback
 from tests.harness import read_metrics
 
@@ -26,17 +26,33 @@ VALIDATION = {"size": 37, "in_features": 4, "seed": 99}
 
 
 def mlp_overrides(output_dir: Path) -> list[str]:
-    return [f"run.output_dir={output_dir}", "checkpoint.resume=never", "train.max_steps=6", "train.global_batch_size=8",
-            "train.micro_batch_size=4", "log.every_steps=3", "checkpoint.every_steps=3",
-            "model.factory=paratrain.models.mlp:build_mlp", f"model.args={MODEL_ARGS}", "loss.factory=paratrain.losses:mse",
-            "data.factory=paratrain.data.regression:build_regression_dataset", "data.args={size: 64, in_features: 4}"]
+    return [
+        f"run.output_dir={output_dir}",
+        "checkpoint.resume=never",
+        "train.max_steps=6",
+        "train.global_batch_size=8",
+        "train.micro_batch_size=4",
+        "log.every_steps=3",
+        "checkpoint.every_steps=3",
+        "model.factory=paratrain.models.mlp:build_mlp",
+        f"model.args={MODEL_ARGS}",
+        "loss.factory=paratrain.losses:mse",
+        "data.factory=paratrain.data.regression:build_regression_dataset",
+        "data.args={size: 64, in_features: 4}",
+    ]
 
 
 # Evaluation reads 3 batches of 5 (15 of the 37 samples); early stopping with a min_delta no step can
 # beat ends the run at the second evaluation, step 4.
 RUN_OVERRIDES = [
-    "eval.factory=paratrain.data.regression:build_regression_dataset", f"eval.args={VALIDATION}", "eval.every_steps=2",
-    "eval.batch_size=5", "eval.max_batches=3", "profile.enabled=true", "profile.wait=1", "profile.warmup=1",
+    "eval.factory=paratrain.data.regression:build_regression_dataset",
+    f"eval.args={VALIDATION}",
+    "eval.every_steps=2",
+    "eval.batch_size=5",
+    "eval.max_batches=3",
+    "profile.enabled=true",
+    "profile.wait=1",
+    "profile.warmup=1",
     "profile.active=2",
     "callbacks=[{factory: 'paratrain.callbacks.memory:MemoryMonitor'}, "
     "{factory: 'paratrain.callbacks.throughput:ThroughputMonitor'}, "
@@ -47,8 +63,12 @@ RUN_OVERRIDES = [
 @pytest.fixture(scope="module")
 def run(tmp_path_factory) -> tuple[Path, RecordingCallback, paratrain.TrainResult]:
     output_dir = tmp_path_factory.mktemp("single") / "run"
-    recorder = RecordingCallback(model_factory=lambda: build_mlp(**MODEL_ARGS), validation=build_regression_dataset(**VALIDATION),
-                                 loss_fn=mse(), max_samples=15)
+    recorder = RecordingCallback(
+        model_factory=lambda: build_mlp(**MODEL_ARGS),
+        validation=build_regression_dataset(**VALIDATION),
+        loss_fn=mse(),
+        max_samples=15,
+    )
     trainer = paratrain.Trainer(load_config(None, [*mlp_overrides(output_dir), *RUN_OVERRIDES]), callbacks=[recorder])
     try:
         result = trainer.train()
@@ -60,9 +80,16 @@ def run(tmp_path_factory) -> tuple[Path, RecordingCallback, paratrain.TrainResul
 def test_callbacks_fire_in_order_and_only_at_their_steps(run):
     _, recorder, _ = run
     assert recorder.events == [
-        ["train_start", 0, None], ["step_end", 1, "logged"], ["evaluation", 2, None], ["step_end", 2, "logged"],
-        ["step_end", 3, "logged"], ["checkpoint_saved", 3, "step-3"], ["evaluation", 4, None], ["step_end", 4, "logged"],
-        ["checkpoint_saved", 4, "step-4"], ["train_end", 4, None],
+        ["train_start", 0, None],
+        ["step_end", 1, "logged"],
+        ["evaluation", 2, None],
+        ["step_end", 2, "logged"],
+        ["step_end", 3, "logged"],
+        ["checkpoint_saved", 3, "step-3"],
+        ["evaluation", 4, None],
+        ["step_end", 4, "logged"],
+        ["checkpoint_saved", 4, "step-4"],
+        ["train_end", 4, None],
     ]
 
 
@@ -111,32 +138,59 @@ def test_gpt_flops_per_token_counts_non_embedding_matmuls_and_attention():
     assert model.flops_per_token(16) == 6 * non_embedding + 12 * layers * d * 16
 
 
-@pytest.mark.parametrize(("name", "dtype", "tf32", "peak"), [
-    ("NVIDIA H100 80GB HBM3", "bf16", False, 989e12), ("NVIDIA H100 PCIe", "bf16", False, 756e12),
-    ("NVIDIA H200", "fp32", False, 67e12), ("NVIDIA H200", "fp32", True, 494e12),
-    ("NVIDIA A100-SXM4-80GB", "fp16", False, 312e12), ("Tesla T4", "bf16", False, None),
-])
+@pytest.mark.parametrize(
+    ("name", "dtype", "tf32", "peak"),
+    [
+        ("NVIDIA H100 80GB HBM3", "bf16", False, 989e12),
+        ("NVIDIA H100 PCIe", "bf16", False, 756e12),
+        ("NVIDIA H200", "fp32", False, 67e12),
+        ("NVIDIA H200", "fp32", True, 494e12),
+        ("NVIDIA A100-SXM4-80GB", "fp16", False, 312e12),
+        ("Tesla T4", "bf16", False, None),
+    ],
+)
 def test_peak_flops_come_from_the_device_name_and_compute_dtype(name, dtype, tf32, peak):
     assert peak_flops_of(name, dtype, tf32=tf32) == peak
 
 
 PREFLIGHT_CASES = {
-    "callback path that does not import": (["callbacks=[{factory: 'no_such_package.cb:Monitor'}]"], 1,
-                                           ["callbacks[0].factory", "no_such_package", "does not import"]),
-    "callback class without the hooks": (["callbacks=[{factory: 'argparse:Namespace'}]"], 1,
-                                         ["callbacks[0].factory='argparse:Namespace' is not a callback",
-                                          "lacks on_train_start, on_step_end", "subclass paratrain.callbacks.Callback"]),
+    "callback path that does not import": (
+        ["callbacks=[{factory: 'no_such_package.cb:Monitor'}]"],
+        1,
+        ["callbacks[0].factory", "no_such_package", "does not import"],
+    ),
+    "callback class without the hooks": (
+        ["callbacks=[{factory: 'argparse:Namespace'}]"],
+        1,
+        [
+            "callbacks[0].factory='argparse:Namespace' is not a callback",
+            "lacks on_train_start, on_step_end",
+            "subclass paratrain.callbacks.Callback",
+        ],
+    ),
     "two bad callbacks, both reported": (
-        ["callbacks=[{factory: 'no_such_package.cb:Monitor'}, {factory: 'argparse:Namespace'}]"], 1,
-        ["callbacks[0].factory='no_such_package.cb:Monitor'", "callbacks[1].factory='argparse:Namespace' is not a callback"]),
+        ["callbacks=[{factory: 'no_such_package.cb:Monitor'}, {factory: 'argparse:Namespace'}]"],
+        1,
+        [
+            "callbacks[0].factory='no_such_package.cb:Monitor'",
+            "callbacks[1].factory='argparse:Namespace' is not a callback",
+        ],
+    ),
     "callback argument it does not take": (
-        ["callbacks=[{factory: 'paratrain.callbacks.early_stopping:EarlyStopping', args: {patient: 3}}]"], 1,
-        ["callbacks[0].args", "patient", "it accepts: monitor, patience"]),
+        ["callbacks=[{factory: 'paratrain.callbacks.early_stopping:EarlyStopping', args: {patient: 3}}]"],
+        1,
+        ["callbacks[0].args", "patient", "it accepts: monitor, patience"],
+    ),
     "evaluation under pipeline parallel": (
-        ["parallel.strategy=pp", "eval.factory=paratrain.data.regression:build_regression_dataset"], 2,
-        ["evaluation is not supported with pipeline parallel (parallel.pp=2)"]),
-    "eval factory argument it does not take": (["eval.factory=paratrain.data.regression:build_regression_dataset",
-                                                "eval.args={rows: 3}"], 1, ["eval.args", "rows"]),
+        ["parallel.strategy=pp", "eval.factory=paratrain.data.regression:build_regression_dataset"],
+        2,
+        ["evaluation is not supported with pipeline parallel (parallel.pp=2)"],
+    ),
+    "eval factory argument it does not take": (
+        ["eval.factory=paratrain.data.regression:build_regression_dataset", "eval.args={rows: 3}"],
+        1,
+        ["eval.args", "rows"],
+    ),
 }
 
 
@@ -144,24 +198,40 @@ PREFLIGHT_CASES = {
 def test_bad_callback_and_eval_input_fails_in_preflight_naming_the_key(tmp_path, case):
     overrides, world_size, expected = PREFLIGHT_CASES[case]
     with pytest.raises(ConfigError) as error:
-        preflight(load_config(None, [*mlp_overrides(tmp_path / "run"), *overrides]), world_size=world_size,
-                  nproc_per_node=world_size)
+        preflight(
+            load_config(None, [*mlp_overrides(tmp_path / "run"), *overrides]),
+            world_size=world_size,
+            nproc_per_node=world_size,
+        )
     for text in expected:
         assert text in str(error.value)
 
 
 def test_a_profiler_window_longer_than_the_run_is_refused_naming_the_keys(tmp_path):
-    with pytest.raises(ConfigError, match=r"profile.wait=1 \+ profile.warmup=1 \+ profile.active=5 = 7 steps is longer "
-                                          r"than train.max_steps=6"):
+    with pytest.raises(
+        ConfigError,
+        match=r"profile.wait=1 \+ profile.warmup=1 \+ profile.active=5 = 7 steps is longer "
+        r"than train.max_steps=6",
+    ):
         load_config(None, [*mlp_overrides(tmp_path), "profile.enabled=true", "profile.active=5"])
 
 
-@pytest.mark.parametrize(("overrides", "callbacks", "expected"), [
-    (["callbacks=[{factory: 'paratrain.losses:mse'}]"], [], "callbacks[0].factory='paratrain.losses:mse' is not a callback"),
-    (["callbacks=[{factory: 'paratrain.callbacks.early_stopping:EarlyStopping', args: {patience: 0}}]"], [],
-     "callbacks[0].args: paratrain.callbacks.early_stopping:EarlyStopping refused {'patience': 0}"),
-    ([], [object()], "Trainer(callbacks=[...])[0]='object' is not a callback"),
-])
+@pytest.mark.parametrize(
+    ("overrides", "callbacks", "expected"),
+    [
+        (
+            ["callbacks=[{factory: 'paratrain.losses:mse'}]"],
+            [],
+            "callbacks[0].factory='paratrain.losses:mse' is not a callback",
+        ),
+        (
+            ["callbacks=[{factory: 'paratrain.callbacks.early_stopping:EarlyStopping', args: {patience: 0}}]"],
+            [],
+            "callbacks[0].args: paratrain.callbacks.early_stopping:EarlyStopping refused {'patience': 0}",
+        ),
+        ([], [object()], "Trainer(callbacks=[...])[0]='object' is not a callback"),
+    ],
+)
 def test_the_trainer_refuses_an_object_that_is_not_a_callback_before_training(tmp_path, overrides, callbacks, expected):
     # A factory function's result (not checkable in preflight) and the Python API's callbacks.
     with pytest.raises(ConfigError) as error:
@@ -172,7 +242,7 @@ def test_the_trainer_refuses_an_object_that_is_not_a_callback_before_training(tm
 
 
 def test_eval_and_profile_options_without_their_switch_are_warned_about():
-    from paratrain.config_warnings import ineffective_options
+    from paratrain.config.warnings import ineffective_options
 
     warnings = ineffective_options(load_config(None, ["eval.every_steps=5", "profile.active=3"]))
     assert "eval.every_steps has no effect without eval.factory (Python API: Trainer(eval_dataset=...))" in warnings

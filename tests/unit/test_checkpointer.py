@@ -120,16 +120,18 @@ class CompletionProbe(Stateful):
 
 
 def test_an_async_save_starts_only_once_the_previous_one_is_complete_and_holds_the_state_of_its_step(
-        tmp_path, monkeypatch):
+    tmp_path, monkeypatch
+):
     monkeypatch.setattr(checkpointer_module, "FileSystemWriter", SlowWriter)
-    checkpointer = Checkpointer(tmp_path / "checkpoints", keep_last=1, rank=0, world_size=1, config={},
-                                async_save=True)
+    checkpointer = Checkpointer(tmp_path / "checkpoints", keep_last=1, rank=0, world_size=1, config={}, async_save=True)
     model, seen_complete = torch.nn.Linear(4, 2), []
     expected = {}
     for step in (10, 20, 30):
         probe = CompletionProbe(checkpointer.directory, step - 10, seen_complete)
         started = time.perf_counter()
-        checkpointer.save(step, {"model": ModelState(model), "progress": Progress(step), "probe": probe}, blocking=False)
+        checkpointer.save(
+            step, {"model": ModelState(model), "progress": Progress(step), "probe": probe}, blocking=False
+        )
         if step == 10:
             assert time.perf_counter() - started < 0.4, "the first save returned before its (slow) write"
             assert not is_complete(checkpointer.directory / "step-10")

@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import pytest
 
-from paratrain.config import Config, config_to_yaml, load_config
+from paratrain.config.schema import Config, config_to_yaml, load_config
 from paratrain.errors import ConfigError
 
 
@@ -54,21 +54,25 @@ def test_top_level_yaml_must_be_a_mapping(tmp_path):
 
 
 def test_options_without_effect_are_warned_about_only_when_set():
-    from paratrain.config_warnings import ineffective_options
+    from paratrain.config.warnings import ineffective_options
 
     assert ineffective_options(load_config(None)) == []
     warnings = ineffective_options(load_config(None, ["parallel.ddp.static_graph=true", "optim.momentum=0.9"]))
-    assert warnings == ["parallel.ddp.static_graph has no effect with parallel.strategy=single",
-                        "optim.momentum has no effect with optim.name=adamw (it is an SGD option)"]
+    assert warnings == [
+        "parallel.ddp.static_graph has no effect with parallel.strategy=single",
+        "optim.momentum has no effect with optim.name=adamw (it is an SGD option)",
+    ]
 
 
 def test_pipeline_options_outside_a_pipeline_are_flagged():
-    from paratrain.config_warnings import ineffective_options
+    from paratrain.config.warnings import ineffective_options
 
     assert ineffective_options(load_config(None, ["pipeline.schedule=GPipe"])) == [
-        "pipeline.schedule has no effect without a pipeline (parallel.strategy=pp, parallel.pp > 1 or model_parallel)"]
+        "pipeline.schedule has no effect without a pipeline (parallel.strategy=pp, parallel.pp > 1 or model_parallel)"
+    ]
     assert ineffective_options(load_config(None, ["parallel.strategy=pp", "pipeline.devices=[cpu]"])) == [
-        "pipeline.devices has no effect with parallel.pp (each rank uses its own device); it is for model_parallel"]
+        "pipeline.devices has no effect with parallel.pp (each rank uses its own device); it is for model_parallel"
+    ]
     assert ineffective_options(load_config(None, ["parallel.strategy=pp", "pipeline.schedule=GPipe"])) == []
 
 

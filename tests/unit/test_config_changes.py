@@ -10,14 +10,22 @@ import torch
 from paratrain.checkpoint import Checkpointer
 from paratrain.checkpoint.config_changes import check_resume_config, compare_configs
 from paratrain.checkpoint.state import ModelState, Progress
-from paratrain.config import load_config
+from paratrain.config.preflight import preflight
+from paratrain.config.schema import load_config
 from paratrain.errors import ConfigError
-from paratrain.preflight import preflight
 from paratrain.trainer import Trainer
 from tests.harness import TINY_GPT, TINY_TEXT
 
-BASE = ["train.max_steps=2", "train.global_batch_size=4", "train.micro_batch_size=2", "log.every_steps=1",
-        "parallel.strategy=single", "train.device=cpu", f"model.args={TINY_GPT['args']}", f"data.args={TINY_TEXT['args']}"]
+BASE = [
+    "train.max_steps=2",
+    "train.global_batch_size=4",
+    "train.micro_batch_size=2",
+    "log.every_steps=1",
+    "parallel.strategy=single",
+    "train.device=cpu",
+    f"model.args={TINY_GPT['args']}",
+    f"data.args={TINY_TEXT['args']}",
+]
 
 MATH_CHANGES = {
     "global batch": ("train.global_batch_size=8", "train.global_batch_size: 4 -> 8"),
@@ -59,7 +67,9 @@ def test_changes_to_how_it_is_computed_or_reported_are_harmless(override, line):
 
 
 def test_max_steps_is_harmless_under_a_constant_schedule():
-    changes = compare_configs(resolved("optim.schedule=constant"), resolved("optim.schedule=constant", "train.max_steps=9"))
+    changes = compare_configs(
+        resolved("optim.schedule=constant"), resolved("optim.schedule=constant", "train.max_steps=9")
+    )
     assert (changes.math, changes.harmless) == ([], ["train.max_steps: 2 -> 9"])
 
 
@@ -71,8 +81,12 @@ def test_a_key_the_saved_config_lacks_is_not_a_change():
 
 def test_refusal_lists_every_changed_key_and_names_the_override(tmp_path):
     with pytest.raises(ConfigError) as refused:
-        check_resume_config(resolved(), resolved("train.seed=1", "optim.lr=0.1", "log.every_steps=5"),
-                            checkpoint=tmp_path, allow_change=False)
+        check_resume_config(
+            resolved(),
+            resolved("train.seed=1", "optim.lr=0.1", "log.every_steps=5"),
+            checkpoint=tmp_path,
+            allow_change=False,
+        )
     message = str(refused.value)
     assert "train.seed: 0 -> 1" in message and "optim.lr: 0.0003 -> 0.1" in message
     assert "log.every_steps" not in message
@@ -95,6 +109,7 @@ def test_preflight_refuses_a_resume_that_changes_the_math_before_any_process_sta
     output = f"run.output_dir={tmp_path / 'run'}"
     save_checkpoint_of(resolved(output), tmp_path / "run")
     resume_override = "checkpoint.resume=" + ("auto" if resume == "auto" else str(tmp_path / "run/checkpoints/step-1"))
+
     def preflight_with(*overrides: str) -> None:
         preflight(load_config(None, [*BASE, output, resume_override, *overrides]), world_size=1, nproc_per_node=1)
 
@@ -106,9 +121,15 @@ def test_preflight_refuses_a_resume_that_changes_the_math_before_any_process_sta
 
 def test_trainer_refuses_a_changed_config_and_logs_harmless_changes_on_resume(tmp_path, caplog):
     # The worker's own check, for runs started without the CLI's preflight (own torchrun, Python).
-    mlp = [*BASE, f"run.output_dir={tmp_path / 'run'}", "model.factory=paratrain.models.mlp:build_mlp",
-           "model.args={in_features: 4, hidden_features: 8, out_features: 1}", "loss.factory=paratrain.losses:mse",
-           "data.factory=paratrain.data.regression:build_regression_dataset", "data.args={size: 64, in_features: 4}"]
+    mlp = [
+        *BASE,
+        f"run.output_dir={tmp_path / 'run'}",
+        "model.factory=paratrain.models.mlp:build_mlp",
+        "model.args={in_features: 4, hidden_features: 8, out_features: 1}",
+        "loss.factory=paratrain.losses:mse",
+        "data.factory=paratrain.data.regression:build_regression_dataset",
+        "data.args={size: 64, in_features: 4}",
+    ]
     first = Trainer(load_config(None, mlp))
     try:
         first.train()
@@ -123,5 +144,7 @@ def test_trainer_refuses_a_changed_config_and_logs_harmless_changes_on_resume(tm
     resumed = Trainer(load_config(None, [*mlp, "log.every_steps=5", "train.micro_batch_size=1", "precision=fp16"]))
     resumed.close()
     assert resumed.progress.step == 2
-    assert ("config changes that keep the training math: log.every_steps: 1 -> 5; precision: 'fp32' -> 'fp16'; "
-            "train.micro_batch_size: 2 -> 1") in caplog.text
+    assert (
+        "config changes that keep the training math: log.every_steps: 1 -> 5; precision: 'fp32' -> 'fp16'; "
+        "train.micro_batch_size: 2 -> 1"
+    ) in caplog.text

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from paratrain.config_docs import BEGIN, END, render_reference
+from paratrain.config.docs import BEGIN, END, render_reference
 from tests.harness import REPO_ROOT
 
 README = (REPO_ROOT / "README.md").read_text()
@@ -10,7 +10,7 @@ README = (REPO_ROOT / "README.md").read_text()
 
 def test_readme_config_reference_matches_the_schema():
     block = README.split(BEGIN)[1].split(END)[0].strip()
-    assert block == render_reference(), "run: python -m paratrain.config_docs README.md"
+    assert block == render_reference(), "run: python -m paratrain.config.docs README.md"
 
 
 def test_readme_opens_with_the_demo_and_test_commands_that_ci_runs():

@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from paratrain.config import OptimConfig
+from paratrain.config.schema import OptimConfig
 from paratrain.optim import build_lr_scheduler, build_optimizer, lr_multiplier, scaled_lr
 
 

@@ -7,8 +7,8 @@ from types import SimpleNamespace
 import torch
 
 from paratrain.errors import EXIT_REQUEUE
-from paratrain.launch import _summarise_failure
-from paratrain.preemption import StopSignals
+from paratrain.launch.launcher import _summarise_failure
+from paratrain.launch.preemption import StopSignals
 
 
 def test_a_stop_signal_is_acted_on_at_the_boundary_after_the_one_that_reduced_it():

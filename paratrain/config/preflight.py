@@ -1,0 +1,173 @@
+"""Checks that run before any process starts training, so bad input fails fast and leaves
+``output_dir`` untouched. Every problem found is reported at once."""
+
+from __future__ import annotations
+
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from paratrain.callbacks.build import check_callback_configs
+from paratrain.checkpoint import find_checkpoints, verify_checkpoint
+from paratrain.checkpoint.config_changes import check_resume_config
+from paratrain.checkpoint.manifest import is_complete, read_manifest
+from paratrain.config.factories import call_factory, check_factory_args
+from paratrain.config.schema import Config
+from paratrain.errors import CheckpointError, ConfigError
+from paratrain.evaluation import check_evaluation
+from paratrain.models.plan import plan_of
+from paratrain.parallel.dims import ParallelDims
+from paratrain.parallel.pipeline.checks import check_pipeline
+
+
+def preflight(config: Config, *, world_size: int, nproc_per_node: int) -> None:
+    """Raises one ConfigError listing every problem with running ``config`` on this many processes."""
+    checks: list[Callable[[], None]] = [
+        lambda: _check_layout(config, world_size, nproc_per_node),
+        lambda: _check_precision(config, _dims(config, world_size, nproc_per_node)),
+        lambda: check_pipeline(config, _dims(config, world_size, nproc_per_node)),
+        lambda: _check_devices(config, nproc_per_node),
+        lambda: check_factory_args(config.model, key="model"),
+        lambda: check_factory_args(config.data, key="data"),
+        lambda: check_factory_args(config.loss, key="loss"),
+        lambda: check_callback_configs(config.callbacks),
+        lambda: _check_evaluation(config, _dims(config, world_size, nproc_per_node)),
+        lambda: _check_writable(config.run.output_dir),
+        lambda: _check_resume(config),
+        lambda: _check_resume_config(config),
+    ]
+    problems = []
+    for check in checks:
+        try:
+            check()
+        except (ConfigError, CheckpointError) as error:
+            if str(error) not in problems:  # checks that share a cause report it once
+                problems.append(str(error))
+    if problems:
+        raise ConfigError("\n".join(problems))
+
+
+def _dims(config: Config, world_size: int, nproc_per_node: int) -> ParallelDims:
+    return ParallelDims.resolve(
+        config.parallel.strategy,
+        world_size=world_size,
+        local_world_size=nproc_per_node,
+        degrees=config.parallel.degrees(),
+    )
+
+
+def _check_layout(config: Config, world_size: int, nproc_per_node: int) -> None:
+    dims = _dims(config, world_size, nproc_per_node)
+    step_unit = config.train.micro_batch_size * dims.dp
+    if config.train.global_batch_size % step_unit:
+        raise ConfigError(
+            f"train.global_batch_size={config.train.global_batch_size} is not divisible by "
+            f"train.micro_batch_size={config.train.micro_batch_size} x data-parallel size {dims.dp}; "
+            f"use a multiple of {step_unit}"
+        )
+    if dims.tp > 1:
+        from paratrain.parallel.tensor import check_tensor_parallel_plan  # loads DTensor: only when used
+
+        check_tensor_parallel_plan(plan_of(_model_on_meta(config)), dims.tp)
+
+
+def _model_on_meta(config: Config) -> nn.Module:
+    """The config's model, built without memory, to read its parallel plan."""
+    with torch.device("meta"):
+        return call_factory(config.model, key="model")
+
+
+def _check_precision(config: Config, dims: ParallelDims) -> None:
+    fsdp = config.parallel.fsdp
+    if config.precision == "fp16" and dims.tp > 1 and config.parallel.strategy not in ("fsdp", "hsdp"):
+        # Tensor parallel alone leaves embeddings and norms unsharded beside sharded linears, and the
+        # gradient scaler's unscale kernel refuses that mix; under fsdp every parameter is sharded.
+        raise ConfigError(
+            "precision=fp16 with tensor parallel alone is not supported: the gradient scaler cannot unscale "
+            "a mix of sharded and unsharded gradients; use precision=bf16, or parallel.strategy=fsdp with parallel.tp"
+        )
+    if config.precision == "fp16" and fsdp.cpu_offload and config.parallel.strategy in ("fsdp", "hsdp"):
+        raise ConfigError(
+            "precision=fp16 with parallel.fsdp.cpu_offload=true is not supported: the gradient scaler "
+            "cannot unscale gradients offloaded to the CPU; use precision=bf16, or cpu_offload=false"
+        )
+
+
+def _check_evaluation(config: Config, dims: ParallelDims) -> None:
+    check_evaluation(config.eval, dims)
+    if config.eval.factory is not None:
+        check_factory_args(config.eval, key="eval")
+
+
+def _check_devices(config: Config, nproc_per_node: int) -> None:
+    if config.train.device != "cuda":
+        return
+    available = torch.cuda.device_count()
+    if available < nproc_per_node:
+        raise ConfigError(
+            f"train.device=cuda with {nproc_per_node} process(es) per node needs {nproc_per_node} GPU(s), "
+            f"but this machine has {available}; use train.device=cpu or fewer processes per node"
+        )
+
+
+def _check_writable(output_dir: Path) -> None:
+    existing = output_dir
+    while not existing.exists():
+        existing = existing.parent
+    if not existing.is_dir():
+        raise ConfigError(
+            f"run.output_dir={output_dir}: {existing} is a file, not a directory; choose another output_dir"
+        )
+    try:
+        with tempfile.TemporaryFile(dir=existing):
+            pass
+    except OSError as error:
+        raise ConfigError(
+            f"run.output_dir={output_dir} is not writable ({error.strerror} in {existing}); choose a writable directory"
+        ) from None
+
+
+def _check_resume(config: Config) -> None:
+    resume = config.checkpoint.resume
+    if resume == "auto":
+        return
+    if resume == "never":
+        if find_checkpoints(config.run.output_dir / "checkpoints"):
+            raise ConfigError(
+                f"checkpoint.resume=never but {config.run.output_dir}/checkpoints already holds checkpoints; "
+                f"use checkpoint.resume=auto to continue, or a new run.output_dir to start over"
+            )
+        return
+    if not Path(resume).exists():
+        raise ConfigError(
+            f"checkpoint.resume={resume}: no such checkpoint; use auto, never, or an existing step-<N> directory"
+        )
+    try:
+        verify_checkpoint(Path(resume))
+    except CheckpointError as error:
+        raise ConfigError(f"checkpoint.resume={resume}: {error}") from None
+
+
+def _check_resume_config(config: Config) -> None:
+    """Refuses to resume a checkpoint trained with a config that changes what is trained.
+
+    For ``auto`` it reads the newest complete checkpoint's manifest without verifying its files; the
+    trainer checks again against the one it verifies and loads.
+    """
+    resume = config.checkpoint.resume
+    if resume == "auto":
+        complete = [path for _, path in find_checkpoints(config.run.output_dir / "checkpoints") if is_complete(path)]
+        checkpoint = complete[-1] if complete else None
+    else:
+        checkpoint = Path(resume) if resume != "never" and is_complete(Path(resume)) else None
+    if checkpoint is None:
+        return  # nothing to resume, or _check_resume says why not
+    check_resume_config(
+        read_manifest(checkpoint).get("config", {}),
+        config.model_dump(mode="json"),
+        checkpoint=checkpoint,
+        allow_change=config.checkpoint.allow_config_change,
+    )

@@ -1,0 +1,401 @@
+"""The typed config tree and how it is loaded.
+
+One precedence chain: schema defaults < YAML file < ``dotted.key=value`` overrides. Every field has a
+docstring; README.md's config reference is generated from them (and a test keeps it in step). Unknown keys are
+rejected and every error is reported at once, each with its dotted path.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from paratrain.errors import ConfigError
+
+
+class Section(BaseModel):
+    """Base of every config section: unknown keys are errors, field docstrings are descriptions."""
+
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True, validate_default=True)
+
+
+class RunConfig(Section):
+    name: str = "paratrain"
+    """Run name, shown in logs and recorded in the metrics."""
+    output_dir: Path = Path("runs/paratrain")
+    """Directory for config.yaml, metrics.jsonl, checkpoints/ and tensorboard/."""
+
+
+class TrainConfig(Section):
+    max_steps: int = Field(100, gt=0)
+    """Number of optimizer steps to train for."""
+    global_batch_size: int = Field(32, gt=0)
+    """Samples per optimizer step, summed over all data-parallel ranks and micro-batches."""
+    micro_batch_size: int = Field(8, gt=0)
+    """Samples per forward/backward on one rank. Gradient accumulation steps are
+    global_batch_size / (micro_batch_size x data-parallel size)."""
+    seed: int = 0
+    """Seed for model initialisation, data order and every random number generator."""
+    grad_clip: float | None = Field(1.0, gt=0)
+    """Clip the global gradient norm to this value; null disables clipping (the norm is still logged)."""
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    """Device kind: auto picks CUDA (one GPU per process, NCCL) when present, else CPU (gloo)."""
+
+
+class OptimConfig(Section):
+    name: Literal["adamw", "sgd"] = "adamw"
+    """Optimizer."""
+    lr: float = Field(3e-4, gt=0)
+    """Peak learning rate (before optional scaling by data-parallel size)."""
+    weight_decay: float = Field(0.0, ge=0)
+    """Decoupled weight decay (AdamW) or L2 penalty (SGD)."""
+    betas: tuple[float, float] = (0.9, 0.95)
+    """AdamW betas."""
+    eps: float = Field(1e-8, gt=0)
+    """AdamW epsilon."""
+    momentum: float = Field(0.0, ge=0)
+    """SGD momentum."""
+    warmup_steps: int = Field(0, ge=0)
+    """Linear warm-up from 0 to the peak learning rate over this many steps."""
+    schedule: Literal["cosine", "constant"] = "cosine"
+    """Learning-rate shape after warm-up: cosine decay to min_lr_ratio x lr at max_steps, or constant."""
+    min_lr_ratio: float = Field(0.1, ge=0, le=1)
+    """Final learning rate of the cosine schedule, as a fraction of the peak."""
+    lr_scaling: Literal["none", "linear", "sqrt"] = "none"
+    """Scale lr by the data-parallel size (linear) or its square root. Changes the training math:
+    a run scaled this way no longer matches a single-process run."""
+
+
+class DDPConfig(Section):
+    bucket_cap_mb: float | None = Field(None, gt=0)
+    """Gradient bucket size in MiB for DDP's all-reduce; null keeps DDP's default (25 MiB buckets
+    after a 1 MiB first one, so communication starts early in backward)."""
+    static_graph: bool = False
+    """Tell DDP the graph is the same every iteration (enables extra optimisations)."""
+    find_unused_parameters: bool = False
+    """Let DDP handle parameters that get no gradient in some steps (costs a graph traversal)."""
+    gradient_as_bucket_view: bool = True
+    """Gradients alias DDP's buckets, saving one copy of the gradients."""
+
+
+class FSDPConfig(Section):
+    reshard_after_forward: bool = True
+    """Free each block's gathered parameters after its forward (full shard, ZeRO-3-like) or keep them
+    until backward (ZeRO-2-like: less communication, more memory)."""
+    param_dtype: Literal["fp32", "bf16", "fp16"] | None = None
+    """Dtype parameters are gathered and computed in (FSDP mixed precision); null keeps fp32 and lets
+    ``precision`` autocast the compute."""
+    reduce_dtype: Literal["fp32", "bf16", "fp16"] | None = None
+    """Dtype gradients are reduce-scattered in; null uses param_dtype (fp32 when that is null)."""
+    cpu_offload: bool = False
+    """Keep sharded parameters, gradients and optimizer state in CPU memory (GPU runs only)."""
+    prefetch_blocks: int = Field(0, ge=0)
+    """Explicitly prefetch the next N blocks' parameters in forward and backward; 0 leaves FSDP's
+    implicit one-block prefetch."""
+    grad_sync: Literal["every_micro_batch", "last_micro_batch"] = "last_micro_batch"
+    """Under gradient accumulation: reduce-scatter gradients after every micro-batch (least memory) or
+    only after the last one (least communication; unsharded gradients are kept in between)."""
+
+
+class ParallelConfig(Section):
+    strategy: Literal["single", "dp", "model_parallel", "ddp", "fsdp", "hsdp", "tp", "pp"] = "single"
+    """single: one process. dp: torch.nn.DataParallel over the local GPUs of one process.
+    model_parallel: one process, consecutive pipeline stages on the devices in pipeline.devices.
+    ddp: DistributedDataParallel. fsdp: FSDP2 fully_shard over all data-parallel ranks. hsdp: shard
+    within parallel.dp_shard ranks, replicate across parallel.dp_replicate groups. tp: tensor
+    parallel over all ranks. pp: pipeline parallel over all ranks. Each is a shorthand for the degrees
+    below; tp combines with fsdp/hsdp, and parallel.pp with ddp, fsdp, hsdp and tp."""
+    dp_replicate: int | None = None
+    """Data-parallel replicas (ddp, hsdp). null: the strategy's default; -1: fill the world size."""
+    dp_shard: int | None = None
+    """Ranks that shard each replica's parameters (fsdp, hsdp). null: the strategy's default
+    (hsdp: processes per node); -1: fill the world size."""
+    tp: int | None = None
+    """Tensor-parallel degree; must divide the model's attention heads and hidden sizes."""
+    pp: int | None = None
+    """Pipeline-parallel degree: ranks that each hold consecutive stages of the model (see pipeline.*).
+    null: the strategy's default (pp: all ranks; others: 1); -1: fill the world size."""
+    collective_timeout_s: float = Field(600.0, gt=0)
+    """Timeout of the process group's collectives (init_process_group's timeout): a collective that
+    waits longer fails the run with torch's error instead of waiting for ever."""
+    activation_checkpointing: bool = False
+    """Recompute each block's activations in backward instead of storing them."""
+    compile: bool = False
+    """torch.compile each block (opt-in: compiling takes time up front)."""
+    sequence_parallel: bool = False
+    """With tp: also shard norms and residual activations along the sequence dimension."""
+    ddp: DDPConfig = DDPConfig()
+    """DistributedDataParallel options (strategy ddp only)."""
+    fsdp: FSDPConfig = FSDPConfig()
+    """fully_shard options (strategies fsdp and hsdp)."""
+
+    def degrees(self) -> dict[str, int | None]:
+        return {"pp": self.pp, "dp_replicate": self.dp_replicate, "dp_shard": self.dp_shard, "tp": self.tp}
+
+
+class PipelineConfig(Section):
+    schedule: Literal[
+        "GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV"
+    ] = "1F1B"
+    """torch.distributed.pipelining schedule (torch's names). GPipe and 1F1B run one stage per rank;
+    the others several (ZBVZeroBubble and DualPipeV exactly 2). See `paratrain pipeline show`."""
+    microbatches: int | None = Field(None, gt=0)
+    """Micro-batches per step through the pipeline. null: global_batch_size / (micro_batch_size x
+    data-parallel size). When set, it decides the micro-batch size instead of train.micro_batch_size."""
+    stages_per_rank: int | None = Field(None, gt=0)
+    """Stages each pipeline rank holds. null: 1 for GPipe/1F1B, 2 for the multi-stage schedules."""
+    split_points: list[str] = []
+    """Module paths that end a stage (like split_spec {"blocks.3": "end"}), one fewer than the stages,
+    from the model's pipeline sequence. Empty: cut automatically (pipeline.balance)."""
+    balance: Literal["params", "time"] = "params"
+    """Automatic cuts balance each stage's parameter count, or its forward+backward time measured on
+    one micro-batch before training."""
+    devices: list[str] = []
+    """strategy model_parallel: the device of each stage, in order (e.g. [cuda:0, cuda:1]). Empty:
+    every visible GPU, or the CPU alone (then all stages run there, and the log says so)."""
+    record_timeline: bool = True
+    """Record when each forward and backward ran on each rank into
+    output_dir/pipeline/timeline-rank<R>.json, for the measured bubble in `paratrain pipeline show`."""
+
+
+class CheckpointConfig(Section):
+    every_steps: int = Field(0, ge=0)
+    """Save a checkpoint every N steps into output_dir/checkpoints/step-<N>/; 0 saves only at the end."""
+    keep_last: int | None = Field(3, gt=0)
+    """Keep this many complete checkpoints (older ones are deleted); null keeps all."""
+    resume: str = "auto"
+    """auto: continue from the latest complete checkpoint in output_dir, if any. never: start fresh
+    (refused if output_dir already has checkpoints). Anything else: path of a checkpoint to load."""
+    save_final: bool = True
+    """Save a checkpoint after the last step."""
+    async_save: bool = False
+    """Write periodic checkpoints in the background (DCP async_save): training continues once the state
+    is copied to CPU memory, which costs one more copy of model and optimizer state in host RAM. One
+    save at a time; a checkpoint counts (for resume) only once every rank finished writing it. The
+    last save of a run, and a save on SIGTERM/SIGUSR1, are written before going on."""
+    allow_config_change: bool = False
+    """Resume from a checkpoint trained with a config that changes what is trained (model, data, loss,
+    optimizer, seed, global batch, grad clipping, or max_steps under the cosine schedule). Without it
+    such a resume is refused, listing each change; layout, precision, micro-batch, logging and
+    checkpoint changes are always allowed and logged."""
+
+
+class LogConfig(Section):
+    every_steps: int = Field(10, gt=0)
+    """Reduce metrics across ranks and log them every N steps (and at the first and last step)."""
+    tensorboard: bool = False
+    """Also write TensorBoard event files into output_dir/tensorboard/."""
+    progress_bar: Literal["auto", "on", "off"] = "auto"
+    """auto shows a progress bar when rank 0's stderr is a terminal; otherwise plain lines."""
+
+    @field_validator("progress_bar", mode="before")
+    @classmethod
+    def _yaml_booleans_mean_on_and_off(cls, value: Any) -> Any:
+        # YAML 1.1 reads a bare on/off as true/false; the user meant the words.
+        return {True: "on", False: "off"}.get(value, value) if isinstance(value, bool) else value
+
+
+class FactoryConfig(Section):
+    factory: str
+    """Import path 'package.module:callable' of the factory."""
+    args: dict[str, Any] = {}
+    """Keyword arguments for the factory; checked against its signature before training."""
+
+
+class ModelConfig(FactoryConfig):
+    factory: str = "paratrain.models.gpt:build_gpt"
+    """Import path of a callable returning an nn.Module."""
+
+
+class DataConfig(FactoryConfig):
+    factory: str = "paratrain.data.text:build_char_dataset"
+    """Import path of a callable returning a map-style Dataset of (inputs, targets) pairs."""
+    shuffle: bool = True
+    """Shuffle the sample order each epoch (seeded by train.seed and the epoch only)."""
+    num_workers: int = Field(0, ge=0)
+    """DataLoader worker processes per rank."""
+
+
+class LossConfig(FactoryConfig):
+    factory: str = "paratrain.losses:cross_entropy"
+    """Import path of a callable returning loss_fn(outputs, targets) -> scalar mean loss."""
+
+
+class DebugConfig(Section):
+    dump_gradients_at_steps: list[int] = []
+    """Write the full gradients (gathered from shards, before clipping) of these steps to
+    output_dir/gradients/step-<N>.safetensors, to compare layouts tensor by tensor."""
+    step_timeout_s: float | None = Field(None, gt=0)
+    """If a step (with its checkpoint save and logging) takes longer, every rank writes its Python stacks
+    and the collective it waits in to output_dir/hang/rank<R>.txt, rank 0 prints where each rank is,
+    and the job exits 124 instead of hanging. null: no watchdog. Keep it below
+    parallel.collective_timeout_s, and above the first step's time (which may compile)."""
+
+
+class CallbackConfig(FactoryConfig):
+    factory: str
+    """Import path of a Callback class (or a factory returning one), e.g.
+    'paratrain.callbacks.memory:MemoryMonitor'."""
+
+
+class EvalConfig(Section):
+    factory: str | None = None
+    """Import path of a callable returning the validation Dataset of (inputs, targets) pairs, like data.factory;
+    null: no evaluation."""
+    args: dict[str, Any] = {}
+    """Keyword arguments for eval.factory; checked against its signature before training."""
+    every_steps: int = Field(0, ge=0)
+    """Evaluate every N steps (such a step is also logged) and after the last step; 0 evaluates only after
+    the last step."""
+    max_batches: int | None = Field(None, gt=0)
+    """Evaluate at most this many batches of eval.batch_size samples per data-parallel rank; null: the whole
+    validation set."""
+    batch_size: int | None = Field(None, gt=0)
+    """Samples per forward on one rank while evaluating; null: train.micro_batch_size."""
+
+
+class ProfileConfig(Section):
+    enabled: bool = False
+    """Profile a window of steps with torch.profiler and write a Chrome trace per rank to
+    output_dir/profile/trace-rank<R>.json (open it in Perfetto or chrome://tracing)."""
+    wait: int = Field(1, ge=0)
+    """Steps to skip before the window (the first steps pay one-time costs)."""
+    warmup: int = Field(1, ge=0)
+    """Steps the profiler runs but discards, so its own start-up cost stays out of the trace."""
+    active: int = Field(2, gt=0)
+    """Steps recorded in the trace. wait + warmup + active must fit in train.max_steps."""
+    record_shapes: bool = False
+    """Record the input shapes of each operator (larger trace)."""
+    memory_snapshot: bool = False
+    """On GPU, also record the CUDA caching allocator's history from the start of training to the end of
+    the window and dump it to output_dir/profile/memory-rank<R>.pickle (view it at pytorch.org/memory_viz).
+    Skipped on CPU."""
+
+
+class Config(Section):
+    """Root of the config tree. Only the CLI, the worker entry and the Trainer see all of it."""
+
+    run: RunConfig = RunConfig()
+    train: TrainConfig = TrainConfig()
+    optim: OptimConfig = OptimConfig()
+    parallel: ParallelConfig = ParallelConfig()
+    pipeline: PipelineConfig = PipelineConfig()
+    """Pipeline stages and schedule (strategy pp, parallel.pp > 1, or model_parallel)."""
+    precision: Literal["fp32", "bf16", "fp16"] = "fp32"
+    """Compute precision: bf16/fp16 autocast (fp16 adds a gradient scaler); weights stay fp32."""
+    checkpoint: CheckpointConfig = CheckpointConfig()
+    log: LogConfig = LogConfig()
+    model: ModelConfig = ModelConfig()
+    data: DataConfig = DataConfig()
+    loss: LossConfig = LossConfig()
+    debug: DebugConfig = DebugConfig()
+    callbacks: list[CallbackConfig] = []
+    """Callbacks called at train start and end, after each step, checkpoint and evaluation, in this order
+    on every rank: a list of {factory: 'package.module:Class', args: {...}}. Built-ins:
+    paratrain.callbacks.memory:MemoryMonitor, paratrain.callbacks.throughput:ThroughputMonitor,
+    paratrain.callbacks.early_stopping:EarlyStopping (see README, Callbacks, evaluation and profiling)."""
+    eval: EvalConfig = EvalConfig()
+    """Evaluation on a validation dataset, its loss averaged over the data-parallel ranks."""
+    profile: ProfileConfig = ProfileConfig()
+    """torch.profiler window and optional CUDA memory snapshot."""
+
+    @model_validator(mode="after")
+    def _profile_window_fits_the_run(self) -> Config:
+        window = self.profile.wait + self.profile.warmup + self.profile.active
+        if self.profile.enabled and window > self.train.max_steps:
+            raise ValueError(
+                f"the profiler window profile.wait={self.profile.wait} + profile.warmup={self.profile.warmup} + "
+                f"profile.active={self.profile.active} = {window} steps is longer than train.max_steps="
+                f"{self.train.max_steps}; shorten the window or train longer"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _micro_batch_fits_global_batch(self) -> Config:
+        if self.train.global_batch_size % self.train.micro_batch_size:
+            raise ValueError(
+                f"train.global_batch_size={self.train.global_batch_size} is not divisible by "
+                f"train.micro_batch_size={self.train.micro_batch_size}; pick sizes where it is"
+            )
+        return self
+
+
+def load_config(path: str | Path | None, overrides: list[str] = ()) -> Config:
+    """Builds the config from defaults, an optional YAML file and ``key.sub=value`` overrides.
+
+    Raises:
+        ConfigError: the file is missing or not YAML, an override is malformed, or validation fails
+            (all validation errors listed, each with its dotted key).
+    """
+    raw = _read_yaml(Path(path)) if path is not None else {}
+    for override in overrides:
+        key, value = _parse_override(override)
+        _set_dotted(raw, key, value)
+    return validate_config(raw)
+
+
+def validate_config(raw: dict[str, Any]) -> Config:
+    """Validates a plain dict against the schema, reporting every problem at once."""
+    try:
+        return Config.model_validate(raw)
+    except ValidationError as error:
+        raise ConfigError(_format_validation_errors(error)) from None
+
+
+def config_to_yaml(config: Config) -> str:
+    """The fully resolved config as YAML that load_config reads back to the same Config."""
+    return yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False)
+
+
+def _read_yaml(path: Path) -> dict[str, Any]:
+    if not path.is_file():
+        raise ConfigError(f"config file {path} does not exist; pass the path of a YAML config")
+    try:
+        loaded = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as error:
+        raise ConfigError(f"config file {path} is not valid YAML: {error}") from None
+    if loaded is None:
+        return {}
+    if not isinstance(loaded, dict):
+        raise ConfigError(f"config file {path} must hold a mapping of sections, not {type(loaded).__name__}")
+    return loaded
+
+
+def _parse_override(override: str) -> tuple[str, Any]:
+    key, sep, text = override.partition("=")
+    if not sep or not key or any(not part for part in key.split(".")):
+        raise ConfigError(f"override {override!r} must look like section.key=value (e.g. train.max_steps=100)")
+    # YAML parsing gives overrides the same typing as the file: 3 -> int, null -> None, [1,2] -> list.
+    return key, yaml.safe_load(text) if text else ""
+
+
+def _set_dotted(tree: dict[str, Any], dotted_key: str, value: Any) -> None:
+    *parents, leaf = dotted_key.split(".")
+    node = tree
+    for index, part in enumerate(parents):
+        child = node.setdefault(part, {})
+        if not isinstance(child, dict):
+            prefix = ".".join(parents[: index + 1])
+            raise ConfigError(f"override {dotted_key}: {prefix} is a value, not a section")
+        node = child
+    node[leaf] = value
+
+
+def _format_validation_errors(error: ValidationError) -> str:
+    lines = [f"invalid config ({error.error_count()} problem{'s' if error.error_count() > 1 else ''}):"]
+    for item in error.errors():
+        key = ".".join(str(part) for part in item["loc"]) or "(root)"
+        lines.append(f"  {key}: {_describe(item)}")
+    return "\n".join(lines)
+
+
+def _describe(item: dict[str, Any]) -> str:
+    if item["type"] == "extra_forbidden":
+        return "unknown key; remove it or fix its spelling (valid keys: README.md, Config reference)"
+    message = item["msg"].removeprefix("Value error, ")
+    if item["type"] in ("value_error", "assertion_error"):
+        return message
+    return f"{message} (got {item.get('input')!r})"

@@ -1,0 +1,73 @@
+"""Options a user set that do nothing in the layout or optimizer they chose: worth a warning."""
+
+from __future__ import annotations
+
+import torch
+
+from paratrain.config.schema import Config
+
+
+def ineffective_options(config: Config) -> list[str]:
+    """One message per explicitly set option that the rest of the config makes irrelevant."""
+    warnings = []
+    if config.parallel.strategy != "ddp" and config.parallel.ddp.model_fields_set:
+        keys = ", ".join(f"parallel.ddp.{name}" for name in sorted(config.parallel.ddp.model_fields_set))
+        warnings.append(f"{keys} has no effect with parallel.strategy={config.parallel.strategy}")
+    warnings += _sharding_warnings(config)
+    warnings += _pipeline_warnings(config)
+    optim = config.optim
+    if optim.name == "adamw" and "momentum" in optim.model_fields_set:
+        warnings.append("optim.momentum has no effect with optim.name=adamw (it is an SGD option)")
+    if optim.name == "sgd" and optim.model_fields_set & {"betas", "eps"}:
+        warnings.append("optim.betas and optim.eps have no effect with optim.name=sgd (they are AdamW options)")
+    if optim.schedule == "constant" and "min_lr_ratio" in optim.model_fields_set:
+        warnings.append("optim.min_lr_ratio has no effect with optim.schedule=constant")
+    if config.checkpoint.every_steps == 0 and not config.checkpoint.save_final:
+        warnings.append("checkpoint.every_steps=0 with checkpoint.save_final=false: this run saves no checkpoint")
+    return warnings + _eval_and_profile_warnings(config)
+
+
+def _eval_and_profile_warnings(config: Config) -> list[str]:
+    warnings = []
+    eval_keys = config.eval.model_fields_set - {"factory"}
+    if config.eval.factory is None and eval_keys:
+        keys = ", ".join(f"eval.{name}" for name in sorted(eval_keys))
+        warnings.append(f"{keys} has no effect without eval.factory (Python API: Trainer(eval_dataset=...))")
+    profile_keys = config.profile.model_fields_set - {"enabled"}
+    if not config.profile.enabled and profile_keys:
+        keys = ", ".join(f"profile.{name}" for name in sorted(profile_keys))
+        warnings.append(f"{keys} has no effect without profile.enabled=true")
+    return warnings
+
+
+def _sharding_warnings(config: Config) -> list[str]:
+    parallel, warnings = config.parallel, []
+    sharded = parallel.strategy in ("fsdp", "hsdp")
+    if not sharded and parallel.fsdp.model_fields_set:  # all fsdp options, grad_sync included, are fsdp-only
+        keys = ", ".join(f"parallel.fsdp.{name}" for name in sorted(parallel.fsdp.model_fields_set))
+        warnings.append(f"{keys} has no effect with parallel.strategy={parallel.strategy} (fsdp and hsdp only)")
+    uses_tp = parallel.strategy == "tp" or (parallel.tp or 1) > 1
+    if parallel.sequence_parallel and not uses_tp:
+        warnings.append("parallel.sequence_parallel has no effect without tensor parallel (parallel.tp > 1)")
+    if sharded and parallel.fsdp.cpu_offload and config.train.device != "cuda" and not torch.cuda.is_available():
+        warnings.append("parallel.fsdp.cpu_offload has no effect when training on the CPU already")
+    return warnings
+
+
+def _pipeline_warnings(config: Config) -> list[str]:
+    parallel, pipeline = config.parallel, config.pipeline
+    pipelined = parallel.strategy == "pp" or (parallel.pp or 1) > 1
+    set_keys = pipeline.model_fields_set
+    if not pipelined and parallel.strategy != "model_parallel" and set_keys:
+        keys = ", ".join(f"pipeline.{name}" for name in sorted(set_keys))
+        return [f"{keys} has no effect without a pipeline (parallel.strategy=pp, parallel.pp > 1 or model_parallel)"]
+    if parallel.strategy == "model_parallel" and set_keys - {"split_points", "balance", "devices"}:
+        keys = ", ".join(f"pipeline.{name}" for name in sorted(set_keys - {"split_points", "balance", "devices"}))
+        return [f"{keys} has no effect with parallel.strategy=model_parallel (it runs one part at a time, no schedule)"]
+    if pipelined and "devices" in set_keys:
+        return [
+            "pipeline.devices has no effect with parallel.pp (each rank uses its own device); it is for model_parallel"
+        ]
+    if pipelined and pipeline.microbatches and "micro_batch_size" in config.train.model_fields_set:
+        return ["train.micro_batch_size has no effect: pipeline.microbatches sets the micro-batch size"]
+    return []

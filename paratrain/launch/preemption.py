@@ -1,0 +1,102 @@
+"""Stopping for a requeue: SIGTERM or SIGUSR1 to any rank, or to the launcher (which passes it on),
+makes every rank stop at the same step boundary, save a checkpoint and exit ``EXIT_REQUEUE``.
+
+Signals reach ranks at different moments, so no rank acts alone. At every step boundary each rank
+adds the signal it has received (0 for none) to a MAX all-reduce of one int, and reads the result of
+the previous boundary's reduction: all ranks stop one boundary after any of them reported a signal.
+Reading one boundary late keeps the host from waiting for the device (on CUDA the result is copied to
+pinned memory behind an event, long complete by the next boundary), so a step never stalls on it.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import threading
+from types import FrameType
+
+import torch
+import torch.distributed as dist
+
+from paratrain.parallel.collectives import barrier, is_distributed
+
+logger = logging.getLogger("paratrain")
+
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+# paratrain's launcher sets this to its pid. A worker group that stopped on purpose tells the launcher
+# with STOPPED_NOTICE before any worker exits, so torchrun does not count the exits as a failure to
+# restart from (--max-restarts).
+LAUNCHER_PID_ENV = "PARATRAIN_LAUNCHER_PID"
+STOPPED_NOTICE = signal.SIGUSR2
+
+
+class StopSignals:
+    """Catches STOP_SIGNALS in this process and lets all ranks agree when to act on them.
+
+    Args:
+        device: This rank's device; the all-reduce runs there (NCCL wants CUDA tensors).
+    """
+
+    def __init__(self, device: torch.device):
+        self.received = 0  # the last stop signal this process got, 0 for none
+        self._previous_handlers: dict[int, object] = {}
+        self._flag = torch.zeros(1, dtype=torch.int32, device=device)
+        on_cuda = device.type == "cuda"
+        self._result = torch.zeros(1, dtype=torch.int32, pin_memory=True) if on_cuda else self._flag
+        self._reduced = torch.cuda.Event() if on_cuda else None
+        self._pending = False
+
+    @classmethod
+    def install(cls, device: torch.device) -> StopSignals:
+        """Starts catching; signals can only be caught from the main thread, elsewhere none are."""
+        watcher = cls(device)
+        if threading.current_thread() is threading.main_thread():
+            for signum in STOP_SIGNALS:
+                watcher._previous_handlers[signum] = signal.signal(signum, watcher._on_signal)
+        else:
+            logger.warning("training outside the main thread: SIGTERM/SIGUSR1 will not stop it at a step boundary")
+        return watcher
+
+    @property
+    def received_name(self) -> str | None:
+        return signal.Signals(self.received).name if self.received else None
+
+    def uninstall(self) -> None:
+        for signum, handler in self._previous_handlers.items():
+            signal.signal(signum, handler)
+        self._previous_handlers.clear()
+
+    def agreed_signal(self) -> signal.Signals | None:
+        """The stop signal every rank acts on now, or None. A collective: every rank calls it at
+        every step boundary and gets the same answer."""
+        agreed = self._read_previous_reduction()
+        self._flag.fill_(self.received)
+        if is_distributed():
+            dist.all_reduce(self._flag, op=dist.ReduceOp.MAX)
+        if self._reduced is not None:
+            self._result.copy_(self._flag, non_blocking=True)
+            self._reduced.record()
+        self._pending = True
+        return agreed
+
+    def _read_previous_reduction(self) -> signal.Signals | None:
+        if not self._pending:
+            return None
+        if self._reduced is not None:
+            self._reduced.synchronize()
+        value = int(self._result.item())
+        return signal.Signals(value) if value else None
+
+    def _on_signal(self, signum: int, frame: FrameType | None) -> None:
+        # Only a store: logging here could deadlock on a lock the interrupted code holds.
+        self.received = signum
+
+
+def announce_stop(*, local_rank: int) -> None:
+    """Tells paratrain's launcher, when it started this process, that the group stopped on purpose;
+    returns once every rank has, so no worker exits before every launcher knows."""
+    launcher = os.environ.get(LAUNCHER_PID_ENV)
+    if local_rank == 0 and launcher is not None and int(launcher) == os.getppid():
+        os.kill(os.getppid(), STOPPED_NOTICE)
+    barrier()

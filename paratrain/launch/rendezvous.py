@@ -1,0 +1,71 @@
+"""A single-node rendezvous for torchrun whose stores listen on loopback only.
+
+torch's ``TCPStore`` server binds the wildcard address whatever host it is given (pytorch#173909):
+``torchrun --rdzv-endpoint 127.0.0.1:0 --local-addr 127.0.0.1`` still opens two unauthenticated
+stores on every interface, the rendezvous store and the store the workers' process group shares
+with the agent. Its ``master_listen_fd`` argument takes a socket bound beforehand, so this backend
+binds both to 127.0.0.1 itself. The workers' collectives are pinned to the loopback interface by
+``LOOPBACK_ENV``.
+"""
+
+from __future__ import annotations
+
+import socket
+
+from torch.distributed import TCPStore
+from torch.distributed.elastic.rendezvous import RendezvousHandler, RendezvousInfo, RendezvousParameters
+from torch.distributed.elastic.rendezvous import rendezvous_handler_registry as handler_registry
+from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import C10dRendezvousBackend
+from torch.distributed.elastic.rendezvous.dynamic_rendezvous import DynamicRendezvousHandler
+from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
+
+BACKEND_NAME = "paratrain-loopback"
+LOOPBACK_ADDR = "127.0.0.1"
+# Gloo and NCCL otherwise listen on the address the hostname resolves to (gloo) or on the first
+# non-loopback interface (NCCL); every rank of a single-node run is reachable over loopback.
+LOOPBACK_ENV = {"GLOO_SOCKET_IFNAME": "lo", "NCCL_SOCKET_IFNAME": "lo"}
+
+
+def register_loopback_rendezvous() -> None:
+    """Makes ``--rdzv-backend paratrain-loopback`` available to torchrun in this process."""
+    handler_registry.register(BACKEND_NAME, _create_handler)
+
+
+def loopback_tcp_store(port: int = 0) -> TCPStore:
+    """A TCPStore server listening on 127.0.0.1 only (``port`` 0 picks a free one)."""
+    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    listener.bind((LOOPBACK_ADDR, port))
+    bound_port = listener.getsockname()[1]
+    # detach(): the store owns the descriptor from now on; the socket object must not close it.
+    return TCPStore(LOOPBACK_ADDR, bound_port, is_master=True, multi_tenant=True, master_listen_fd=listener.detach())
+
+
+class _LoopbackRendezvousHandler(DynamicRendezvousHandler):
+    """Torch's c10d rendezvous, with the store it shares with the workers bound to loopback."""
+
+    def get_backend(self) -> str:
+        return BACKEND_NAME  # torchrun checks it against --rdzv-backend
+
+    def next_rendezvous(self) -> RendezvousInfo:
+        # A fresh workers' store for every round. Torch 2.13 keeps the first round's, so the group
+        # --max-restarts starts again reads the failed attempt's keys (its peers' old addresses) and
+        # cannot connect, or waits forever (pytorch#135712, fixed there by a store per retry).
+        self._shared_tcp_store_server = None
+        self._bootstrap_store_info = None
+        return super().next_rendezvous()
+
+    # Overrides the private hook DynamicRendezvousHandler.next_rendezvous calls to create the
+    # workers' store (torch 2.13); the launch test fails if a later torch stops calling it.
+    def _create_tcp_store_server(self, master_addr: str, master_port: int) -> TCPStore:
+        return loopback_tcp_store(master_port)
+
+
+def _create_handler(params: RendezvousParameters) -> RendezvousHandler:
+    host, port = parse_rendezvous_endpoint(params.endpoint, default_port=0)
+    if host != LOOPBACK_ADDR or params.local_addr != LOOPBACK_ADDR:
+        raise ValueError(f"{BACKEND_NAME} is for single-node runs on {LOOPBACK_ADDR}, got endpoint {params.endpoint}")
+    store = loopback_tcp_store(port)
+    backend = C10dRendezvousBackend(store, params.run_id)
+    return _LoopbackRendezvousHandler.from_backend(
+        params.run_id, store, backend, params.min_nodes, params.max_nodes, params.local_addr
+    )

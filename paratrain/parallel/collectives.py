@@ -1,0 +1,55 @@
+"""The few collectives the trainer itself calls. Each is a no-op in a process without a group."""
+
+from __future__ import annotations
+
+from typing import Any, TypeVar
+
+import torch
+import torch.distributed as dist
+
+T = TypeVar("T")
+
+
+def is_distributed() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def all_reduce_mean(tensor: torch.Tensor, group: dist.ProcessGroup | None = None) -> torch.Tensor:
+    """Mean of tensor over the group's ranks (in place), e.g. a loss averaged across data-parallel ranks."""
+    if is_distributed():
+        dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group)
+        tensor /= dist.get_world_size(group)
+    return tensor
+
+
+def all_reduce_sum(tensor: torch.Tensor, group: dist.ProcessGroup | None = None) -> torch.Tensor:
+    """Sum of tensor over the group's ranks (in place)."""
+    if is_distributed():
+        dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group)
+    return tensor
+
+
+def all_reduce_min_max(
+    values: torch.Tensor, group: dist.ProcessGroup | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Element-wise minimum and maximum of a 1-D tensor over the group's ranks, in one all-reduce (max of
+    the values and of their negatives)."""
+    both = torch.cat([values, -values])
+    if is_distributed():
+        dist.all_reduce(both, op=dist.ReduceOp.MAX, group=group)
+    maximum, negative_minimum = both.chunk(2)
+    return -negative_minimum, maximum
+
+
+def broadcast_object(obj: T, *, src: int = 0) -> T:
+    """Rank src's obj on every rank (pickled between this job's own processes only)."""
+    if not is_distributed():
+        return obj
+    holder: list[Any] = [obj]
+    dist.broadcast_object_list(holder, src=src)
+    return holder[0]
+
+
+def barrier(group: dist.ProcessGroup | None = None) -> None:
+    if is_distributed():
+        dist.barrier(group=group)

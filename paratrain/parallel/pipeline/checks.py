@@ -1,0 +1,86 @@
+"""Pipeline settings checked before any process starts: each error names the key and the fix."""
+
+from __future__ import annotations
+
+import torch
+
+from paratrain.config.factories import call_factory
+from paratrain.config.schema import Config
+from paratrain.errors import ConfigError
+from paratrain.parallel.dims import ParallelDims
+from paratrain.parallel.pipeline.split import cut_stages
+
+
+def check_pipeline(config: Config, dims: ParallelDims, *, model: torch.nn.Module | None = None) -> None:
+    """Raises ConfigError for pipeline settings that cannot run (only when the layout has a pipeline).
+
+    Args:
+        model: The config's model already built on the meta device, to cut stages from (the planner checks
+            dozens of layouts); None builds it.
+    """
+    if config.parallel.strategy == "model_parallel":
+        _check_model_parallel(config)
+    if dims.pp == 1:
+        return
+    # Only now: torch.distributed.pipelining loads torch._dynamo, a second at start-up for every run.
+    from paratrain.parallel.pipeline.build import pipeline_shape
+    from paratrain.parallel.pipeline.schedules import check_shape
+
+    _check_combinations(config)
+    _check_microbatches(config, dims)
+    shape = pipeline_shape(config.pipeline, dims=dims, train=config.train)
+    check_shape(shape)
+    if model is None:
+        with torch.device("meta"):
+            model = call_factory(config.model, key="model")
+    cut_stages(model, config.pipeline, shape.num_stages)
+
+
+def _check_microbatches(config: Config, dims: ParallelDims) -> None:
+    microbatches = config.pipeline.microbatches
+    per_pipeline = config.train.global_batch_size // dims.dp
+    if microbatches and (config.train.global_batch_size % dims.dp or per_pipeline % microbatches):
+        raise ConfigError(
+            f"train.global_batch_size={config.train.global_batch_size} over data-parallel size {dims.dp} does not "
+            f"split into pipeline.microbatches={microbatches} equal micro-batches; use a global batch that is a "
+            f"multiple of {dims.dp * microbatches}, or a micro-batch count that divides {per_pipeline}"
+        )
+
+
+def _check_combinations(config: Config) -> None:
+    options = config.parallel
+    if config.precision == "fp16":
+        raise ConfigError(
+            "precision=fp16 with pipeline parallel is not supported: the schedule computes the loss and "
+            "runs backward itself, so the gradient scaler cannot scale it; use precision=bf16 or fp32"
+        )
+    if options.strategy == "ddp" and options.ddp.static_graph:
+        raise ConfigError(
+            "parallel.ddp.static_graph=true with parallel.pp gives wrong gradients (the pipeline runtime "
+            "drives DDP's reducer itself); set parallel.ddp.static_graph=false"
+        )
+    if options.sequence_parallel:
+        raise ConfigError(
+            "parallel.sequence_parallel with parallel.pp is not supported yet; set "
+            "parallel.sequence_parallel=false (tensor parallel itself works with pp)"
+        )
+    if config.debug.dump_gradients_at_steps:
+        raise ConfigError(
+            "debug.dump_gradients_at_steps with parallel.pp is not supported yet (each rank holds only "
+            "its stages); compare layouts without a pipeline, or leave it empty"
+        )
+
+
+def _check_model_parallel(config: Config) -> None:
+    from paratrain.parallel.model_parallel import model_parallel_devices, part_count
+
+    devices = model_parallel_devices(config.pipeline)
+    options = config.pipeline
+    if options.devices and options.split_points and len(options.split_points) != len(options.devices) - 1:
+        raise ConfigError(
+            f"pipeline.split_points names {len(options.split_points)} part end(s) but pipeline.devices "
+            f"lists {len(options.devices)} devices; name one split point fewer than the devices"
+        )
+    with torch.device("meta"):
+        model = call_factory(config.model, key="model")
+    cut_stages(model, options, part_count(options, devices))

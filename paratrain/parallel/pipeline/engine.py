@@ -1,0 +1,83 @@
+"""The engine for pipeline layouts: a torch.distributed.pipelining schedule runs the step.
+
+It takes the trainer's place for ``forward_backward(micro_batches)``: the step's micro-batches are
+joined into one batch, and the schedule splits it again into the same micro-batches along dim 0,
+passing activations between ranks and running each rank's forwards and backwards in its order. The
+first stage's rank feeds inputs, the last stage's rank feeds targets and computes the loss. Gradients
+are divided by the number of micro-batches (``scale_grads``), which makes them the gradient of the
+mean loss over the step, as one large batch would give.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.pipelining import PipelineStage
+
+from paratrain.engine import LossFn, move_to
+from paratrain.parallel.pipeline.recorder import TimelineRecorder
+from paratrain.parallel.pipeline.schedules import PipelineShape, is_multi_stage, schedule_class
+
+
+class PipelineEngine:
+    """Runs one rank's pipeline stages under the configured schedule.
+
+    Args:
+        stage_modules: This rank's stages (plain, DDP- or FSDP-wrapped), in stage-index order.
+        stage_indices: Their indices in the whole pipeline.
+        recorder: Times each forward and backward, for the measured bubble; None records nothing.
+    """
+
+    def __init__(
+        self,
+        stage_modules: list[nn.Module],
+        stage_indices: list[int],
+        shape: PipelineShape,
+        *,
+        loss_fn: LossFn,
+        group: dist.ProcessGroup,
+        device: torch.device,
+        recorder: TimelineRecorder | None = None,
+    ):
+        self.stages = [
+            PipelineStage(module, index, shape.num_stages, device, group=group)
+            for module, index in zip(stage_modules, stage_indices, strict=True)
+        ]
+        self.device = device
+        self.holds_first_stage = 0 in stage_indices
+        self.holds_last_stage = shape.num_stages - 1 in stage_indices
+        self.recorder = recorder
+        if recorder is not None:
+            for stage in self.stages:
+                recorder.instrument(stage)
+        schedule = schedule_class(shape.schedule)
+        stages: Any = self.stages if is_multi_stage(shape.schedule) else self.stages[0]
+        self.schedule = schedule(stages, shape.microbatches, loss_fn=loss_fn, scale_grads=True)
+
+    def forward_backward(self, micro_batches: list[Any]) -> torch.Tensor:
+        """Runs the schedule over the step; returns the mean loss on the last stage's rank, else 0."""
+        inputs = move_to(torch.cat([inputs for inputs, _ in micro_batches]), self.device)
+        targets = move_to(torch.cat([targets for _, targets in micro_batches]), self.device)
+        losses: list[torch.Tensor] = []
+        args = (inputs,) if self.holds_first_stage else ()
+        with self._recording():
+            self.schedule.step(
+                *args,
+                target=targets if self.holds_last_stage else None,
+                losses=losses if self.holds_last_stage else None,
+            )
+        if not self.holds_last_stage:
+            return torch.zeros((), device=self.device)
+        return torch.stack([loss.detach() for loss in losses]).mean()
+
+    def flush(self) -> None:
+        """Writes the recorded timeline, if any (called when training stops)."""
+        if self.recorder is not None:
+            self.recorder.write()
+
+    def _recording(self) -> contextlib.AbstractContextManager:
+        return self.recorder.step() if self.recorder is not None else contextlib.nullcontext()

@@ -1,0 +1,65 @@
+"""Pipeline stages as modules: each rank keeps only the pieces of its own stages.
+
+The model is built whole on the meta device (no memory), then every piece that belongs to another
+rank's stage is swapped for an empty placeholder. What remains keeps the model's own parameter names
+(``blocks.3.attn.q_proj.weight``), so checkpoints, the optimizer and ``export`` see the same names
+under every layout, and a pipeline checkpoint loads into a single process and the reverse.
+
+A ``StageModule`` runs one stage: its pieces, called in order. It holds the very module objects the
+pruned model holds, so sharding, data parallel and the pipeline runtime act on the stage while
+checkpoints act on the model.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Sequence
+
+import torch
+from torch import nn
+
+
+class RemovedPiece(nn.Module):
+    """Stands where a piece owned by another pipeline rank was; holds nothing and must not be called."""
+
+    def forward(self, *args, **kwargs):
+        raise RuntimeError("this piece of the model lives on another pipeline rank")
+
+
+class StageModule(nn.Module):
+    """Consecutive pieces of a model, each fed the previous one's output (one pipeline stage)."""
+
+    def __init__(
+        self,
+        pieces: Sequence[nn.Module],
+        paths: Sequence[str],
+        autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
+    ):
+        super().__init__()
+        self.pieces = nn.ModuleList(pieces)
+        self.paths = tuple(paths)  # the model's names for the pieces, for messages and logs
+        self._autocast = autocast
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with self._autocast():
+            for piece in self.pieces:
+                x = piece(x)
+        return x
+
+    def extra_repr(self) -> str:
+        return ", ".join(self.paths)
+
+
+def keep_only(model: nn.Module, sequence: Sequence[str], kept: set[str]) -> None:
+    """Replaces (in place) every piece of the sequence not in ``kept`` by a RemovedPiece."""
+    for path in sequence:
+        if path not in kept:
+            parent_path, _, name = path.rpartition(".")
+            model.get_submodule(parent_path).register_module(name, RemovedPiece())
+
+
+def stage_modules(
+    model: nn.Module, stages: Sequence[Sequence[str]], autocast: Callable[[], contextlib.AbstractContextManager]
+) -> list[StageModule]:
+    """A StageModule per stage, over the model's current modules (call after wrappers replaced any)."""
+    return [StageModule([model.get_submodule(path) for path in paths], paths, autocast) for paths in stages]

@@ -1,0 +1,1 @@
+"""Where metrics go on rank 0: metrics.jsonl, TensorBoard, and the progress bar or log lines."""
