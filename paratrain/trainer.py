@@ -280,6 +280,8 @@ class Trainer:
             start=self.position,
             num_workers=self.config.data.num_workers,
             pin_memory=self.ctx.device.type == "cuda",
+            prefetch_factor=self.config.data.prefetch_factor,
+            persistent_workers=self.config.data.persistent_workers,
         )
 
     def _advance(self, window: _LogWindow, loss: torch.Tensor) -> None:

@@ -16,6 +16,7 @@ from paratrain.checkpoint.config_changes import check_resume_config
 from paratrain.checkpoint.manifest import is_complete, read_manifest
 from paratrain.config.factories import call_factory, check_factory_args
 from paratrain.config.schema import Config
+from paratrain.data.checks import check_data_fits_model
 from paratrain.errors import CheckpointError, ConfigError
 from paratrain.evaluation import check_evaluation
 from paratrain.models.plan import plan_of
@@ -32,6 +33,7 @@ def preflight(config: Config, *, world_size: int, nproc_per_node: int) -> None:
         lambda: _check_devices(config, nproc_per_node),
         lambda: check_factory_args(config.model, key="model"),
         lambda: check_factory_args(config.data, key="data"),
+        lambda: _check_data_fits_model(config),
         lambda: check_factory_args(config.loss, key="loss"),
         lambda: check_callback_configs(config.callbacks),
         lambda: _check_evaluation(config, _dims(config, world_size, nproc_per_node)),
@@ -78,6 +80,16 @@ def _model_on_meta(config: Config) -> nn.Module:
     """The config's model, built without memory, to read its parallel plan."""
     with torch.device("meta"):
         return call_factory(config.model, key="model")
+
+
+def _check_data_fits_model(config: Config) -> None:
+    try:
+        model = _model_on_meta(config)
+    except Exception:  # a model that does not build is reported by the model factory's own check
+        return
+    check_data_fits_model(config.data.args, model, key="data")
+    if config.eval.factory is not None:
+        check_data_fits_model(config.eval.args, model, key="eval")
 
 
 def _check_precision(config: Config, dims: ParallelDims) -> None:

@@ -216,7 +216,14 @@ class DataConfig(FactoryConfig):
     shuffle: bool = True
     """Shuffle the sample order each epoch (seeded by train.seed and the epoch only)."""
     num_workers: int = Field(0, ge=0)
-    """DataLoader worker processes per rank."""
+    """DataLoader worker processes per rank. A resume stays exact with workers: the position saved is the
+    sampler's (global batches consumed), and the loader restarts from it; workers hold no state of their own."""
+    prefetch_factor: int | None = Field(None, gt=0)
+    """Micro-batches each worker loads ahead; null: PyTorch's default (2). Needs num_workers > 0."""
+    persistent_workers: bool = False
+    """Keep the workers alive for the life of the run's loader instead of ending them when it is exhausted.
+    The training loader never is (epochs follow each other in one iteration), so this saves little; it is
+    passed to the DataLoader as given. Needs num_workers > 0."""
 
 
 class LossConfig(FactoryConfig):

@@ -26,7 +26,15 @@ class StepBatches:
     """Iterates lists of ``accumulation_steps`` collated micro-batches, one list per optimizer step."""
 
     def __init__(
-        self, dataset: Dataset, sampler: GlobalBatchSampler, *, start: DataPosition, num_workers: int, pin_memory: bool
+        self,
+        dataset: Dataset,
+        sampler: GlobalBatchSampler,
+        *,
+        start: DataPosition,
+        num_workers: int,
+        pin_memory: bool,
+        prefetch_factor: int | None = None,
+        persistent_workers: bool = False,
     ):
         self.sampler = sampler
         loader = DataLoader(
@@ -34,6 +42,9 @@ class StepBatches:
             batch_sampler=_MicroBatchIndices(sampler, start),
             num_workers=num_workers,
             pin_memory=pin_memory,
+            # Worker options are refused by DataLoader without workers (the config warns instead).
+            prefetch_factor=prefetch_factor if num_workers else None,
+            persistent_workers=persistent_workers and num_workers > 0,
             # Workers seeded from the data position keep any per-worker randomness resumable.
             generator=torch.Generator().manual_seed(sampler.seed + start.epoch),
         )
