@@ -156,3 +156,47 @@ def test_an_empty_corpus_is_refused(corpus, tmp_path):
     (tmp_path / "empty.txt").write_text("")
     with pytest.raises(ConfigError, match="holds no text"):
         packed_text(**{**corpus, "files": str(tmp_path / "empty.txt")}, block_size=8)
+
+
+class RecordingReads(torch.utils.data.Dataset):
+    """The packed dataset, noting which samples were read (in this process: the loader runs without workers)."""
+
+    def __init__(self, dataset):
+        self.dataset, self.reads = dataset, []
+
+    def __len__(self):
+        return len(self.dataset)
+
+    def __getitem__(self, index):
+        self.reads.append(index)
+        return self.dataset[index]
+
+
+def read_steps(dataset, position, *, dp_size, steps, global_batch=8, micro=2):
+    """Every rank's StepBatches from ``position`` for ``steps`` steps; returns the advanced position."""
+    from paratrain.data.loader import StepBatches
+    from paratrain.data.sampler import DataPosition, GlobalBatchSampler
+
+    for rank in range(dp_size):
+        sampler = GlobalBatchSampler(len(dataset), global_batch, micro, rank, dp_size, seed=3)
+        batches = StepBatches(dataset, sampler, start=position, num_workers=0, pin_memory=False)
+        for _ in range(steps):
+            next(batches)
+    moved = DataPosition()
+    moved.load_state_dict(position.state_dict())  # what a checkpoint carries to the next run
+    for _ in range(steps):
+        moved.advance(sampler.batches_per_epoch)
+    return moved
+
+
+@pytest.mark.parametrize("before,after", [(2, 4), (4, 1)])
+def test_resume_on_another_data_parallel_size_reads_every_sample_of_the_epoch_once(corpus, before, after):
+    from paratrain.data.sampler import DataPosition
+
+    dataset = RecordingReads(packed_text(**corpus, block_size=2))
+    batches_per_epoch = len(dataset) // 8
+    assert batches_per_epoch >= 6
+    position = read_steps(dataset, DataPosition(), dp_size=before, steps=3)
+    position = read_steps(dataset, position, dp_size=after, steps=batches_per_epoch - 3)
+    assert (position.epoch, position.batch_in_epoch) == (1, 0)
+    assert len(dataset.reads) == len(set(dataset.reads)) == batches_per_epoch * 8
