@@ -80,6 +80,7 @@ class _LogWindow:
     loss_sum: torch.Tensor
     steps: int = 0
     started: float = 0.0
+    data_wait: float = 0.0  # seconds this rank waited for the loader's next batch
 
 
 class Trainer:
@@ -196,7 +197,7 @@ class Trainer:
         self.callbacks.call("on_train_start")
         try:
             while self.progress.step < self.config.train.max_steps:
-                step = self.train_step(next(batches))
+                step = self.train_step(self._next_batch(batches, window))
                 self._advance(window, step.loss)
                 metrics.step_done()
                 evaluated = self._maybe_evaluate(window)
@@ -284,6 +285,12 @@ class Trainer:
             persistent_workers=self.config.data.persistent_workers,
         )
 
+    def _next_batch(self, batches: Iterator[list[Any]], window: _LogWindow) -> list[Any]:
+        waited = time.perf_counter()
+        micro_batches = next(batches)
+        window.data_wait += time.perf_counter() - waited
+        return micro_batches
+
     def _advance(self, window: _LogWindow, loss: torch.Tensor) -> None:
         self.progress.step += 1
         self.position.advance(self.sampler.batches_per_epoch)
@@ -332,6 +339,8 @@ class Trainer:
             "grad_norm": step.grad_norm.item(),
             "step_time_s": step_time,
             "samples_per_s": samples_per_s,
+            # Rank 0's share of the step spent waiting for data: the loader keeps up when it is near 0.
+            "data_wait_fraction": window.data_wait / (step_time * window.steps),
             "epoch": self.position.epoch,
             "world_size": self.ctx.world_size,
             "time": time.time(),

@@ -54,6 +54,7 @@ def assert_resume_reproduces_the_killed_run(killed: Path, resumed: Path) -> None
     losses = {r["step"]: r["loss"] for r in read_metrics(killed)}
     resumed_losses = {r["step"]: r["loss"] for r in read_metrics(resumed)}
     assert resumed_losses[COMPARE] == losses[COMPARE]
+    assert all(0 <= r["data_wait_fraction"] <= 1 for r in read_metrics(resumed))
 
 
 def kill_mid_epoch(config: Path, output_dir: Path, *, nproc: int) -> None:
