@@ -46,9 +46,13 @@ def train_command(args: argparse.Namespace) -> int:
     options.validate()
     config = load_config(args.config, args.overrides)
     from paratrain.config.preflight import preflight  # imported once the config parses: it loads torch.distributed
+    from paratrain.parallel.dims import resolve_parallel_dims
 
     preflight(config, world_size=options.world_size, nproc_per_node=options.nproc_per_node)
-    for warning in ineffective_options(config):
+    dims = resolve_parallel_dims(
+        config.parallel, world_size=options.world_size, local_world_size=options.nproc_per_node
+    )
+    for warning in ineffective_options(config, dims):
         print(f"paratrain: warning: {warning}", file=sys.stderr)
     if options.world_size == 1 and options.max_restarts == 0:
         from paratrain.train import configure_logging, run

@@ -12,6 +12,7 @@ import contextlib
 from collections.abc import Callable, Iterator
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.utils.data import Dataset, default_collate
 
@@ -44,6 +45,7 @@ def build_evaluator(
     autocast: Callable[[], contextlib.AbstractContextManager],
     dp_rank: int,
     dp_size: int,
+    group: dist.ProcessGroup | None,
     train: TrainConfig,
 ) -> Evaluator | None:
     """An Evaluator over ``dataset`` (from the Python API) or eval.factory's; None when neither is given."""
@@ -59,6 +61,7 @@ def build_evaluator(
         autocast=autocast,
         dp_rank=dp_rank,
         dp_size=dp_size,
+        group=group,
         batch_size=options.batch_size or train.micro_batch_size,
         max_steps=train.max_steps,
     )
@@ -89,12 +92,13 @@ class Evaluator:
         autocast: Callable[[], contextlib.AbstractContextManager],
         dp_rank: int,
         dp_size: int,
+        group: dist.ProcessGroup | None,
         batch_size: int,
         max_steps: int,
     ):
         self.dataset, self.loss_fn, self.options, self.model, self.device = dataset, loss_fn, options, model, device
         self.autocast, self.dp_rank, self.dp_size = autocast, dp_rank, dp_size
-        self.batch_size, self.max_steps = batch_size, max_steps
+        self.batch_size, self.max_steps, self.group = batch_size, max_steps, group
 
     def is_due(self, step: int) -> bool:
         every = self.options.every_steps
@@ -118,7 +122,9 @@ class Evaluator:
                 totals += torch.stack([loss.double() * samples, torch.tensor(float(samples), device=self.device)])
         finally:
             self.model.train(was_training)
-        loss_sum, samples = all_reduce_sum(totals).tolist()
+        if self.group is not None:
+            all_reduce_sum(totals, group=self.group)
+        loss_sum, samples = totals.tolist()
         return loss_sum / samples
 
     def _rank_batches(self) -> Iterator[tuple[list[int], int]]:

@@ -16,6 +16,7 @@ from paratrain.config.schema import Config, load_config
 from paratrain.config.warnings import ineffective_options
 from paratrain.errors import EXIT_REQUEUE, EXIT_USER_ERROR, CheckpointError, ConfigError, Preempted
 from paratrain.launch.process_group import world_size_from_env
+from paratrain.parallel.dims import resolve_parallel_dims
 from paratrain.trainer import Trainer, TrainResult
 
 # Set by the CLI once it has run the checks, so workers it launches do not repeat them.
@@ -40,7 +41,8 @@ def main(argv: list[str] | None = None) -> int:
         if rank == 0 and not os.environ.get(PREFLIGHT_DONE_ENV):
             local = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
             preflight(config, world_size=world_size_from_env(), nproc_per_node=local)
-            for warning in ineffective_options(config):
+            dims = resolve_parallel_dims(config.parallel, world_size=world_size_from_env(), local_world_size=local)
+            for warning in ineffective_options(config, dims):
                 logging.getLogger("paratrain").warning("warning: %s", warning)
         run(config)
     except (ConfigError, CheckpointError) as error:

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 from torch.utils.data import Dataset, default_collate
 
-from paratrain.builders import build_layout, build_sampler, micro_batch_size, tokens_per_sample
+from paratrain.builders import build_layout, tokens_per_sample
 from paratrain.callbacks.base import Callback, CallbackList
 from paratrain.callbacks.build import build_callbacks
 from paratrain.callbacks.profiling import maybe_profiler
@@ -28,7 +28,7 @@ from paratrain.checkpoint.state import ModelState, OptimizerState, Progress, RNG
 from paratrain.config.factories import call_factory
 from paratrain.config.schema import Config, config_to_yaml
 from paratrain.data.loader import StepBatches
-from paratrain.data.sampler import DataPosition
+from paratrain.data.sampler import DataPosition, build_sampler
 from paratrain.debug import dump_gradients
 from paratrain.engine import LossFn
 from paratrain.errors import Preempted
@@ -47,7 +47,7 @@ from paratrain.launch.watchdog import StepWatchdog
 from paratrain.optim import build_lr_scheduler, build_optimizer
 from paratrain.parallel.collectives import all_reduce_sum
 from paratrain.parallel.ddp import settle_buckets
-from paratrain.parallel.dims import ParallelDims, data_parallel_coordinates
+from paratrain.parallel.dims import micro_batch_size, resolve_parallel_dims
 from paratrain.precision import build_mixed_precision
 from paratrain.tracking.metrics import MetricsLogger, NoMetrics
 
@@ -106,38 +106,33 @@ class Trainer:
         eval_dataset: Dataset | None = None,
     ):
         self.config = config
-        self.dims = ParallelDims.resolve(
-            config.parallel.strategy,
-            world_size=world_size_from_env(),
-            local_world_size=local_world_size_from_env(),
-            degrees=config.parallel.degrees(),
+        dims = resolve_parallel_dims(
+            config.parallel, world_size=world_size_from_env(), local_world_size=local_world_size_from_env()
         )
-        check_evaluation(config.eval, self.dims, has_dataset=eval_dataset is not None)
+        check_evaluation(config.eval, dims, has_dataset=eval_dataset is not None)
         user_callbacks = build_callbacks(config.callbacks, callbacks)
         self.ctx: DistContext = init_distributed(
             device_kind=config.train.device,
-            needs_group=self.dims.needs_process_group,
+            needs_group=dims.needs_process_group,
             timeout_s=config.parallel.collective_timeout_s,
         )
-        self.mesh = self.dims.build_mesh(self.ctx.device.type)
-        logger.info("layout %s: %s on %s", config.parallel.strategy, self.dims.describe(), self.ctx.device)
-        self.dp_rank, self.dp_size = data_parallel_coordinates(self.mesh)
+        self.dims = dims.with_mesh(self.ctx.device.type)
+        logger.info("layout %s on %s", self.dims.describe_layout(), self.ctx.device)
+        self.dp_rank, self.dp_size = self.dims.dp_rank, self.dims.dp
         self.precision = build_mixed_precision(config.precision, device=self.ctx.device, sharded=self.dims.is_sharded)
         self.dataset = dataset if dataset is not None else call_factory(config.data, key="data")
         loss_fn = loss_fn or call_factory(config.loss, key="loss")
         layout = build_layout(
             model_factory or (lambda: call_factory(config.model, key="model")),
             loss_fn,
+            dims=self.dims,
+            ctx=self.ctx,
+            precision=self.precision,
             parallel=config.parallel,
             pipeline=config.pipeline,
             train=config.train,
-            output_dir=config.run.output_dir,
-            dims=self.dims,
-            mesh=self.mesh,
-            ctx=self.ctx,
-            dp_rank=self.dp_rank,
-            dataset=self.dataset,
-            precision=self.precision,
+            sample_dataset=self.dataset,
+            timeline_dir=config.run.output_dir / "pipeline",
         )
         self.bare_model, self.model, self.engine = layout.bare, layout.runnable, layout.engine
         # Data-parallel ranks draw different random numbers (e.g. dropout masks); tensor-parallel
@@ -147,10 +142,12 @@ class Trainer:
         self.lr_scheduler = build_lr_scheduler(self.optimizer, config.optim, max_steps=config.train.max_steps)
         self.sampler = build_sampler(
             len(self.dataset),
-            config,
+            config.data,
+            global_batch_size=config.train.global_batch_size,
+            micro_batch_size=micro_batch_size(config.train, config.pipeline, dims=self.dims),
+            seed=config.train.seed,
             dp_rank=self.dp_rank,
             dp_size=self.dp_size,
-            micro_batch_size=micro_batch_size(config.train, config.pipeline, dims=self.dims),
         )
         self.tokens_per_sample = tokens_per_sample(self.dataset)
         self.progress, self.position = Progress(), DataPosition()
@@ -163,6 +160,7 @@ class Trainer:
             autocast=self.precision.autocast,
             dp_rank=self.dp_rank,
             dp_size=self.dp_size,
+            group=self.dims.batch_mesh.get_group() if self.dims.mesh is not None else None,
             train=config.train,
         )
         self.callbacks = CallbackList(
@@ -178,12 +176,14 @@ class Trainer:
             self,
         )
         self.checkpointer = self._build_checkpointer()
-        self._prepare_output_dir()
-        self._maybe_resume()
+        # Chosen and checked now, so a changed config is refused before anything runs; loaded by train().
+        self._resume_from = self._choose_resume()
+        self._started = False
 
     def train(self) -> TrainResult:
         """Runs from the current step to ``train.max_steps`` (or until a callback stops it), evaluating,
         logging and checkpointing on the way."""
+        self._maybe_start()
         metrics, batches = self._open_metrics(), self.step_batches()
         window, last_loss, last_checkpoint = self._new_window(), None, None
         self._say_if_nothing_to_train()
@@ -270,7 +270,7 @@ class Trainer:
 
     def _clip_gradients(self) -> torch.Tensor:
         # Pipeline ranks hold different parameters: their squared norms add up to the global one.
-        pipeline_group = self.mesh["pp"].get_group() if self.dims.pp > 1 else None
+        pipeline_group = self.dims.pp_mesh.get_group() if self.dims.pp_enabled else None
         return clip_grad_norm(list(self.bare_model.parameters()), self.config.train.grad_clip, sum_over=pipeline_group)
 
     def step_batches(self) -> Iterator[list[Any]]:
@@ -329,7 +329,10 @@ class Trainer:
     ) -> float:
         # Only ranks holding the last pipeline stage have a loss (all ranks, without a pipeline); the
         # others add zero. The reduction also waits for the window's work, for the step time.
-        loss = all_reduce_sum(window.loss_sum / window.steps).item() / (self.ctx.world_size // self.dims.pp)
+        loss = window.loss_sum / window.steps
+        if self.dims.mesh is not None:
+            loss = all_reduce_sum(loss, group=self.dims.loss_mesh.get_group()) / self.dims.dp
+        loss = loss.item()
         step_time = (time.perf_counter() - window.started) / window.steps
         samples_per_s = self.config.train.global_batch_size / step_time
         record = {
@@ -366,10 +369,19 @@ class Trainer:
         self.callbacks.call("on_checkpoint_saved", checkpoint=path)
         return path
 
-    def _maybe_resume(self) -> None:
+    def _maybe_start(self) -> None:
+        """What a run does once, when training starts: its output directory, then the resume."""
+        if self._started:
+            return
+        self._started = True
+        self._prepare_output_dir()
+        if self._resume_from is not None:
+            self._resume(self._resume_from)
+
+    def _choose_resume(self) -> Path | None:
         path = self.checkpointer.choose_resume(self.config.checkpoint.resume)
         if path is None:
-            return
+            return None
         # Refused on every rank (a changed config would train neither run); listed by rank 0.
         changes = check_resume_config(
             read_manifest(path).get("config", {}),
@@ -379,6 +391,9 @@ class Trainer:
         )
         if self.ctx.is_main:
             log_resume_changes(changes, path)
+        return path
+
+    def _resume(self, path: Path) -> None:
         # A run switched to fp16 resumes a checkpoint without a gradient scaler: its scaler starts fresh.
         self.checkpointer.load(path, self.checkpoint_state(), optional=("rng", "grad_scaler"))
         logger.info("resumed from %s at step %d (epoch %d)", path, self.progress.step, self.position.epoch)

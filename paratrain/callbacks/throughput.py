@@ -24,7 +24,9 @@ import torch
 from torch import nn
 
 from paratrain.callbacks.base import Callback, CallbackContext
+from paratrain.config.schema import FSDPConfig
 from paratrain.parallel.collectives import all_reduce_sum
+from paratrain.parallel.dims import ParallelDims
 
 logger = logging.getLogger("paratrain")
 
@@ -57,7 +59,7 @@ class ThroughputMonitor(Callback):
     def on_train_start(self, context: CallbackContext) -> None:
         trainer = context.trainer
         if self.flops_per_sample is None:
-            pipeline_group = trainer.mesh["pp"].get_group() if trainer.dims.pp > 1 else None
+            pipeline_group = trainer.dims.pp_mesh.get_group() if trainer.dims.pp_enabled else None
             self.flops_per_sample = model_flops_per_sample(
                 trainer.bare_model,
                 tokens_per_sample=trainer.tokens_per_sample,
@@ -65,9 +67,11 @@ class ThroughputMonitor(Callback):
                 device=trainer.ctx.device,
             )
         if self.peak_flops_per_device is None:
-            self.peak_flops_per_device = peak_flops(trainer.ctx.device, compute_dtype(trainer.config))
+            self.peak_flops_per_device = peak_flops(
+                trainer.ctx.device, compute_dtype(trainer.config.precision, trainer.config.parallel.fsdp, trainer.dims)
+            )
         # One device per process, except DataParallel, whose one process drives every visible GPU.
-        gpus_per_process = torch.cuda.device_count() if trainer.config.parallel.strategy == "dp" else 1
+        gpus_per_process = torch.cuda.device_count() if trainer.dims.dataparallel_enabled else 1
         self.num_devices = trainer.ctx.world_size * max(gpus_per_process, 1)
         if self.peak_flops_per_device is None and trainer.ctx.is_main:
             logger.info(
@@ -115,12 +119,12 @@ def peak_flops_of(name: str, dtype: str, *, tf32: bool = False) -> float | None:
     return next((peaks[dtype] for fragment, peaks in PEAK_FLOPS if fragment in name), None)
 
 
-def compute_dtype(config) -> str:
+def compute_dtype(precision: str, fsdp: FSDPConfig, dims: ParallelDims) -> str:
     """The dtype matmuls run in: autocast's (precision), else FSDP's param_dtype, else fp32."""
-    if config.precision != "fp32":
-        return config.precision
-    if config.parallel.strategy in ("fsdp", "hsdp") and config.parallel.fsdp.param_dtype:
-        return config.parallel.fsdp.param_dtype
+    if precision != "fp32":
+        return precision
+    if dims.fsdp_enabled and fsdp.param_dtype:
+        return fsdp.param_dtype
     return "fp32"
 
 

@@ -20,7 +20,7 @@ from paratrain.data.checks import check_data_fits_model
 from paratrain.errors import CheckpointError, ConfigError
 from paratrain.evaluation import check_evaluation
 from paratrain.models.plan import plan_of
-from paratrain.parallel.dims import ParallelDims
+from paratrain.parallel.dims import ParallelDims, resolve_parallel_dims
 from paratrain.parallel.pipeline.checks import check_pipeline
 
 
@@ -53,12 +53,7 @@ def preflight(config: Config, *, world_size: int, nproc_per_node: int) -> None:
 
 
 def _dims(config: Config, world_size: int, nproc_per_node: int) -> ParallelDims:
-    return ParallelDims.resolve(
-        config.parallel.strategy,
-        world_size=world_size,
-        local_world_size=nproc_per_node,
-        degrees=config.parallel.degrees(),
-    )
+    return resolve_parallel_dims(config.parallel, world_size=world_size, local_world_size=nproc_per_node)
 
 
 def _check_layout(config: Config, world_size: int, nproc_per_node: int) -> None:
@@ -94,14 +89,14 @@ def _check_data_fits_model(config: Config) -> None:
 
 def _check_precision(config: Config, dims: ParallelDims) -> None:
     fsdp = config.parallel.fsdp
-    if config.precision == "fp16" and dims.tp > 1 and config.parallel.strategy not in ("fsdp", "hsdp"):
+    if config.precision == "fp16" and dims.tp_enabled and not dims.fsdp_enabled:
         # Tensor parallel alone leaves embeddings and norms unsharded beside sharded linears, and the
         # gradient scaler's unscale kernel refuses that mix; under fsdp every parameter is sharded.
         raise ConfigError(
             "precision=fp16 with tensor parallel alone is not supported: the gradient scaler cannot unscale "
-            "a mix of sharded and unsharded gradients; use precision=bf16, or parallel.strategy=fsdp with parallel.tp"
+            "a mix of sharded and unsharded gradients; use precision=bf16, or add data-parallel shards (parallel.dp_shard) beside parallel.tp"
         )
-    if config.precision == "fp16" and fsdp.cpu_offload and config.parallel.strategy in ("fsdp", "hsdp"):
+    if config.precision == "fp16" and fsdp.cpu_offload and dims.fsdp_enabled:
         raise ConfigError(
             "precision=fp16 with parallel.fsdp.cpu_offload=true is not supported: the gradient scaler "
             "cannot unscale gradients offloaded to the CPU; use precision=bf16, or cpu_offload=false"

@@ -101,20 +101,24 @@ class FSDPConfig(Section):
 
 
 class ParallelConfig(Section):
-    strategy: Literal["single", "dp", "model_parallel", "ddp", "fsdp", "hsdp", "tp", "pp"] = "single"
-    """single: one process. dp: torch.nn.DataParallel over the local GPUs of one process.
-    model_parallel: one process, consecutive pipeline stages on the devices in pipeline.devices.
-    ddp: DistributedDataParallel. fsdp: FSDP2 fully_shard over all data-parallel ranks. hsdp: shard
-    within parallel.dp_shard ranks, replicate across parallel.dp_replicate groups. tp: tensor
-    parallel over all ranks. pp: pipeline parallel over all ranks. Each is a shorthand for the degrees
-    below; tp combines with fsdp/hsdp, and parallel.pp with ddp, fsdp, hsdp and tp."""
+    strategy: Literal["single", "dp", "model_parallel", "ddp", "fsdp", "hsdp", "tp", "pp"] | None = None
+    """Optional shorthand; the degrees below decide the layout and this only fills those left unset
+    (explicit degrees win). null: one process trains alone, several run DDP over all of them unless
+    degrees say otherwise. single: one process. dp: torch.nn.DataParallel over the local GPUs of one
+    process. model_parallel: one process, consecutive pipeline stages on the devices in
+    pipeline.devices. ddp: replicate over the ranks left (dp_replicate=-1). fsdp: shard over the ranks
+    left (dp_shard=-1). hsdp: shard within a node, replicate across nodes. tp: tensor parallel over the
+    ranks left. pp: pipeline parallel over the ranks left. A name whose own degree is set to 1
+    (tp with parallel.tp=1) is refused."""
     dp_replicate: int | None = None
-    """Data-parallel replicas (ddp, hsdp). null: the strategy's default; -1: fill the world size."""
+    """Data-parallel replicas: copies of the model (or of each shard group) that read different data.
+    null: the strategy's default (DDP over all ranks when nothing else is set); -1: fill the world size."""
     dp_shard: int | None = None
-    """Ranks that shard each replica's parameters (fsdp, hsdp). null: the strategy's default
-    (hsdp: processes per node); -1: fill the world size."""
+    """Ranks that shard each replica's parameters with FSDP (> 1 makes the layout fsdp, or hsdp with
+    dp_replicate > 1). null: the strategy's default (hsdp: processes per node); -1: fill the world size."""
     tp: int | None = None
-    """Tensor-parallel degree; must divide the model's attention heads and hidden sizes."""
+    """Tensor-parallel degree; must divide the model's attention heads and hidden sizes. With data-parallel
+    ranks beside it, those shard (or replicate) through FSDP. null: the strategy's default; -1: fill."""
     pp: int | None = None
     """Pipeline-parallel degree: ranks that each hold consecutive stages of the model (see pipeline.*).
     null: the strategy's default (pp: all ranks; others: 1); -1: fill the world size."""
@@ -128,9 +132,9 @@ class ParallelConfig(Section):
     sequence_parallel: bool = False
     """With tp: also shard norms and residual activations along the sequence dimension."""
     ddp: DDPConfig = DDPConfig()
-    """DistributedDataParallel options (strategy ddp only)."""
+    """DistributedDataParallel options (layouts that resolve to ddp only)."""
     fsdp: FSDPConfig = FSDPConfig()
-    """fully_shard options (strategies fsdp and hsdp)."""
+    """fully_shard options (layouts that resolve to fsdp or hsdp)."""
 
     def degrees(self) -> dict[str, int | None]:
         return {"pp": self.pp, "dp_replicate": self.dp_replicate, "dp_shard": self.dp_shard, "tp": self.tp}

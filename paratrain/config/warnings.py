@@ -2,19 +2,28 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from paratrain.config.schema import Config
 
+if TYPE_CHECKING:  # the CLI imports this module before torch.distributed is needed
+    from paratrain.parallel.dims import ParallelDims
 
-def ineffective_options(config: Config) -> list[str]:
-    """One message per explicitly set option that the rest of the config makes irrelevant."""
+
+def ineffective_options(config: Config, dims: ParallelDims) -> list[str]:
+    """One message per explicitly set option that the rest of the config makes irrelevant.
+
+    Args:
+        dims: The layout the config resolves to at this world size (``resolve_parallel_dims``).
+    """
     warnings = []
-    if config.parallel.strategy != "ddp" and config.parallel.ddp.model_fields_set:
+    if not dims.ddp_enabled and config.parallel.ddp.model_fields_set:
         keys = ", ".join(f"parallel.ddp.{name}" for name in sorted(config.parallel.ddp.model_fields_set))
-        warnings.append(f"{keys} has no effect with parallel.strategy={config.parallel.strategy}")
-    warnings += _sharding_warnings(config)
-    warnings += _pipeline_warnings(config)
+        warnings.append(f"{keys} has no effect with the {dims.describe_layout()} layout (ddp only)")
+    warnings += _sharding_warnings(config, dims)
+    warnings += _pipeline_warnings(config, dims)
     optim = config.optim
     if optim.name == "adamw" and "momentum" in optim.model_fields_set:
         warnings.append("optim.momentum has no effect with optim.name=adamw (it is an SGD option)")
@@ -44,28 +53,27 @@ def _eval_and_profile_warnings(config: Config) -> list[str]:
     return warnings
 
 
-def _sharding_warnings(config: Config) -> list[str]:
+def _sharding_warnings(config: Config, dims: ParallelDims) -> list[str]:
     parallel, warnings = config.parallel, []
-    sharded = parallel.strategy in ("fsdp", "hsdp")
+    sharded = dims.fsdp_enabled
     if not sharded and parallel.fsdp.model_fields_set:  # all fsdp options, grad_sync included, are fsdp-only
         keys = ", ".join(f"parallel.fsdp.{name}" for name in sorted(parallel.fsdp.model_fields_set))
-        warnings.append(f"{keys} has no effect with parallel.strategy={parallel.strategy} (fsdp and hsdp only)")
-    uses_tp = parallel.strategy == "tp" or (parallel.tp or 1) > 1
-    if parallel.sequence_parallel and not uses_tp:
+        warnings.append(f"{keys} has no effect with the {dims.describe_layout()} layout (fsdp and hsdp only)")
+    if parallel.sequence_parallel and not dims.tp_enabled:
         warnings.append("parallel.sequence_parallel has no effect without tensor parallel (parallel.tp > 1)")
     if sharded and parallel.fsdp.cpu_offload and config.train.device != "cuda" and not torch.cuda.is_available():
         warnings.append("parallel.fsdp.cpu_offload has no effect when training on the CPU already")
     return warnings
 
 
-def _pipeline_warnings(config: Config) -> list[str]:
-    parallel, pipeline = config.parallel, config.pipeline
-    pipelined = parallel.strategy == "pp" or (parallel.pp or 1) > 1
+def _pipeline_warnings(config: Config, dims: ParallelDims) -> list[str]:
+    pipeline = config.pipeline
+    pipelined = dims.pp_enabled
     set_keys = pipeline.model_fields_set
-    if not pipelined and parallel.strategy != "model_parallel" and set_keys:
+    if not pipelined and not dims.model_parallel_enabled and set_keys:
         keys = ", ".join(f"pipeline.{name}" for name in sorted(set_keys))
-        return [f"{keys} has no effect without a pipeline (parallel.strategy=pp, parallel.pp > 1 or model_parallel)"]
-    if parallel.strategy == "model_parallel" and set_keys - {"split_points", "balance", "devices"}:
+        return [f"{keys} has no effect without a pipeline (parallel.pp > 1, or parallel.strategy=model_parallel)"]
+    if dims.model_parallel_enabled and set_keys - {"split_points", "balance", "devices"}:
         keys = ", ".join(f"pipeline.{name}" for name in sorted(set_keys - {"split_points", "balance", "devices"}))
         return [f"{keys} has no effect with parallel.strategy=model_parallel (it runs one part at a time, no schedule)"]
     if pipelined and "devices" in set_keys:

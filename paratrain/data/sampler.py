@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
+from paratrain.config.schema import DataConfig
 from paratrain.errors import ConfigError
 
 
@@ -99,3 +100,25 @@ class GlobalBatchSampler:
             for batch_in_epoch in range(batch, self.batches_per_epoch):
                 yield from self.step_micro_batches(order, batch_in_epoch)
             epoch, batch = epoch + 1, 0
+
+
+def build_sampler(
+    dataset_size: int,
+    options: DataConfig,
+    *,
+    global_batch_size: int,
+    micro_batch_size: int,
+    seed: int,
+    dp_rank: int,
+    dp_size: int,
+) -> GlobalBatchSampler:
+    """The sampler of ``data.shuffle`` over this rank's share of each global batch."""
+    return GlobalBatchSampler(
+        dataset_size=dataset_size,
+        global_batch_size=global_batch_size,
+        micro_batch_size=micro_batch_size,
+        dp_rank=dp_rank,
+        dp_size=dp_size,
+        seed=seed,
+        shuffle=options.shuffle,
+    )

@@ -1,4 +1,4 @@
-"""DistributedDataParallel over the mesh's data-parallel axis."""
+"""DistributedDataParallel over the replicas' mesh (``ParallelDims.ddp_mesh``)."""
 
 from __future__ import annotations
 
@@ -20,13 +20,13 @@ def apply_ddp(
     find_unused_parameters: bool,
     gradient_as_bucket_view: bool,
 ) -> DistributedDataParallel:
-    """Wraps a model already on its device; gradients are averaged over ``mesh["dp_replicate"]``."""
+    """Wraps a model already on its device; gradients are averaged over ``mesh`` (the replicas' 1-D mesh)."""
     # Passing bucket_cap_mb at all turns off DDP's small first bucket, so pass it only when set.
     bucket = {"bucket_cap_mb": bucket_cap_mb} if bucket_cap_mb is not None else {}
     return DistributedDataParallel(
         model,
         device_ids=[device.index] if device.type == "cuda" else None,
-        process_group=mesh["dp_replicate"].get_group(),
+        process_group=mesh.get_group(),
         **bucket,
         static_graph=static_graph,
         find_unused_parameters=find_unused_parameters,

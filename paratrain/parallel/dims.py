@@ -1,16 +1,19 @@
-"""The degrees of parallelism, their validation, and the named DeviceMesh over them.
+"""The degrees of parallelism, how a config's ``parallel`` section resolves to them, and the named
+DeviceMesh over them with one sub-mesh per role.
 
 Ranks are laid out as ``torch.arange(world_size).view(pp, dp_replicate, dp_shard, tp)``: tensor
-parallel innermost (neighbouring ranks share the fastest links), pipeline outermost. Every other
-piece of code asks the mesh for its group (``mesh["tp"]``, ``mesh["dp_shard"]``) instead of
-computing ranks itself.
+parallel innermost (neighbouring ranks share the fastest links), pipeline outermost. Rank 5 of 8 with
+``pp=2, dp_replicate=1, dp_shard=2, tp=2`` sits at (1, 0, 0, 1): the second pipeline stage, the first
+shard, the second tensor-parallel half. Other code asks for a role (``dims.fsdp_mesh``,
+``dims.batch_mesh``, ``dims.dp_rank``) instead of computing ranks or comparing layout names.
 
-The named strategies are shorthands for degrees; a degree set explicitly wins, and one degree may be
--1 to take whatever the world size leaves:
+Degrees decide the layout; ``parallel.strategy`` is an optional shorthand that fills only the degrees
+left unset (explicit degrees always win), and one degree may be -1 to take what the world size leaves:
 
 ============  ====================================================
-strategy      degrees when none are given
+strategy      degrees it fills when they are unset
 ============  ====================================================
+(none)        one process: single; several: dp_replicate = -1 (DDP)
 single, dp,   all 1 (one process)
 model_parallel
 ddp           dp_replicate = -1
@@ -21,18 +24,20 @@ tp            tp = -1
 pp            pp = -1
 ============  ====================================================
 
-``parallel.pp`` adds pipeline stages to ddp, fsdp, hsdp and tp: each pipeline rank runs the
-strategy's data or tensor parallelism among the ranks that hold the same stages.
+The resolved degrees then choose how data-parallel ranks synchronise: FSDP (``fully_shard``) over
+(dp_replicate, dp_shard) when anything is sharded across them (dp_shard > 1, or tensor parallel with
+replicas, since DDP cannot wrap DTensor parameters); DDP over dp_replicate otherwise.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import Literal
 
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from paratrain.config.schema import ParallelConfig, PipelineConfig, TrainConfig
 from paratrain.errors import ConfigError
 
 Strategy = Literal["single", "dp", "model_parallel", "ddp", "fsdp", "hsdp", "tp", "pp"]
@@ -40,39 +45,79 @@ Strategy = Literal["single", "dp", "model_parallel", "ddp", "fsdp", "hsdp", "tp"
 MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "tp")
 
 _ONE_PROCESS = ("single", "dp", "model_parallel")
+_SHARDED = ("fsdp", "hsdp")
+# Each multi-process name, and the degree it is about: setting that degree to 1 contradicts the name.
+_OWN_DEGREE = {"tp": "tp", "fsdp": "dp_shard", "pp": "pp"}
+
+
+def resolve_parallel_dims(options: ParallelConfig, *, world_size: int, local_world_size: int = 1) -> ParallelDims:
+    """The one place a ``parallel`` section becomes degrees: every command and the trainer call this.
+
+    A future ``strategy: auto`` plugs in here (choose the degrees, then resolve them as if set).
+
+    Raises:
+        ConfigError: naming the keys, the resolved degrees and the fix.
+    """
+    return ParallelDims.resolve(
+        options.strategy, world_size=world_size, local_world_size=local_world_size, degrees=options.degrees()
+    )
+
+
+def micro_batch_size(train: TrainConfig, pipeline: PipelineConfig, *, dims: ParallelDims) -> int:
+    """Samples per forward on one rank: train.micro_batch_size, unless a pipeline's micro-batch
+    count (pipeline.microbatches) decides it."""
+    if dims.pp_enabled and pipeline.microbatches:
+        return train.global_batch_size // (dims.dp * pipeline.microbatches)
+    return train.micro_batch_size
+
+
+def runs_in_one_process(options: ParallelConfig) -> bool:
+    """Whether the section names a one-process layout (single, dp, model_parallel)."""
+    return options.strategy in _ONE_PROCESS
 
 
 @dataclass(frozen=True)
 class ParallelDims:
-    """Degrees of each parallel axis for a strategy at a world size (their product)."""
+    """Degrees of each parallel axis (their product is the world size), the resolved layout's name and,
+    once ``with_mesh`` has built it, the named mesh.
+
+    ``strategy`` is the layout that runs, derived from the degrees (``hsdp`` for dp_replicate=2 x
+    dp_shard=2 whatever name the config used); only the one-process names are kept as given.
+    """
 
     strategy: Strategy
     pp: int = 1
     dp_replicate: int = 1
     dp_shard: int = 1
     tp: int = 1
+    mesh: DeviceMesh | None = field(default=None, compare=False, repr=False)
 
     @classmethod
     def resolve(
         cls,
-        strategy: Strategy,
+        strategy: Strategy | None,
         *,
         world_size: int,
         local_world_size: int = 1,
         degrees: dict[str, int | None] | None = None,
     ) -> ParallelDims:
-        """Fills the strategy's defaults, resolves -1 and checks the product.
+        """Fills the degrees left unset from the strategy's shorthand, resolves -1 and checks the product.
 
         Args:
+            strategy: The shorthand the user named; None lets the degrees (and the world size) decide.
             degrees: Degrees the user set (``parallel.dp_shard`` etc.); None means not set.
 
         Raises:
             ConfigError: naming the degrees and the world size when they do not fit.
         """
         given = _given(degrees)
-        chosen = {**_strategy_defaults(strategy, local_world_size, given), **given}
-        _check_strategy_fits(strategy, chosen, world_size)
-        return cls(strategy, **_fill(chosen, world_size))
+        _check_one_process(strategy, given, world_size)
+        _check_no_contradiction(strategy, given, world_size=world_size, local_world_size=local_world_size)
+        shorthand = strategy or ("single" if world_size == 1 else "ddp")
+        filled = _fill({**_unset_defaults(shorthand, local_world_size, given), **given}, world_size)
+        return cls(_layout_name(strategy or shorthand, filled, named=strategy is not None), **filled)
+
+    # Sizes and switches -------------------------------------------------------------------------
 
     @property
     def dp(self) -> int:
@@ -84,52 +129,104 @@ class ParallelDims:
         return self.pp * self.dp * self.tp
 
     @property
-    def is_sharded(self) -> bool:
-        """Whether parameters (and so gradients) are split across ranks."""
-        return self.tp > 1 or self.strategy in ("fsdp", "hsdp")
-
-    @property
     def needs_process_group(self) -> bool:
         return self.strategy not in _ONE_PROCESS
 
-    def build_mesh(self, device_type: str) -> DeviceMesh | None:
-        """The named 4-D mesh over all ranks, or None for one-process strategies (no group exists)."""
+    @property
+    def fsdp_enabled(self) -> bool:
+        """Parameters are fully_shard-ed over ``fsdp_mesh`` (fsdp and hsdp layouts)."""
+        return self.strategy in _SHARDED
+
+    @property
+    def ddp_enabled(self) -> bool:
+        """Whole replicas, gradients averaged by DistributedDataParallel over ``ddp_mesh``."""
+        return self.strategy == "ddp"
+
+    @property
+    def tp_enabled(self) -> bool:
+        return self.tp > 1
+
+    @property
+    def pp_enabled(self) -> bool:
+        return self.pp > 1
+
+    @property
+    def dataparallel_enabled(self) -> bool:
+        """One process driving torch.nn.DataParallel over its local GPUs (strategy dp)."""
+        return self.strategy == "dp"
+
+    @property
+    def model_parallel_enabled(self) -> bool:
+        """One process running consecutive parts of the model on several devices (strategy model_parallel)."""
+        return self.strategy == "model_parallel"
+
+    @property
+    def is_sharded(self) -> bool:
+        """Whether parameters (and so gradients) are split across ranks."""
+        return self.tp_enabled or self.fsdp_enabled
+
+    # The mesh and its roles ---------------------------------------------------------------------
+
+    def with_mesh(self, device_type: str) -> ParallelDims:
+        """These degrees with the named 4-D mesh over all ranks built (none for one-process layouts),
+        plus two flattened dimensions: ``dp`` (dp_replicate x dp_shard) and ``loss`` (pp x dp)."""
         if not self.needs_process_group:
-            return None
+            return self
         shape = tuple(getattr(self, name) for name in MESH_DIMS)
-        return init_device_mesh(device_type, shape, mesh_dim_names=MESH_DIMS)
+        mesh = init_device_mesh(device_type, shape, mesh_dim_names=MESH_DIMS)
+        mesh["dp_replicate", "dp_shard"]._flatten("dp")
+        mesh["pp", "dp_replicate", "dp_shard"]._flatten("loss")
+        return replace(self, mesh=mesh)
+
+    @property
+    def batch_mesh(self) -> DeviceMesh | None:
+        """The ranks that read different slices of a global batch (dp_replicate x dp_shard, flattened)."""
+        return self.mesh["dp"] if self.mesh is not None else None
+
+    @property
+    def loss_mesh(self) -> DeviceMesh | None:
+        """What a step's loss is summed over: the data-parallel ranks of every pipeline stage (stages
+        without the loss add zero; tensor-parallel ranks hold copies and are left out). Divide by ``dp``."""
+        return self.mesh["loss"] if self.mesh is not None else None
+
+    @property
+    def fsdp_mesh(self) -> DeviceMesh | None:
+        """What fully_shard shards over: dp_shard, or (dp_replicate, dp_shard) for hsdp's replicas."""
+        if not self.fsdp_enabled or self.mesh is None:
+            return None
+        return self.mesh["dp_replicate", "dp_shard"] if self.dp_replicate > 1 else self.mesh["dp_shard"]
+
+    @property
+    def ddp_mesh(self) -> DeviceMesh | None:
+        return self.mesh["dp_replicate"] if self.ddp_enabled and self.mesh is not None else None
+
+    @property
+    def tp_mesh(self) -> DeviceMesh | None:
+        return self.mesh["tp"] if self.mesh is not None else None
+
+    @property
+    def pp_mesh(self) -> DeviceMesh | None:
+        return self.mesh["pp"] if self.mesh is not None else None
+
+    @property
+    def dp_rank(self) -> int:
+        """This rank's position among the data-parallel ranks: which slice of each global batch it reads."""
+        return self.batch_mesh.get_local_rank() if self.mesh is not None else 0
+
+    @property
+    def pp_rank(self) -> int:
+        return self.pp_mesh.get_local_rank() if self.mesh is not None else 0
+
+    # Words --------------------------------------------------------------------------------------
 
     def describe(self) -> str:
+        """Every degree: ``pp=1 x dp_replicate=2 x dp_shard=2 x tp=1``."""
         return " x ".join(f"{name}={getattr(self, name)}" for name in MESH_DIMS)
 
-
-def data_parallel_coordinates(mesh: DeviceMesh | None) -> tuple[int, int]:
-    """(rank, size) of this process along the data-parallel axes: what the data loader needs.
-
-    Replicas and shards both read different data: rank = replicate_rank * dp_shard + shard_rank.
-    """
-    if mesh is None:
-        return 0, 1
-    replicate, shard = mesh["dp_replicate"], mesh["dp_shard"]
-    rank = replicate.get_local_rank() * shard.size() + shard.get_local_rank()
-    return rank, replicate.size() * shard.size()
-
-
-def _strategy_defaults(strategy: Strategy, local_world_size: int, given: dict[str, int]) -> dict[str, int]:
-    if strategy == "ddp":
-        return {"dp_replicate": -1}
-    if strategy == "fsdp":
-        return {"dp_shard": -1}
-    if strategy == "hsdp":
-        # With one of the two set, the other fills; with neither, shard within a node.
-        if "dp_replicate" in given or "dp_shard" in given:
-            return {"dp_replicate": -1, "dp_shard": -1, **given}
-        return {"dp_shard": local_world_size, "dp_replicate": -1}
-    if strategy == "tp":
-        return {"tp": -1}
-    if strategy == "pp":
-        return {"pp": -1}
-    return {}
+    def describe_layout(self) -> str:
+        """The layout as the start-up log names it: ``hsdp: dp_replicate=2 x dp_shard=2``."""
+        used = [f"{name}={getattr(self, name)}" for name in MESH_DIMS if getattr(self, name) > 1]
+        return f"{self.strategy}: {' x '.join(used) or 'one process'}"
 
 
 def _given(degrees: dict[str, int | None] | None) -> dict[str, int]:
@@ -140,36 +237,69 @@ def _given(degrees: dict[str, int | None] | None) -> dict[str, int]:
     return given
 
 
-def _check_strategy_fits(strategy: Strategy, chosen: dict[str, int], world_size: int) -> None:
-    more_than_one = {name for name, value in chosen.items() if value != 1}
+def _check_one_process(strategy: Strategy | None, given: dict[str, int], world_size: int) -> None:
+    more_than_one = sorted(name for name, value in given.items() if value != 1)
     if strategy in _ONE_PROCESS and (world_size != 1 or more_than_one):
+        also = f" and {', '.join(f'parallel.{n}' for n in more_than_one)} set" if more_than_one else ""
         raise ConfigError(
-            f"parallel.strategy={strategy} runs in one process, but {world_size} were started"
-            f"{' and ' + ', '.join(f'parallel.{n}' for n in sorted(more_than_one)) + ' set' if more_than_one else ''}; "
-            f"use parallel.strategy=ddp (or fsdp, hsdp, tp) for several processes, or start one"
+            f"parallel.strategy={strategy} runs in one process, but {world_size} were started{also}; "
+            f"remove parallel.strategy (the degrees and process count then decide: DDP by default), or start one"
         )
-    if strategy == "ddp" and more_than_one - {"dp_replicate", "pp"}:
-        raise ConfigError(
-            f"parallel.strategy=ddp replicates whole models; {', '.join(f'parallel.{n}' for n in sorted(more_than_one - {'dp_replicate', 'pp'}))} "
-            f"need sharded parameters: use parallel.strategy=fsdp (with parallel.tp for fsdp + tensor parallel)"
-        )
-    if strategy == "pp" and more_than_one - {"pp"}:
-        raise ConfigError(
-            f"parallel.strategy=pp is pipeline parallel alone; to combine it with "
-            f"{', '.join(f'parallel.{n}' for n in sorted(more_than_one - {'pp'}))}, use parallel.strategy=ddp "
-            f"(or fsdp, hsdp, tp) and set parallel.pp"
-        )
-    if strategy == "tp" and (chosen.get("dp_replicate", 1) != 1 or chosen.get("dp_shard", 1) != 1):
-        # Nothing would synchronise the data-parallel replicas' gradients: they would drift apart.
-        raise ConfigError(
-            "parallel.strategy=tp is tensor parallel alone; to add data parallel, use "
-            "parallel.strategy=fsdp (or hsdp) with parallel.tp"
-        )
-    if strategy == "fsdp" and chosen.get("dp_replicate", 1) != 1:
-        raise ConfigError(
-            "parallel.strategy=fsdp shards over all data-parallel ranks; to replicate across "
-            "parallel.dp_replicate groups as well, use parallel.strategy=hsdp"
-        )
+
+
+def _check_no_contradiction(
+    strategy: Strategy | None, given: dict[str, int], *, world_size: int, local_world_size: int
+) -> None:
+    """A name whose own degree the user set to 1 (strategy=tp with tp=1) says two opposite things."""
+    own = _OWN_DEGREE.get(strategy or "")
+    if own is None or given.get(own) != 1:
+        return
+    try:
+        without_name = ParallelDims.resolve(
+            None, world_size=world_size, local_world_size=local_world_size, degrees=given
+        ).describe_layout()
+    except ConfigError as error:
+        without_name = f"no layout ({error})"
+    raise ConfigError(
+        f"parallel.strategy={strategy} contradicts parallel.{own}=1 at world size {world_size}: the name asks for "
+        f"{own} > 1; without the name the degrees resolve to {without_name}. Remove parallel.strategy, or set "
+        f"parallel.{own} to more than 1 (or -1)"
+    )
+
+
+def _unset_defaults(strategy: Strategy, local_world_size: int, given: dict[str, int]) -> dict[str, int]:
+    """The shorthand's degrees for those the user left unset; its -1 gives way to a -1 the user set."""
+    if strategy == "hsdp" and not ({"dp_replicate", "dp_shard"} & given.keys()):
+        defaults = {"dp_shard": local_world_size, "dp_replicate": -1}  # shard within a node
+    else:
+        defaults = {
+            "ddp": {"dp_replicate": -1},
+            "fsdp": {"dp_shard": -1},
+            "hsdp": {"dp_replicate": -1, "dp_shard": -1},
+            "tp": {"tp": -1},
+            "pp": {"pp": -1},
+        }.get(strategy, {})
+    defaults = {name: value for name, value in defaults.items() if name not in given}
+    if -1 in given.values():
+        defaults = {name: value for name, value in defaults.items() if value != -1}
+    return defaults
+
+
+def _layout_name(shorthand: Strategy, degrees: dict[str, int], *, named: bool) -> Strategy:
+    """The layout the resolved degrees run (see the module docstring). A name the user gave decides only
+    where the degrees leave it open (a group of one process)."""
+    if shorthand in _ONE_PROCESS:
+        return shorthand
+    replicas, shards = degrees["dp_replicate"] > 1, degrees["dp_shard"] > 1
+    if shorthand in _SHARDED or shards or (replicas and degrees["tp"] > 1):
+        return "hsdp" if replicas else "fsdp"
+    if replicas:
+        return "ddp"
+    if degrees["tp"] > 1:
+        return "tp"
+    if degrees["pp"] > 1:
+        return "pp"
+    return shorthand if named else "ddp"
 
 
 def _fill(chosen: dict[str, int], world_size: int) -> dict[str, int]:

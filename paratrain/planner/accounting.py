@@ -10,9 +10,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from paratrain.builders import micro_batch_size
 from paratrain.config.schema import Config, FSDPConfig, OptimConfig
-from paratrain.parallel.dims import ParallelDims
+from paratrain.parallel.dims import ParallelDims, micro_batch_size
 from paratrain.planner.activations import ActivationShape, head_bytes, layer_bytes, recompute_bytes
 from paratrain.planner.model_facts import ModelFacts, ParamFacts
 
@@ -53,7 +52,7 @@ class StageShare:
 
 def fsdp_degree(dims: ParallelDims) -> int:
     """Ranks each parameter is cut across by FSDP (1 when the layout does not use it)."""
-    return dims.dp_shard if dims.strategy in ("fsdp", "hsdp") else 1
+    return dims.dp_shard if dims.fsdp_enabled else 1
 
 
 def model_state_bytes(
@@ -135,9 +134,9 @@ def working_bytes(facts: ModelFacts, share: StageShare, config: Config, dims: Pa
     under grad_sync=last_micro_batch with accumulation, every unsharded gradient between micro-batches.
     DDP without gradient_as_bucket_view: a second copy of the gradients in its buckets."""
     parallel = config.parallel
-    if dims.strategy == "ddp" and not parallel.ddp.gradient_as_bucket_view:
+    if dims.ddp_enabled and not parallel.ddp.gradient_as_bucket_view:
         return FP32 * sum(param.numel for param in share.params)
-    if dims.strategy not in ("fsdp", "hsdp"):
+    if not dims.fsdp_enabled:
         return 0
     return _fsdp_working_bytes(facts, share, parallel.fsdp, dims=dims, accumulating=_accumulates(config, dims))
 

@@ -13,9 +13,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from paratrain.builders import micro_batch_size
 from paratrain.config.schema import Config
-from paratrain.parallel.dims import ParallelDims
+from paratrain.parallel.dims import ParallelDims, micro_batch_size
 from paratrain.planner.accounting import DTYPE_BYTES, FP32, StageShare, activation_shape
 from paratrain.planner.model_facts import ModelFacts
 
@@ -95,7 +94,7 @@ def _data_parallel_traffic(
     """DDP all-reduces fp32 gradients once per step. FSDP all-gathers parameters for every micro-batch's
     forward (and again for backward when it reshards after forward) and reduce-scatters gradients (every
     micro-batch, or once); HSDP then all-reduces its shard across replicas."""
-    if dims.strategy == "ddp":
+    if dims.ddp_enabled:
         buckets = -(-FP32 * numel // DDP_BUCKET_BYTES)
         return _sent(
             ring_factor(dims.dp_replicate, all_reduce=True) * FP32 * numel,
@@ -104,7 +103,7 @@ def _data_parallel_traffic(
             gpus_per_node=gpus_per_node,
             messages=buckets,
         )
-    if dims.strategy not in ("fsdp", "hsdp"):
+    if not dims.fsdp_enabled:
         return Traffic()
     fsdp = config.parallel.fsdp
     gathered = DTYPE_BYTES[fsdp.param_dtype] if fsdp.param_dtype else FP32

@@ -2,7 +2,7 @@
 
 A fake process group (``torch.testing._internal.distributed.fake_pg``: collectives that move no data)
 stands in for the world, so the real DeviceMesh is built and rank 0's model is laid out on the meta
-device by the same apply_* functions training uses. Nothing is trained: no data is read, no
+device by the same ``parallelize`` training uses. Nothing is trained: no data is read, no
 checkpoint or output directory is written, no memory is allocated for the model.
 """
 
@@ -19,7 +19,9 @@ from torch.distributed.tensor import DTensor
 from paratrain.config.factories import call_factory
 from paratrain.config.schema import Config
 from paratrain.errors import ConfigError
+from paratrain.models.plan import plan_of
 from paratrain.parallel.dims import MESH_DIMS, ParallelDims
+from paratrain.parallel.parallelize import parallelize
 from paratrain.planner.accounting import FP32, StageShare, rank_memory, stage_shares
 from paratrain.planner.layouts import check_layout
 from paratrain.planner.model_facts import read_model_facts
@@ -56,15 +58,15 @@ def dry_run(config: Config, *, nproc_per_node: int, nnodes: int) -> str:
     shares = stage_shares(facts, config, dims)
     memory = [rank_memory(facts, share, config, dims, measured_per_sample=measured) for share in shares]
     lines = [
-        f"dry run: {world_size} ranks ({nnodes} node(s) x {nproc_per_node}), parallel.strategy="
-        f"{config.parallel.strategy}: {dims.describe()}; nothing trained (no data read, nothing written)"
+        f"dry run: {world_size} ranks ({nnodes} node(s) x {nproc_per_node}), layout "
+        f"{dims.strategy}: {dims.describe()}; nothing trained (no data read, nothing written)"
     ]
     if not dims.needs_process_group:
         return "\n".join([*lines, "one process, no process group", *_memory_lines(shares, memory, source)])
     with fake_process_group(world_size):
-        mesh = dims.build_mesh("cpu")
-        model = build_rank0_on_meta(config, dims, mesh)
-        ranks = mesh.mesh.clone()
+        dims = dims.with_mesh("cpu")
+        model = build_rank0_on_meta(config, dims)
+        ranks = dims.mesh.mesh.clone()
     lines += _parameter_lines(model, dims)
     lines += [
         f"rank 0 built on meta: {format_bytes(_local_bytes(model))} of fp32 parameters; "
@@ -76,7 +78,7 @@ def dry_run(config: Config, *, nproc_per_node: int, nnodes: int) -> str:
     return "\n".join(lines)
 
 
-def build_rank0_on_meta(config: Config, dims: ParallelDims, mesh) -> nn.Module:
+def build_rank0_on_meta(config: Config, dims: ParallelDims) -> nn.Module:
     """Rank 0's model on meta, laid out by the functions training uses, stopped before materialising."""
 
     def factory() -> nn.Module:
@@ -86,12 +88,10 @@ def build_rank0_on_meta(config: Config, dims: ParallelDims, mesh) -> nn.Module:
         from paratrain.parallel.pipeline.build import lay_out_stages, pipeline_shape
 
         shape = pipeline_shape(config.pipeline, dims=dims, train=config.train)
-        return lay_out_stages(factory, config.parallel, config.pipeline, shape=shape, dims=dims, mesh=mesh).model
-    from paratrain.builders import lay_out_model
-
+        return lay_out_stages(factory, dims, parallel=config.parallel, pipeline=config.pipeline, shape=shape).model
     with torch.device("meta"):
         model = factory()
-    lay_out_model(model, config.parallel, dims=dims, mesh=mesh)
+    parallelize(model, dims, plan=plan_of(model), options=config.parallel)
     return model
 
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from paratrain.config.schema import Config
 from paratrain.errors import ConfigError
-from paratrain.parallel.dims import MESH_DIMS, ParallelDims
+from paratrain.parallel.dims import MESH_DIMS, ParallelDims, resolve_parallel_dims
 from paratrain.planner.model_facts import ModelFacts
 
 
@@ -103,12 +103,7 @@ def check_layout(config: Config, facts: ModelFacts, *, world_size: int, gpus_per
     Raises:
         ConfigError: naming the key and the fix.
     """
-    resolved = ParallelDims.resolve(
-        config.parallel.strategy,
-        world_size=world_size,
-        local_world_size=gpus_per_node,
-        degrees=config.parallel.degrees(),
-    )
+    resolved = resolve_parallel_dims(config.parallel, world_size=world_size, local_world_size=gpus_per_node)
     step_unit = config.train.micro_batch_size * resolved.dp
     if config.train.global_batch_size % step_unit:
         raise ConfigError(

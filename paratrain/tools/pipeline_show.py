@@ -10,7 +10,7 @@ import torch
 
 from paratrain.config.factories import call_factory
 from paratrain.config.schema import Config
-from paratrain.parallel.dims import ParallelDims
+from paratrain.parallel.dims import resolve_parallel_dims
 from paratrain.parallel.pipeline.build import pipeline_shape
 from paratrain.parallel.pipeline.recorder import measured_bubble, read_timelines
 from paratrain.parallel.pipeline.schedules import PipelineShape, check_shape
@@ -32,17 +32,9 @@ class Bar:
 
 def show_pipeline(config: Config, *, world_size: int, nproc_per_node: int, out: Path, run_dir: Path | None) -> str:
     """The report as text; writes the theoretical timeline (and the measured one, if any) as PNGs."""
-    dims = ParallelDims.resolve(
-        config.parallel.strategy,
-        world_size=world_size,
-        local_world_size=nproc_per_node,
-        degrees=config.parallel.degrees(),
-    )
+    dims = resolve_parallel_dims(config.parallel, world_size=world_size, local_world_size=nproc_per_node)
     if dims.pp == 1:
-        return (
-            f"{dims.describe()}: no pipeline at world size {world_size}; set parallel.strategy=pp or parallel.pp "
-            f"(and --nproc-per-node)"
-        )
+        return f"{dims.describe()}: no pipeline at world size {world_size}; set parallel.pp (and --nproc-per-node)"
     shape = pipeline_shape(config.pipeline, dims=dims, train=config.train)
     check_shape(shape)
     timeline = simulate(shape)

@@ -18,9 +18,9 @@ from pathlib import Path
 
 from paratrain.config.schema import Config, load_config
 from paratrain.errors import EXIT_USER_ERROR, ConfigError
+from paratrain.parallel.dims import runs_in_one_process
 
 LOSS_RTOL = 1e-5
-ONE_PROCESS_STRATEGIES = ("single", "dp", "model_parallel")
 MAX_PROCESSES_PER_CPU = 4  # beyond this a CPU check crawls and gloo's collectives risk their timeout
 _REDUCE_HINT = (
     "to check a layout larger than this machine, scale it down: fewer processes with smaller parallel "
@@ -74,7 +74,7 @@ class Verdict:
 
 
 def default_nproc(config: Config) -> int:
-    return 1 if config.parallel.strategy in ONE_PROCESS_STRATEGIES else 2
+    return 1 if runs_in_one_process(config.parallel) else 2
 
 
 def verify(config_path: str, overrides: list[str], *, nproc_per_node: int | None, steps: int) -> int:
@@ -84,7 +84,7 @@ def verify(config_path: str, overrides: list[str], *, nproc_per_node: int | None
     root = config.run.output_dir / "verify"
     layout_overrides = [*overrides, *_RUN_OVERRIDES, f"train.max_steps={steps}", f"run.output_dir={root / 'layout'}"]
     reference_overrides = [*layout_overrides, *_SINGLE_OVERRIDES, f"run.output_dir={root / 'reference'}"]
-    layout = f"{config.parallel.strategy} on {nproc} process{'es' if nproc > 1 else ''}"
+    layout = f"{config.parallel.strategy or 'parallel degrees'} on {nproc} process{'es' if nproc > 1 else ''}"
     check_machine_can_run(config, nproc_per_node=nproc, steps=steps)
     for directory in (root / "layout", root / "reference"):
         shutil.rmtree(directory, ignore_errors=True)

@@ -54,7 +54,7 @@ CASES = {
     "cuda asked for on a machine without": (["train.device=cuda"], ["train.device=cuda", "train.device=cpu"]),
     "one-process strategy on two processes": (
         ["parallel.strategy=single", "--nproc-per-node", "2"],
-        ["parallel.strategy=single", "use parallel.strategy=ddp"],
+        ["parallel.strategy=single", "remove parallel.strategy"],
     ),
     "model factory that does not import": (
         ["model.factory=no_such_package.models:build"],
@@ -73,7 +73,7 @@ CASES = {
         ["parallel.dp_shard=3", "does not fit the world size 2", "product is 3"],
     ),
     "two degrees left to fill": (
-        ["parallel.strategy=fsdp", "parallel.tp=-1", "--nproc-per-node", "2"],
+        ["parallel.dp_shard=-1", "parallel.tp=-1", "--nproc-per-node", "2"],
         ["only one degree may be -1", "parallel.dp_shard, parallel.tp"],
     ),
     "tp degree that does not divide the attention heads": (
@@ -93,13 +93,17 @@ CASES = {
         ],
         ["parallel.tp=2: the model declares no tensor-parallel plan", "block_tp_plan"],
     ),
-    "ddp combined with tensor parallel": (
-        ["parallel.strategy=ddp", "parallel.tp=2", "--nproc-per-node", "2"],
-        ["parallel.strategy=ddp replicates whole models", "use parallel.strategy=fsdp"],
+    "a strategy contradicting its own degree": (
+        ["parallel.strategy=tp", "parallel.tp=1", "--nproc-per-node", "2"],
+        [
+            "parallel.strategy=tp contradicts parallel.tp=1",
+            "without the name the degrees resolve to ddp: dp_replicate=2",
+            "Remove parallel.strategy",
+        ],
     ),
     "fp16 with tensor parallel alone": (
         ["parallel.strategy=tp", "precision=fp16", "--nproc-per-node", "2"],
-        ["precision=fp16 with tensor parallel alone", "parallel.strategy=fsdp with parallel.tp"],
+        ["precision=fp16 with tensor parallel alone", "parallel.dp_shard"],
     ),
     "fp16 with fsdp cpu offload": (
         ["parallel.strategy=fsdp", "precision=fp16", "parallel.fsdp.cpu_offload=true", "--nproc-per-node", "2"],
@@ -231,7 +235,7 @@ def copy_tree(source: Path, destination: Path) -> None:
 def test_options_without_effect_in_the_layout_are_warned_about_and_training_goes_on(tmp_path):
     config = config_file(tmp_path, tmp_path / "run", train={"max_steps": 2})
     result = train(Path(config), "parallel.fsdp.reshard_after_forward=false", "parallel.sequence_parallel=true")
-    assert "parallel.fsdp.reshard_after_forward has no effect with parallel.strategy=single" in result.stderr
+    assert "parallel.fsdp.reshard_after_forward has no effect with the single: one process layout" in result.stderr
     assert "parallel.sequence_parallel has no effect without tensor parallel" in result.stderr
 
 

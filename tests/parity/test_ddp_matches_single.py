@@ -24,20 +24,24 @@ LOSS_RTOL = 1e-5
 WEIGHT_ATOL = 1e-5
 
 
-def run_layout(tmp_path: Path, name: str, *, nproc: int = 1, **sections) -> Path:
+def run_layout(tmp_path: Path, name: str, *, nproc: int = 1, expect_layout: str | None = None, **sections) -> Path:
     output_dir = tmp_path / name
     config = tiny_config(output_dir, train={"max_steps": STEPS, **sections.pop("train", {})}, **sections)
-    train(write_config(tmp_path / f"{name}.yaml", config), nproc=nproc)
+    result = train(write_config(tmp_path / f"{name}.yaml", config), nproc=nproc)
+    if expect_layout is not None:
+        assert f"layout {expect_layout} on cpu" in result.stderr
     return output_dir
 
 
 @pytest.fixture(scope="module")
 def single_run(tmp_path_factory) -> Path:
-    return run_layout(tmp_path_factory.mktemp("single"), "single", parallel={"strategy": "single"})
+    # No parallel section, one process: a single process, no process group.
+    return run_layout(tmp_path_factory.mktemp("single"), "single", expect_layout="single: one process")
 
 
 def test_ddp_on_two_processes_matches_single_process_losses_and_weights(tmp_path, single_run):
-    ddp_run = run_layout(tmp_path, "ddp", nproc=2, parallel={"strategy": "ddp"})
+    # The same config (no parallel section) started on two processes: adding processes is all DDP needs.
+    ddp_run = run_layout(tmp_path, "ddp", nproc=2, expect_layout="ddp: dp_replicate=2")
 
     single_losses, ddp_losses = losses_by_step(single_run), losses_by_step(ddp_run)
     assert len(single_losses) == STEPS

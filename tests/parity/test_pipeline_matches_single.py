@@ -26,7 +26,7 @@ LAYOUTS = {
     "interleaved 2 ranks x 2 stages": (["parallel.strategy=pp", "pipeline.schedule=Interleaved1F1B"], 2),
     "zero bubble V 2 ranks x 2 stages": (["parallel.strategy=pp", "pipeline.schedule=ZBVZeroBubble"], 2),
     "ddp 2 x pp 2": (["parallel.strategy=ddp", "parallel.pp=2"], 4),
-    "fsdp 2 x pp 2": (["parallel.strategy=fsdp", "parallel.pp=2"], 4),
+    "fsdp 2 x pp 2": (["parallel.pp=2", "parallel.dp_shard=2"], 4),  # degrees alone, no strategy named
     "tp 2 x pp 2": (["parallel.strategy=tp", "parallel.pp=2"], 4),
     "model_parallel 3 parts": (["parallel.strategy=model_parallel", "pipeline.devices=[cpu,cpu,cpu]"], 1),
 }

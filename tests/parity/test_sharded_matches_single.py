@@ -20,9 +20,10 @@ LAYOUTS = {
     "single": ([], 1),
     "fsdp x2": (["parallel.strategy=fsdp"], 2),
     "fsdp x4": (["parallel.strategy=fsdp"], 4),
-    "hsdp 2x2": (["parallel.strategy=hsdp", "parallel.dp_replicate=2"], 4),
+    # Degrees alone, no strategy named: hsdp and fsdp + tp follow from them.
+    "hsdp 2x2": (["parallel.dp_replicate=2", "parallel.dp_shard=2"], 4),
     "tp x2": (["parallel.strategy=tp"], 2),
-    "fsdp+tp 2x2": (["parallel.strategy=fsdp", "parallel.tp=2"], 4),
+    "fsdp+tp 2x2": (["parallel.dp_shard=2", "parallel.tp=2"], 4),
     "tp x2 sequence parallel": (["parallel.strategy=tp", "parallel.sequence_parallel=true"], 2),
     "fsdp x2 activation checkpointing": (["parallel.strategy=fsdp", "parallel.activation_checkpointing=true"], 2),
     "fsdp x2 every_micro_batch": (["parallel.strategy=fsdp", "parallel.fsdp.grad_sync=every_micro_batch"], 2),

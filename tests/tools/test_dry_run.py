@@ -43,7 +43,7 @@ def dry_run(capsys, config_path, *overrides, nproc=8, nnodes=8) -> tuple[int, st
 def test_a_64_rank_pipeline_fsdp_tensor_parallel_layout_is_laid_out_in_one_process(capsys, config_path):
     code, out, err = dry_run(capsys, config_path, "parallel.strategy=fsdp", "parallel.pp=4", "parallel.tp=4")
     assert code == 0, err
-    assert "64 ranks (8 node(s) x 8), parallel.strategy=fsdp: pp=4 x dp_replicate=1 x dp_shard=4 x tp=4" in out
+    assert "64 ranks (8 node(s) x 8), layout fsdp: pp=4 x dp_replicate=1 x dp_shard=4 x tp=4" in out
     assert "nothing trained (no data read, nothing written)" in out
     # Rank 0 holds pipeline stage 0 only (embedding and first block), sharded over dp_shard and tp.
     parameters = out.split("rank 0 built on meta")[0]
@@ -92,7 +92,7 @@ def test_fsdp_8_by_tensor_parallel_8_shards_every_block_linear_64_ways(capsys, c
         ),
         (["parallel.strategy=fsdp", "parallel.tp=8"], 8, "parallel.tp=8 does not divide model.args.n_head=4"),
         (["parallel.strategy=pp", "parallel.pp=-1"], 1, "the pipeline needs 8 stages"),
-        (["parallel.strategy=ddp", "parallel.tp=2"], 8, "parallel.strategy=ddp replicates whole models"),
+        (["parallel.strategy=tp", "parallel.tp=1"], 8, "parallel.strategy=tp contradicts parallel.tp=1"),
     ],
 )
 def test_a_layout_that_cannot_run_is_refused_before_anything_is_built(capsys, config_path, overrides, nproc, message):

@@ -243,7 +243,9 @@ def test_the_trainer_refuses_an_object_that_is_not_a_callback_before_training(tm
 
 def test_eval_and_profile_options_without_their_switch_are_warned_about():
     from paratrain.config.warnings import ineffective_options
+    from paratrain.parallel.dims import resolve_parallel_dims
 
-    warnings = ineffective_options(load_config(None, ["eval.every_steps=5", "profile.active=3"]))
+    config = load_config(None, ["eval.every_steps=5", "profile.active=3"])
+    warnings = ineffective_options(config, resolve_parallel_dims(config.parallel, world_size=1))
     assert "eval.every_steps has no effect without eval.factory (Python API: Trainer(eval_dataset=...))" in warnings
     assert "profile.active has no effect without profile.enabled=true" in warnings

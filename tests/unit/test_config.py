@@ -53,27 +53,31 @@ def test_top_level_yaml_must_be_a_mapping(tmp_path):
         load_config(path)
 
 
-def test_options_without_effect_are_warned_about_only_when_set():
+def warnings_at(world_size: int, *overrides: str) -> list[str]:
     from paratrain.config.warnings import ineffective_options
+    from paratrain.parallel.dims import resolve_parallel_dims
 
-    assert ineffective_options(load_config(None)) == []
-    warnings = ineffective_options(load_config(None, ["parallel.ddp.static_graph=true", "optim.momentum=0.9"]))
-    assert warnings == [
-        "parallel.ddp.static_graph has no effect with parallel.strategy=single",
+    config = load_config(None, list(overrides))
+    return ineffective_options(config, resolve_parallel_dims(config.parallel, world_size=world_size))
+
+
+def test_options_without_effect_are_warned_about_only_when_set():
+    assert warnings_at(1) == []
+    assert warnings_at(1, "parallel.ddp.static_graph=true", "optim.momentum=0.9") == [
+        "parallel.ddp.static_graph has no effect with the single: one process layout (ddp only)",
         "optim.momentum has no effect with optim.name=adamw (it is an SGD option)",
     ]
+    assert warnings_at(2, "parallel.ddp.static_graph=true") == []  # no parallel section, 2 processes: DDP
 
 
 def test_pipeline_options_outside_a_pipeline_are_flagged():
-    from paratrain.config.warnings import ineffective_options
-
-    assert ineffective_options(load_config(None, ["pipeline.schedule=GPipe"])) == [
-        "pipeline.schedule has no effect without a pipeline (parallel.strategy=pp, parallel.pp > 1 or model_parallel)"
+    assert warnings_at(1, "pipeline.schedule=GPipe") == [
+        "pipeline.schedule has no effect without a pipeline (parallel.pp > 1, or parallel.strategy=model_parallel)"
     ]
-    assert ineffective_options(load_config(None, ["parallel.strategy=pp", "pipeline.devices=[cpu]"])) == [
+    assert warnings_at(2, "parallel.strategy=pp", "pipeline.devices=[cpu]") == [
         "pipeline.devices has no effect with parallel.pp (each rank uses its own device); it is for model_parallel"
     ]
-    assert ineffective_options(load_config(None, ["parallel.strategy=pp", "pipeline.schedule=GPipe"])) == []
+    assert warnings_at(2, "parallel.pp=2", "pipeline.schedule=GPipe") == []
 
 
 def test_progress_bar_on_and_off_survive_yaml_reading_them_as_booleans():

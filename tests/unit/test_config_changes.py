@@ -142,7 +142,10 @@ def test_trainer_refuses_a_changed_config_and_logs_harmless_changes_on_resume(tm
     caplog.set_level(logging.INFO, logger="paratrain")
     # fp16 adds a gradient scaler the fp32 checkpoint does not hold: it starts fresh.
     resumed = Trainer(load_config(None, [*mlp, "log.every_steps=5", "train.micro_batch_size=1", "precision=fp16"]))
-    resumed.close()
+    try:
+        resumed.train()  # the resume loads when training starts; at max_steps already, nothing trains
+    finally:
+        resumed.close()
     assert resumed.progress.step == 2
     assert (
         "config changes that keep the training math: log.every_steps: 1 -> 5; precision: 'fp32' -> 'fp16'; "

@@ -18,7 +18,7 @@ def check_pipeline(config: Config, dims: ParallelDims, *, model: torch.nn.Module
         model: The config's model already built on the meta device, to cut stages from (the planner checks
             dozens of layouts); None builds it.
     """
-    if config.parallel.strategy == "model_parallel":
+    if dims.model_parallel_enabled:
         _check_model_parallel(config)
     if dims.pp == 1:
         return
@@ -26,7 +26,7 @@ def check_pipeline(config: Config, dims: ParallelDims, *, model: torch.nn.Module
     from paratrain.parallel.pipeline.build import pipeline_shape
     from paratrain.parallel.pipeline.schedules import check_shape
 
-    _check_combinations(config)
+    _check_combinations(config, dims)
     _check_microbatches(config, dims)
     shape = pipeline_shape(config.pipeline, dims=dims, train=config.train)
     check_shape(shape)
@@ -47,14 +47,14 @@ def _check_microbatches(config: Config, dims: ParallelDims) -> None:
         )
 
 
-def _check_combinations(config: Config) -> None:
+def _check_combinations(config: Config, dims: ParallelDims) -> None:
     options = config.parallel
     if config.precision == "fp16":
         raise ConfigError(
             "precision=fp16 with pipeline parallel is not supported: the schedule computes the loss and "
             "runs backward itself, so the gradient scaler cannot scale it; use precision=bf16 or fp32"
         )
-    if options.strategy == "ddp" and options.ddp.static_graph:
+    if dims.ddp_enabled and options.ddp.static_graph:
         raise ConfigError(
             "parallel.ddp.static_graph=true with parallel.pp gives wrong gradients (the pipeline runtime "
             "drives DDP's reducer itself); set parallel.ddp.static_graph=false"

@@ -7,61 +7,50 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh
 from torch.utils.data import Dataset
 
-from paratrain.builders import micro_batch_size
 from paratrain.config.schema import ParallelConfig, PipelineConfig, TrainConfig
-from paratrain.engine import LossFn
+from paratrain.engine import LaidOutModel, LossFn
+from paratrain.launch.process_group import DistContext
 from paratrain.parallel.collectives import broadcast_object
-from paratrain.parallel.dims import ParallelDims
-from paratrain.parallel.pipeline.build import PipelineModel, build_pipeline_model, measure_piece_costs, pipeline_shape
+from paratrain.parallel.dims import ParallelDims, micro_batch_size
+from paratrain.parallel.pipeline.build import build_pipeline_stages, measure_piece_costs, pipeline_shape
 from paratrain.parallel.pipeline.engine import PipelineEngine
 from paratrain.parallel.pipeline.recorder import TimelineRecorder
+from paratrain.parallel.pipeline.schedules import PipelineShape
 
 logger = logging.getLogger("paratrain")
-
-
-@dataclass(frozen=True)
-class PipelineRuntime:
-    bare: nn.Module  # this rank's pieces under the model's names: what checkpoints and the optimizer see
-    stage_modules: list[nn.Module]
-    engine: PipelineEngine
 
 
 def build_pipeline_runtime(
     model_factory: Callable[[], nn.Module],
     loss_fn: LossFn,
     *,
+    dims: ParallelDims,
+    ctx: DistContext,
+    autocast: Callable[[], contextlib.AbstractContextManager],
     parallel: ParallelConfig,
     pipeline: PipelineConfig,
     train: TrainConfig,
-    output_dir: Path,
-    dims: ParallelDims,
-    mesh: DeviceMesh,
-    device: torch.device,
-    rank: int,
-    dp_rank: int,
-    dataset: Dataset,
-    autocast: Callable[[], contextlib.AbstractContextManager],
-) -> PipelineRuntime:
+    sample_dataset: Dataset,
+    timeline_dir: Path,
+) -> LaidOutModel:
+    """This rank's stages and the schedule's engine (arguments as ``builders.build_layout``'s)."""
     shape = pipeline_shape(pipeline, dims=dims, train=train)
     costs = _measured_piece_costs(
-        model_factory, pipeline, dataset, train=train, dims=dims, device=device, is_main=rank == 0
+        model_factory, pipeline, sample_dataset, train=train, dims=dims, device=ctx.device, is_main=ctx.rank == 0
     )
-    part = build_pipeline_model(
+    part = build_pipeline_stages(
         model_factory,
-        parallel,
-        pipeline,
+        dims,
+        parallel=parallel,
+        pipeline=pipeline,
         shape=shape,
-        dims=dims,
-        mesh=mesh,
-        device=device,
+        device=ctx.device,
         seed=train.seed,
         autocast=autocast,
         costs=costs,
@@ -69,24 +58,24 @@ def build_pipeline_runtime(
     logger.info(
         "pipeline %s; this rank holds stage(s) %s: %s",
         shape.describe(),
-        part.stage_indices,
-        "; ".join(", ".join(part.stages[i]) for i in part.stage_indices),
+        part.indices,
+        "; ".join(", ".join(part.stages[i]) for i in part.indices),
     )
     recorder = (
-        _timeline_recorder(part, output_dir, rank=rank, dp_rank=dp_rank, mesh=mesh, device=device)
+        _timeline_recorder(shape, timeline_dir, dims=dims, rank=ctx.rank, device=ctx.device)
         if pipeline.record_timeline
         else None
     )
     engine = PipelineEngine(
-        part.stage_modules,
-        part.stage_indices,
+        part.modules,
+        part.indices,
         shape,
         loss_fn=loss_fn,
-        group=mesh["pp"].get_group(),
-        device=device,
+        group=dims.pp_mesh.get_group(),
+        device=ctx.device,
         recorder=recorder,
     )
-    return PipelineRuntime(part.bare, part.stage_modules, engine)
+    return LaidOutModel(part.model, nn.ModuleList(part.modules), engine)
 
 
 def _measured_piece_costs(
@@ -114,21 +103,20 @@ def _measured_piece_costs(
 
 
 def _timeline_recorder(
-    part: PipelineModel, output_dir: Path, *, rank: int, dp_rank: int, mesh: DeviceMesh, device: torch.device
+    shape: PipelineShape, directory: Path, *, dims: ParallelDims, rank: int, device: torch.device
 ) -> TimelineRecorder:
-    shape = part.shape
     describe = {
-        "replica": dp_rank,
-        "pp_rank": mesh["pp"].get_local_rank(),
+        "replica": dims.dp_rank,
+        "pp_rank": dims.pp_rank,
         "schedule": shape.schedule,
         "pp": shape.pp,
         "stages_per_rank": shape.stages_per_rank,
         "microbatches": shape.microbatches,
     }
     return TimelineRecorder(
-        output_dir / "pipeline" / f"timeline-rank{rank}.json",
+        directory / f"timeline-rank{rank}.json",
         rank=rank,
-        group=mesh["pp"].get_group(),
+        group=dims.pp_mesh.get_group(),
         device=device,
         describe=describe,
     )
