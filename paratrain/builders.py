@@ -14,7 +14,7 @@ from torch.utils.data import Dataset
 from paratrain.config.schema import ParallelConfig, PipelineConfig, TrainConfig
 from paratrain.engine import LaidOutModel, LossFn, MicroBatchEngine
 from paratrain.launch.process_group import DistContext
-from paratrain.models.init import declares_init, materialize
+from paratrain.models.init import build_on_meta, declares_init, is_on_meta, materialize
 from paratrain.models.plan import plan_of
 from paratrain.parallel.dims import ParallelDims
 from paratrain.parallel.model_parallel import apply_model_parallel
@@ -31,22 +31,27 @@ def build_model(
     options: ParallelConfig,
     device: torch.device,
     seed: int,
+    pretrained: Path | None = None,
 ) -> LaidOutModel:
-    """Builds the model on the meta device, parallelizes it, materialises it, then wraps replicas
-    (DDP or DataParallel). The engine is left to the caller (None here).
+    """Builds the model on the meta device, parallelizes it, materialises it (``models.init`` says
+    where the weights come from), then wraps replicas (DDP or DataParallel). The engine is left to the
+    caller (None here).
 
-    A model without ``init_parameter`` in an unsharded layout is instead built directly on its
-    device, so whatever its constructor initialises stays as the user wrote it.
+    A model from scratch without ``init_parameter`` in an unsharded layout is instead built directly
+    on its device, so whatever its constructor initialises stays as the user wrote it. A factory that
+    returns real weights is laid out as it is.
     """
-    with torch.device("meta"):
-        model = factory()
-    if not (dims.is_sharded or declares_init(model)):
+    model = build_on_meta(factory, seed=seed)
+    if is_on_meta(model) and pretrained is None and not (dims.is_sharded or declares_init(model)):
         torch.manual_seed(seed)
-        model = factory().to(device)
+        model = factory()
+    if not (is_on_meta(model) or dims.is_sharded):
+        model = model.to(device)
     parallelize(model, dims, plan=plan_of(model), options=options)
-    if _is_on_meta(model):
-        offload = dims.fsdp_enabled and options.fsdp.cpu_offload
-        materialize(model, device=torch.device("cpu") if offload else device, seed=seed)
+    offload = dims.fsdp_enabled and options.fsdp.cpu_offload
+    materialize(
+        model, factory=factory, device=torch.device("cpu") if offload else device, seed=seed, pretrained=pretrained
+    )
     runnable = maybe_wrap_replicas(model, dims, options=options, device=device)
     return LaidOutModel(model, runnable, engine=None)
 
@@ -63,12 +68,14 @@ def build_layout(
     train: TrainConfig,
     sample_dataset: Dataset,
     timeline_dir: Path,
+    pretrained: Path | None = None,
 ) -> LaidOutModel:
     """The model and engine of the layout: a pipeline schedule for pp, micro-batch accumulation otherwise.
 
     Args:
         sample_dataset: Where pipeline.balance=time reads a micro-batch to time the model's pieces on.
         timeline_dir: Where pipeline.record_timeline writes each rank's timeline.
+        pretrained: Directory of weights to load instead of initialising (model.pretrained).
     """
     if dims.pp_enabled:
         # Deliberately lazy: torch.distributed.pipelining loads torch._dynamo, a second at start-up
@@ -86,8 +93,11 @@ def build_layout(
             train=train,
             sample_dataset=sample_dataset,
             timeline_dir=timeline_dir,
+            pretrained=pretrained,
         )
-    built = build_model(model_factory, dims, options=parallel, device=ctx.device, seed=train.seed)
+    built = build_model(
+        model_factory, dims, options=parallel, device=ctx.device, seed=train.seed, pretrained=pretrained
+    )
     runnable, device = built.runnable, ctx.device
     if dims.model_parallel_enabled:
         runnable = apply_model_parallel(built.bare, pipeline)
@@ -96,10 +106,6 @@ def build_layout(
     every_micro_batch = dims.fsdp_enabled and parallel.fsdp.grad_sync == "every_micro_batch"
     engine = MicroBatchEngine(runnable, loss_fn, precision, device=device, sync_every_micro_batch=every_micro_batch)
     return LaidOutModel(built.bare, runnable, engine)
-
-
-def _is_on_meta(model: nn.Module) -> bool:
-    return any(t.is_meta for t in [*model.parameters(), *model.buffers()])
 
 
 def tokens_per_sample(dataset: Dataset) -> int | None:

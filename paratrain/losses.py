@@ -11,9 +11,11 @@ LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 def cross_entropy() -> LossFn:
-    """Token-level cross entropy for (batch, seq, vocab) logits against (batch, seq) targets."""
+    """Token-level cross entropy for (batch, seq, vocab) logits against (batch, seq) targets. Outputs
+    with a ``logits`` field (transformers' ModelOutput) are read through it."""
 
-    def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    def loss_fn(outputs, targets: torch.Tensor) -> torch.Tensor:
+        logits = getattr(outputs, "logits", outputs)
         return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1))
 
     return loss_fn

@@ -133,6 +133,7 @@ class Trainer:
             train=config.train,
             sample_dataset=self.dataset,
             timeline_dir=config.run.output_dir / "pipeline",
+            pretrained=Path(config.model.pretrained) if config.model.pretrained else None,
         )
         self.bare_model, self.model, self.engine = layout.bare, layout.runnable, layout.engine
         # Data-parallel ranks draw different random numbers (e.g. dropout masks); tensor-parallel

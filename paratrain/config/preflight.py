@@ -32,6 +32,7 @@ def preflight(config: Config, *, world_size: int, nproc_per_node: int) -> None:
         lambda: check_pipeline(config, _dims(config, world_size, nproc_per_node)),
         lambda: _check_devices(config, nproc_per_node),
         lambda: check_factory_args(config.model, key="model"),
+        lambda: _check_pretrained(config.model.pretrained),
         lambda: check_factory_args(config.data, key="data"),
         lambda: _check_data_fits_model(config),
         lambda: check_factory_args(config.loss, key="loss"),
@@ -50,6 +51,13 @@ def preflight(config: Config, *, world_size: int, nproc_per_node: int) -> None:
                 problems.append(str(error))
     if problems:
         raise ConfigError("\n".join(problems))
+
+
+def _check_pretrained(pretrained: str | None) -> None:
+    if pretrained:
+        from paratrain.models.pretrained import check_pretrained_dir  # safetensors: only when used
+
+        check_pretrained_dir(Path(pretrained))
 
 
 def _dims(config: Config, world_size: int, nproc_per_node: int) -> ParallelDims:

@@ -209,9 +209,24 @@ class FactoryConfig(Section):
     """Keyword arguments for the factory; checked against its signature before training."""
 
 
+HF_CAUSAL_LM = "paratrain.models.hf:causal_lm"
+
+
 class ModelConfig(FactoryConfig):
     factory: str = "paratrain.models.gpt:build_gpt"
     """Import path of a callable returning an nn.Module."""
+    pretrained: str | None = None
+    """Directory of pretrained weights to start from (config.json + safetensors, single or sharded with
+    model.safetensors.index.json: what save_pretrained or 'paratrain export --hf' write). The model is
+    built on meta and each rank reads only its shards. Without model.factory, the factory becomes
+    paratrain.models.hf:causal_lm built from the directory's config.json (args override its fields)."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _pretrained_defaults_to_hf(cls, data: Any) -> Any:
+        if isinstance(data, dict) and data.get("pretrained") and "factory" not in data:
+            return {**data, "factory": HF_CAUSAL_LM, "args": {"config_dir": data["pretrained"], **data.get("args", {})}}
+        return data
 
 
 class DataConfig(FactoryConfig):

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass, replace
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -62,6 +63,7 @@ def build_pipeline_stages(
     seed: int,
     autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
     costs: list[float] | None = None,
+    pretrained: Path | None = None,
 ) -> PipelineStages:
     """This rank's stages, laid out, initialised and wrapped (see module docstring).
 
@@ -71,7 +73,7 @@ def build_pipeline_stages(
     laid = lay_out_stages(
         factory, dims, parallel=parallel, pipeline=pipeline, shape=shape, autocast=autocast, costs=costs
     )
-    materialize(laid.model, device=device, seed=seed, allocate_via=laid.modules)
+    materialize(laid.model, factory=factory, device=device, seed=seed, pretrained=pretrained, allocate_via=laid.modules)
     modules = [
         maybe_wrap_replicas(module, dims, options=parallel, device=device, in_pipeline=True) for module in laid.modules
     ]
@@ -87,6 +89,7 @@ def lay_out_stages(
     shape: PipelineShape,
     autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
     costs: list[float] | None = None,
+    pretrained: Path | None = None,
 ) -> PipelineStages:
     """The model on meta, cut into stages, this rank's kept and parallelized (the dry run stops here)."""
     with torch.device("meta"):
@@ -120,5 +123,5 @@ def measure_piece_costs(
     whole copy of the model (so the measuring rank briefly holds all of it)."""
     with torch.device("meta"):
         model = factory()
-    materialize(model, device=device, seed=seed)
+    materialize(model, factory=factory, device=device, seed=seed)
     return measured_costs(model, pipeline_sequence(model), sample.to(device))

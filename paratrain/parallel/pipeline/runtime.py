@@ -38,6 +38,7 @@ def build_pipeline_runtime(
     train: TrainConfig,
     sample_dataset: Dataset,
     timeline_dir: Path,
+    pretrained: Path | None = None,
 ) -> LaidOutModel:
     """This rank's stages and the schedule's engine (arguments as ``builders.build_layout``'s)."""
     shape = pipeline_shape(pipeline, dims=dims, train=train)
@@ -54,6 +55,7 @@ def build_pipeline_runtime(
         seed=train.seed,
         autocast=autocast,
         costs=costs,
+        pretrained=pretrained,
     )
     logger.info(
         "pipeline %s; this rank holds stage(s) %s: %s",

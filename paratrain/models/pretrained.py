@@ -1,0 +1,112 @@
+"""Pretrained weights from a directory of safetensors files (a Hugging Face model directory, or what
+``paratrain export --hf`` writes), read one tensor at a time by name.
+
+Each rank reads a full tensor, keeps its slice and drops the rest (``models.init.materialize``), so
+loading holds this rank's shards plus one full tensor, never the whole model.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from torch import nn
+
+from paratrain.errors import ConfigError
+
+logger = logging.getLogger("paratrain")
+
+INDEX_FILE = "model.safetensors.index.json"
+SINGLE_FILE = "model.safetensors"
+
+
+def weight_files(directory: Path) -> dict[str, Path]:
+    """Which file holds each tensor: from the index of a sharded directory, else from the headers of
+    its ``*.safetensors`` files.
+
+    Raises:
+        ConfigError: naming model.pretrained when the directory holds no safetensors weights.
+    """
+    index = directory / INDEX_FILE
+    if index.is_file():
+        return {name: directory / file for name, file in json.loads(index.read_text())["weight_map"].items()}
+    files = sorted(directory.glob("*.safetensors"))
+    if not files:
+        raise ConfigError(
+            f"model.pretrained={str(directory)!r} holds no {SINGLE_FILE} or {INDEX_FILE}; point it at a "
+            f"directory written by save_pretrained (safetensors) or by 'paratrain export --hf'"
+        )
+    located = {}
+    for file in files:
+        with safe_open(file, framework="pt") as handle:
+            located.update(dict.fromkeys(handle.keys(), file))
+    return located
+
+
+def check_pretrained_dir(directory: Path) -> None:
+    """Before training: the directory exists and holds a config.json and safetensors weights.
+
+    Raises:
+        ConfigError: naming model.pretrained and what is missing.
+    """
+    if not directory.is_dir():
+        raise ConfigError(
+            f"model.pretrained={str(directory)!r} is not a directory; give a Hugging Face model directory"
+        )
+    if not (directory / "config.json").is_file():
+        raise ConfigError(
+            f"model.pretrained={str(directory)!r} has no config.json; give a directory written by save_pretrained "
+            f"or 'paratrain export --hf'"
+        )
+    weight_files(directory)
+
+
+def pretrained_source(model: nn.Module, directory: Path, *, buffers: dict[str, torch.Tensor]):
+    """A ``models.init.WeightSource`` reading the directory's tensors by the model's parameter names.
+
+    Args:
+        model: The model on meta (possibly laid out): its names and full shapes are checked first.
+        buffers: Buffers computed by the model's constructor, for those the files do not hold.
+
+    Raises:
+        ConfigError: naming the first few parameters the files lack or hold in another shape.
+    """
+    from paratrain.models.init import canonical_name
+
+    located = weight_files(directory)
+    expected = {canonical_name(name): tuple(p.shape) for name, p in model.named_parameters()}
+    _check_names_and_shapes(expected, located, directory)
+    unused = sorted(set(located) - set(expected) - {canonical_name(name) for name, _ in model.named_buffers()})
+    if unused:
+        logger.warning("model.pretrained: %d tensors the model does not have are ignored: %s", len(unused), unused[:5])
+    handles: dict[Path, object] = {}
+
+    def source(name: str, tensor: torch.Tensor) -> torch.Tensor | None:
+        file = located.get(name)
+        if file is None:
+            return buffers.get(name)
+        if file not in handles:
+            handles[file] = safe_open(file, framework="pt")
+        return handles[file].get_tensor(name)
+
+    return source
+
+
+def _check_names_and_shapes(expected: dict[str, tuple], located: dict[str, Path], directory: Path) -> None:
+    missing = [name for name in expected if name not in located]
+    shapes = {}
+    for name in expected.keys() & located.keys():
+        with safe_open(located[name], framework="pt") as handle:
+            shape = tuple(handle.get_slice(name).get_shape())
+        if shape != expected[name]:
+            shapes[name] = (shape, expected[name])
+    problems = [f"{name} (not in the files)" for name in missing[:5]]
+    problems += [f"{name} (files {list(a)}, model {list(b)})" for name, (a, b) in sorted(shapes.items())[:5]]
+    if problems:
+        raise ConfigError(
+            f"model.pretrained={str(directory)!r} does not match the model: {'; '.join(problems)}"
+            f"{' ...' if len(missing) + len(shapes) > len(problems) else ''}; use the model these weights were saved from"
+        )
