@@ -1,4 +1,4 @@
-"""Inspection aids that are off by default: full gradients written to disk, one tensor at a time."""
+"""Inspection aids that are off by default: full gradients or initial weights written to disk."""
 
 from __future__ import annotations
 
@@ -25,3 +25,17 @@ def dump_gradients(model: nn.Module, path: Path, *, is_main: bool) -> None:
     if is_main:
         path.parent.mkdir(parents=True, exist_ok=True)
         save_file(gradients, str(path))
+
+
+def dump_weights(model: nn.Module, path: Path, *, is_main: bool) -> None:
+    """Gathers every parameter and buffer to full size (a collective: every rank calls this) and
+    writes them from rank 0 under the model's own names: the initial weights of two layouts compare
+    tensor by tensor."""
+    weights = {}
+    for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
+        full = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+        if is_main:
+            weights[canonical_name(name)] = full.detach().to("cpu").contiguous()
+    if is_main:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        save_file(weights, str(path))

@@ -29,7 +29,7 @@ from paratrain.config.factories import call_factory
 from paratrain.config.schema import Config, config_to_yaml
 from paratrain.data.loader import StepBatches
 from paratrain.data.sampler import DataPosition, build_sampler
-from paratrain.debug import dump_gradients
+from paratrain.debug import dump_gradients, dump_weights
 from paratrain.engine import LossFn
 from paratrain.errors import Preempted
 from paratrain.evaluation import build_evaluator, check_evaluation
@@ -136,6 +136,10 @@ class Trainer:
             pretrained=Path(config.model.pretrained) if config.model.pretrained else None,
         )
         self.bare_model, self.model, self.engine = layout.bare, layout.runnable, layout.engine
+        if config.debug.dump_initial_weights:
+            dump_weights(
+                self.bare_model, config.run.output_dir / "initial-weights.safetensors", is_main=self.ctx.is_main
+            )
         # Data-parallel ranks draw different random numbers (e.g. dropout masks); tensor-parallel
         # ranks of one replica must draw the same, since they compute on the same activations.
         torch.manual_seed(config.train.seed + self.dp_rank)

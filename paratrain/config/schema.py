@@ -251,6 +251,9 @@ class LossConfig(FactoryConfig):
 
 
 class DebugConfig(Section):
+    dump_initial_weights: bool = False
+    """Write the full initial parameters and buffers (gathered from shards) to
+    output_dir/initial-weights.safetensors before training, to check that two layouts start alike."""
     dump_gradients_at_steps: list[int] = []
     """Write the full gradients (gathered from shards, before clipping) of these steps to
     output_dir/gradients/step-<N>.safetensors, to compare layouts tensor by tensor."""
