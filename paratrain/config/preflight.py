@@ -15,13 +15,13 @@ from paratrain.checkpoint import find_checkpoints, verify_checkpoint
 from paratrain.checkpoint.config_changes import check_resume_config
 from paratrain.checkpoint.manifest import is_complete, read_manifest
 from paratrain.config.factories import call_factory, check_factory_args
+from paratrain.config.pipeline_checks import check_pipeline
 from paratrain.config.schema import Config
 from paratrain.data.checks import check_data_fits_model
 from paratrain.errors import CheckpointError, ConfigError
 from paratrain.evaluation import check_evaluation
 from paratrain.models.plan import plan_of
 from paratrain.parallel.dims import ParallelDims, resolve_parallel_dims
-from paratrain.parallel.pipeline.checks import check_pipeline
 
 
 def preflight(config: Config, *, world_size: int, nproc_per_node: int) -> None:

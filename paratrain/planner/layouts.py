@@ -115,7 +115,7 @@ def check_layout(config: Config, facts: ModelFacts, *, world_size: int, gpus_per
 
         check_tensor_parallel_plan(facts.plan, resolved.tp)
     if resolved.pp > 1:
-        from paratrain.parallel.pipeline.checks import check_pipeline
+        from paratrain.config.pipeline_checks import check_pipeline
 
         check_pipeline(config, resolved, model=facts.model)
     return resolved
