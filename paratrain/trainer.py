@@ -28,7 +28,8 @@ from paratrain.checkpoint.state import ModelState, OptimizerState, Progress, RNG
 from paratrain.config.factories import call_factory
 from paratrain.config.schema import Config, config_to_yaml
 from paratrain.data.loader import StepBatches
-from paratrain.data.sampler import DataPosition, build_sampler
+from paratrain.data.sampler import DataPosition, GlobalBatchSampler, build_sampler
+from paratrain.data.stream import StreamBatches, StreamedTokens, check_streaming
 from paratrain.debug import dump_gradients, dump_weights
 from paratrain.engine import LossFn
 from paratrain.errors import Preempted
@@ -121,6 +122,9 @@ class Trainer:
         self.dp_rank, self.dp_size = self.dims.dp_rank, self.dims.dp
         self.precision = build_mixed_precision(config.precision, device=self.ctx.device, sharded=self.dims.is_sharded)
         self.dataset = dataset if dataset is not None else call_factory(config.data, key="data")
+        self.streaming = isinstance(self.dataset, StreamedTokens)
+        if self.streaming:
+            check_streaming(config.data, self.dims)
         loss_fn = loss_fn or call_factory(config.loss, key="loss")
         layout = build_layout(
             model_factory or (lambda: call_factory(config.model, key="model")),
@@ -145,17 +149,11 @@ class Trainer:
         torch.manual_seed(config.train.seed + self.dp_rank)
         self.optimizer = build_optimizer(self.bare_model, config.optim, dp_size=self.dp_size)
         self.lr_scheduler = build_lr_scheduler(self.optimizer, config.optim, max_steps=config.train.max_steps)
-        self.sampler = build_sampler(
-            len(self.dataset),
-            config.data,
-            global_batch_size=config.train.global_batch_size,
-            micro_batch_size=micro_batch_size(config.train, config.pipeline, dims=self.dims),
-            seed=config.train.seed,
-            dp_rank=self.dp_rank,
-            dp_size=self.dp_size,
-        )
-        self.tokens_per_sample = tokens_per_sample(self.dataset)
-        self.progress, self.position = Progress(), DataPosition()
+        self.micro_batch_size = micro_batch_size(config.train, config.pipeline, dims=self.dims)
+        self.sampler = None if self.streaming else self._build_sampler()
+        self.tokens_per_sample = self.dataset.block_size if self.streaming else tokens_per_sample(self.dataset)
+        # A stream's position is its own (files, documents, tokens carried); a map-style dataset's is the sampler's.
+        self.progress, self.position = Progress(), self.dataset.position if self.streaming else DataPosition()
         self.evaluator = build_evaluator(
             config.eval,
             eval_dataset,
@@ -278,8 +276,27 @@ class Trainer:
         pipeline_group = self.dims.pp_mesh.get_group() if self.dims.pp_enabled else None
         return clip_grad_norm(list(self.bare_model.parameters()), self.config.train.grad_clip, sum_over=pipeline_group)
 
+    def _build_sampler(self) -> GlobalBatchSampler:
+        return build_sampler(
+            len(self.dataset),
+            self.config.data,
+            global_batch_size=self.config.train.global_batch_size,
+            micro_batch_size=self.micro_batch_size,
+            seed=self.config.train.seed,
+            dp_rank=self.dp_rank,
+            dp_size=self.dp_size,
+        )
+
     def step_batches(self) -> Iterator[list[Any]]:
         """This rank's micro-batches, one list per optimizer step, from the current data position."""
+        if self.streaming:
+            return StreamBatches(
+                self.dataset,
+                global_batch_size=self.config.train.global_batch_size,
+                micro_batch_size=self.micro_batch_size,
+                dp_rank=self.dp_rank,
+                dp_size=self.dp_size,
+            )
         return StepBatches(
             self.dataset,
             self.sampler,
@@ -298,7 +315,8 @@ class Trainer:
 
     def _advance(self, window: _LogWindow, loss: torch.Tensor) -> None:
         self.progress.step += 1
-        self.position.advance(self.sampler.batches_per_epoch)
+        if not self.streaming:  # a stream moved its position as it was read
+            self.position.advance(self.sampler.batches_per_epoch)
         window.loss_sum += loss
         window.steps += 1
 
@@ -403,11 +421,12 @@ class Trainer:
         self.checkpointer.load(path, self.checkpoint_state(), optional=("rng", "grad_scaler"))
         logger.info("resumed from %s at step %d (epoch %d)", path, self.progress.step, self.position.epoch)
         # Any samples do: only the order in which gradients become ready matters (see settle_buckets).
-        samples = range(self.sampler.micro_batch_size)
+        if self.streaming:
+            samples = self.dataset.peek(self.micro_batch_size)
+        else:
+            samples = [self.dataset[i] for i in range(self.micro_batch_size)]
         settle_buckets(
-            self.model,
-            lambda: self.engine.forward_backward([default_collate([self.dataset[i] for i in samples])]),
-            device=self.ctx.device,
+            self.model, lambda: self.engine.forward_backward([default_collate(samples)]), device=self.ctx.device
         )
 
     def _build_checkpointer(self) -> Checkpointer:

@@ -231,7 +231,8 @@ class ModelConfig(FactoryConfig):
 
 class DataConfig(FactoryConfig):
     factory: str = "paratrain.data.text:build_char_dataset"
-    """Import path of a callable returning a map-style Dataset of (inputs, targets) pairs."""
+    """Import path of a callable returning a map-style Dataset of (inputs, targets) pairs, or the stream of
+    paratrain.data.lm:streamed_text (read in order; see README, Your data)."""
     shuffle: bool = True
     """Shuffle the sample order each epoch (seeded by train.seed and the epoch only)."""
     num_workers: int = Field(0, ge=0)

@@ -21,6 +21,7 @@ import torch
 from torch.utils.data import Dataset
 
 from paratrain.data.corpus import resolve_files
+from paratrain.data.stream import StreamedTokens
 from paratrain.data.token_cache import TokenArray, build_token_array
 from paratrain.data.tokenizer import load_tokenizer
 from paratrain.errors import ConfigError
@@ -117,6 +118,22 @@ def packed_text(
             f"tokens (validation_fraction={validation_fraction}); use more text or a smaller block_size"
         )
     return PackedTokens(tokens, block_size=block_size, first_sample=first, num_samples=count)
+
+
+def streamed_text(
+    *, files: str | list[str], tokenizer: str, block_size: int, text_field: str = "text", eos_token: str | None = None
+) -> StreamedTokens:
+    """Factory for config files: ``data.factory: paratrain.data.lm:streamed_text``: the corpus tokenized as
+    training reads it, in order (paratrain.data.stream); needs ``data.num_workers=0``.
+
+    Args: as for ``packed_text``.
+
+    Raises:
+        ConfigError: missing files, a path that is not a tokenizer, or a bad block size.
+    """
+    check_packing_args(block_size=block_size, split="train", validation_fraction=0.0)
+    loaded = load_tokenizer(tokenizer, eos_token=eos_token)
+    return StreamedTokens(resolve_files(files), loaded, block_size=block_size, text_field=text_field)
 
 
 def check_packing_args(*, block_size: int, split: str, validation_fraction: float) -> None:
