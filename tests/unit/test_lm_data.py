@@ -200,3 +200,19 @@ def test_resume_on_another_data_parallel_size_reads_every_sample_of_the_epoch_on
     position = read_steps(dataset, position, dp_size=after, steps=batches_per_epoch - 3)
     assert (position.epoch, position.batch_in_epoch) == (1, 0)
     assert len(dataset.reads) == len(set(dataset.reads)) == batches_per_epoch * 8
+
+
+def test_loader_workers_with_prefetch_and_persistence_hand_out_the_same_batches_as_the_training_process(corpus):
+    from paratrain.data.loader import StepBatches
+    from paratrain.data.sampler import DataPosition, GlobalBatchSampler
+
+    dataset = packed_text(**corpus, block_size=4)
+    sampler = GlobalBatchSampler(len(dataset), 8, 2, 1, 2, seed=0)
+    start = DataPosition(epoch=0, batch_in_epoch=1)
+    options = {"num_workers": 2, "prefetch_factor": 4, "persistent_workers": True}
+    batches = [
+        StepBatches(dataset, sampler, start=start, pin_memory=False, **kw) for kw in ({"num_workers": 0}, options)
+    ]
+    for _ in range(5):
+        plain, with_workers = (next(b) for b in batches)
+        assert all(torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) for a, b in zip(plain, with_workers))
