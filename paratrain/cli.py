@@ -80,10 +80,14 @@ def config_show_command(args: argparse.Namespace) -> int:
 
 
 def export_command(args: argparse.Namespace) -> int:
-    from paratrain.tools.export import export_safetensors  # keeps safetensors off the training path
+    from paratrain.tools.export import export_hf, export_safetensors  # keeps safetensors off the training path
 
-    count = export_safetensors(Path(args.checkpoint), Path(args.out))
-    print(f"wrote {count} tensors to {args.out}")
+    if args.hf:
+        count = export_hf(Path(args.checkpoint), Path(args.hf))
+        print(f"wrote {count} tensors and config.json to {args.hf} (transformers' from_pretrained loads it)")
+    else:
+        count = export_safetensors(Path(args.checkpoint), Path(args.out))
+        print(f"wrote {count} tensors to {args.out}")
     return 0
 
 
@@ -179,7 +183,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     export = commands.add_parser("export", help="write consolidated model weights from a checkpoint")
     export.add_argument("checkpoint", help="a step-<N> checkpoint directory")
-    export.add_argument("--out", required=True, help="output .safetensors file")
+    target = export.add_mutually_exclusive_group(required=True)
+    target.add_argument("--out", help="output .safetensors file")
+    target.add_argument("--hf", metavar="OUT_DIR", help="output Hugging Face model directory (transformers models)")
     export.set_defaults(handler=export_command)
 
     pipeline = commands.add_parser("pipeline", help="inspect pipeline schedules")

@@ -82,15 +82,15 @@ def pretrained_source(model: nn.Module, directory: Path, *, buffers: dict[str, t
     unused = sorted(set(located) - set(expected) - {canonical_name(name) for name, _ in model.named_buffers()})
     if unused:
         logger.warning("model.pretrained: %d tensors the model does not have are ignored: %s", len(unused), unused[:5])
-    handles: dict[Path, object] = {}
 
     def source(name: str, tensor: torch.Tensor) -> torch.Tensor | None:
         file = located.get(name)
         if file is None:
             return buffers.get(name)
-        if file not in handles:
-            handles[file] = safe_open(file, framework="pt")
-        return handles[file].get_tensor(name)
+        # Opened per tensor: the file is memory-mapped, and pages left mapped would count as this
+        # rank's memory until the end of loading.
+        with safe_open(file, framework="pt") as handle:
+            return handle.get_tensor(name)
 
     return source
 

@@ -50,7 +50,67 @@ def export_safetensors(checkpoint: Path, out: Path) -> int:
     """Verifies the checkpoint, then writes its model weights to ``out``; returns the tensor count."""
     manifest = verify_checkpoint(checkpoint)
     names = dict(sorted(tensor_names(checkpoint).items()))
-    header = _safetensors_header(names, metadata={"step": str(manifest["step"]), "source": str(checkpoint)})
+    _write_safetensors(checkpoint, names, out, metadata={"step": str(manifest["step"]), "source": str(checkpoint)})
+    return len(names)
+
+
+def export_hf(checkpoint: Path, out_dir: Path, *, max_shard_bytes: int = 2 << 30) -> int:
+    """Writes a Hugging Face model directory (config.json, safetensors shards of at most
+    ``max_shard_bytes`` and model.safetensors.index.json) from a checkpoint of a transformers model,
+    streaming one tensor at a time; ``from_pretrained(out_dir)`` loads it. Returns the tensor count.
+
+    Raises:
+        ConfigError: when the checkpoint's model is not a transformers model.
+    """
+    manifest = verify_checkpoint(checkpoint)
+    model = _model_on_meta(manifest["config"]["model"])
+    names = dict(sorted(tensor_names(checkpoint).items()))
+    shards = _split_into_shards(names, max_shard_bytes)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    weight_map, metadata = {}, {"format": "pt", "step": str(manifest["step"])}
+    for number, shard in enumerate(shards, start=1):
+        file = f"model-{number:05d}-of-{len(shards):05d}.safetensors"
+        _write_safetensors(checkpoint, shard, out_dir / file, metadata=metadata)
+        weight_map.update(dict.fromkeys(shard, file))
+    total = sum(math.prod(item.size) * item.properties.dtype.itemsize for item in names.values())
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    (out_dir / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+    model.config.save_pretrained(out_dir)  # last: a directory with config.json is a finished export
+    return len(names)
+
+
+def _model_on_meta(model_section: dict):
+    from paratrain.config.factories import call_factory
+    from paratrain.config.schema import ModelConfig
+    from paratrain.errors import ConfigError
+
+    with torch.device("meta"):
+        model = call_factory(ModelConfig(**model_section), key="model")
+    if not hasattr(getattr(model, "config", None), "save_pretrained"):
+        raise ConfigError(
+            f"export --hf: the checkpoint's model ({type(model).__name__} from {model_section['factory']}) is not "
+            f"a transformers model; export its weights with --out FILE.safetensors instead"
+        )
+    return model
+
+
+def _split_into_shards(names: dict[str, TensorStorageMetadata], max_bytes: int) -> list[dict]:
+    shards: list[dict] = [{}]
+    size = 0
+    for name, item in names.items():
+        nbytes = math.prod(item.size) * item.properties.dtype.itemsize
+        if shards[-1] and size + nbytes > max_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][name] = item
+        size += nbytes
+    return shards
+
+
+def _write_safetensors(
+    checkpoint: Path, names: dict[str, TensorStorageMetadata], out: Path, *, metadata: dict[str, str]
+) -> None:
+    header = _safetensors_header(names, metadata=metadata)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(out.name + ".tmp")
     with open(tmp, "wb") as handle:
@@ -59,7 +119,6 @@ def export_safetensors(checkpoint: Path, out: Path) -> int:
             tensor = read_tensor(checkpoint, MODEL_PREFIX + name, item)
             handle.write(tensor.contiguous().view(-1).view(torch.uint8).numpy().tobytes())
     tmp.replace(out)  # a crash mid-export never leaves a truncated file under the final name
-    return len(names)
 
 
 _SAFETENSORS_DTYPES = {

@@ -5,9 +5,17 @@ process and train like it (issue 12)."""
 from __future__ import annotations
 
 import pytest
+import torch
 from safetensors.torch import load_file
 
-from tests.harness import LayoutRuns, losses_by_step, max_relative_difference
+from paratrain.data.text import build_char_dataset
+from paratrain.losses import cross_entropy
+from paratrain.models.hf import causal_lm
+from paratrain.tools.export import read_tensor, tensor_names
+from tests.harness import TINY_TEXT, LayoutRuns, losses_by_step, max_relative_difference, run_cli
+
+# The first test trains every layout below in three shared launches (1, 2 and 4 processes).
+pytestmark = pytest.mark.timeout(600)
 
 STEPS = 20
 LOSS_RTOL = 1e-5
@@ -53,7 +61,29 @@ LAYOUT_OVERRIDES = {
     "fsdp x2": (["parallel.strategy=fsdp"], 2),
     "hsdp 2x2": (["parallel.strategy=hsdp", "parallel.dp_replicate=2"], 4),
 }
+TINY_QWEN2_TIED = {
+    "factory": "paratrain.models.hf:causal_lm",
+    "args": {
+        "model_type": "qwen2",
+        "vocab_size": 128,
+        "hidden_size": 32,
+        "intermediate_size": 64,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "max_position_embeddings": 16,
+        "tie_word_embeddings": True,
+    },
+}
 MODELS = {"gpt2": TINY_GPT2, "llama": TINY_LLAMA}
+# Fine-tuning: {run:pretrained} is the save_pretrained directory the fixture writes; data in file order,
+# so the first global batch is the dataset's first samples.
+FROM_PRETRAINED = [
+    "model.factory=paratrain.models.hf:causal_lm",
+    "model.args={config_dir: '{run:pretrained}'}",
+    "model.pretrained={run:pretrained}",
+    "data.shuffle=false",
+]
 
 
 def _model_overrides(section: dict) -> list[str]:
@@ -72,13 +102,16 @@ LAYOUTS = {
         for layout, (overrides, nproc) in LAYOUT_OVERRIDES.items()
         if layout != "ddp x2"
     },
+    "pretrained single": (FROM_PRETRAINED, 1),
+    "pretrained fsdp x2": ([*FROM_PRETRAINED, "parallel.strategy=fsdp"], 2),
+    "qwen2 fsdp x2": ([*_model_overrides(TINY_QWEN2_TIED), "parallel.strategy=fsdp", "train.max_steps=3"], 2),
 }
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory) -> LayoutRuns:
+def runs(tmp_path_factory, pretrained) -> LayoutRuns:
     return LayoutRuns(
-        tmp_path_factory.mktemp("hf"),
+        pretrained.parent,
         LAYOUTS,
         together=tuple(LAYOUTS),
         train={"max_steps": STEPS},
@@ -86,7 +119,30 @@ def runs(tmp_path_factory) -> LayoutRuns:
     )
 
 
-CASES = [name for name in LAYOUTS if not name.endswith("single")]
+CASES = [name for name in LAYOUTS if name.split()[0] in ("gpt2", "llama", "mlp") and not name.endswith("single")]
+GLOBAL_BATCH = 8
+
+
+@pytest.fixture(scope="module")
+def pretrained(tmp_path_factory):
+    """A tiny Llama trained a few steps in plain PyTorch and saved with save_pretrained; returns its
+    directory and its loss on the first global batch paratrain will see."""
+    torch.manual_seed(1)
+    model = causal_lm(**TINY_LLAMA["args"])
+    dataset = build_char_dataset(**TINY_TEXT["args"])
+    inputs, targets = (torch.stack(column) for column in zip(*[dataset[i] for i in range(GLOBAL_BATCH)]))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+    loss_fn = cross_entropy()
+    for _ in range(3):
+        optimizer.zero_grad()
+        loss_fn(model(torch.flip(inputs, [1])), targets).backward()  # not the batch checked below
+        optimizer.step()
+    directory = tmp_path_factory.mktemp("hf") / "pretrained"
+    model.save_pretrained(directory)
+    with torch.no_grad():
+        first_loss = loss_fn(model(inputs), targets).item()
+    (directory / "first_loss.txt").write_text(repr(first_loss))
+    return directory
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -104,3 +160,39 @@ def test_layout_starts_from_the_single_process_weights_and_trains_like_it(runs, 
     losses = losses_by_step(laid_out)
     assert len(losses) == STEPS
     assert max_relative_difference(losses, losses_by_step(reference)) <= LOSS_RTOL
+
+
+@pytest.mark.parametrize("layout", ["pretrained single", "pretrained fsdp x2"])
+def test_fine_tuning_starts_from_the_saved_weights_their_plain_pytorch_loss(runs, pretrained, layout):
+    expected = float((pretrained / "first_loss.txt").read_text())
+    first = losses_by_step(runs.get(layout))[1]
+    assert abs(first - expected) / expected <= LOSS_RTOL
+
+
+@pytest.mark.parametrize("model, layout", [("gpt2", "gpt2 fsdp x2"), ("qwen2 tied", "qwen2 fsdp x2")])
+def test_export_hf_loads_in_plain_transformers_with_the_trained_logits(runs, tmp_path, model, layout):
+    transformers = pytest.importorskip("transformers")
+    checkpoint = max((runs.get(layout) / "checkpoints").glob("step-*"), key=lambda path: int(path.name[5:]))
+    result = run_cli(["export", str(checkpoint), "--hf", str(tmp_path / "hf")])
+    assert result.returncode == 0, result.stderr
+
+    loaded, info = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf", output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"]
+    section = TINY_GPT2 if model == "gpt2" else TINY_QWEN2_TIED
+    trained = causal_lm(**section["args"])
+    result = trained.load_state_dict(
+        {name: read_tensor(checkpoint, "model." + name, item) for name, item in tensor_names(checkpoint).items()},
+        strict=False,
+    )
+    assert set(result.missing_keys) <= {"lm_head.weight"} and not result.unexpected_keys  # tied: saved once
+    assert trained.lm_head.weight.data_ptr() == trained.get_input_embeddings().weight.data_ptr()
+    tokens = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        difference = (loaded(tokens).logits - trained(tokens).logits).abs().max().item()
+    assert difference <= 1e-5
+
+
+def test_export_hf_of_a_model_that_is_not_from_transformers_names_the_alternative(runs):
+    checkpoint = next((runs.get("mlp fsdp x2") / "checkpoints").glob("step-*"))
+    result = run_cli(["export", str(checkpoint), "--hf", str(checkpoint.parent / "hf")])
+    assert result.returncode == 2 and "is not a transformers model" in result.stderr and "--out" in result.stderr

@@ -1,0 +1,95 @@
+"""Hugging Face models in one process: the factory, model.pretrained's checks and loading by name."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from paratrain.config.schema import HF_CAUSAL_LM, ModelConfig
+from paratrain.errors import ConfigError
+from paratrain.models.hf import causal_lm
+from paratrain.models.init import build_on_meta, materialize
+from paratrain.models.pretrained import check_pretrained_dir
+
+LLAMA = dict(
+    model_type="llama",
+    vocab_size=64,
+    hidden_size=16,
+    intermediate_size=32,
+    num_hidden_layers=1,
+    num_attention_heads=2,
+    num_key_value_heads=1,
+    max_position_embeddings=8,
+)
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory) -> tuple[Path, torch.nn.Module]:
+    torch.manual_seed(3)
+    model = causal_lm(**LLAMA)
+    directory = tmp_path_factory.mktemp("llama")
+    model.save_pretrained(directory)
+    return directory, model
+
+
+def test_pretrained_without_a_factory_builds_the_transformers_model_of_its_config():
+    section = ModelConfig(pretrained="some/dir", args={"num_hidden_layers": 1})
+    assert section.factory == HF_CAUSAL_LM
+    assert section.args == {"config_dir": "some/dir", "num_hidden_layers": 1}
+
+
+def test_materialize_from_pretrained_loads_every_weight_and_recomputes_rotary_frequencies(saved):
+    directory, original = saved
+    factory = lambda: causal_lm(config_dir=str(directory))  # noqa: E731
+    model = build_on_meta(factory, seed=0)
+    materialize(model, factory=factory, device=torch.device("cpu"), seed=0, pretrained=directory)
+
+    expected = {**dict(original.named_parameters()), **dict(original.named_buffers())}
+    actual = {**dict(model.named_parameters()), **dict(model.named_buffers())}
+    assert actual.keys() == expected.keys() and any("inv_freq" in name for name in actual)
+    assert all(torch.equal(actual[name], expected[name]) for name in expected)
+
+
+def test_pretrained_weights_of_another_shape_are_refused_naming_them(saved):
+    directory, _ = saved
+    factory = lambda: causal_lm(**{**LLAMA, "intermediate_size": 24})  # noqa: E731
+    model = build_on_meta(factory, seed=0)
+    with pytest.raises(
+        ConfigError, match=r"model.layers.0.mlp.down_proj.weight \(files \[16, 32\], model \[16, 24\]\)"
+    ):
+        materialize(model, factory=factory, device=torch.device("cpu"), seed=0, pretrained=directory)
+
+
+def test_pretrained_weights_without_a_parameter_of_the_model_are_refused_naming_it(saved):
+    directory, _ = saved
+    factory = lambda: causal_lm(**{**LLAMA, "num_hidden_layers": 2})  # noqa: E731
+    model = build_on_meta(factory, seed=0)
+    with pytest.raises(ConfigError, match=r"model.layers.1.\S+ \(not in the files\)"):
+        materialize(model, factory=factory, device=torch.device("cpu"), seed=0, pretrained=directory)
+
+
+def test_a_pretrained_directory_without_config_or_weights_is_refused_naming_the_key(tmp_path, saved):
+    with pytest.raises(ConfigError, match="model.pretrained=.* is not a directory"):
+        check_pretrained_dir(tmp_path / "nowhere")
+    with pytest.raises(ConfigError, match="has no config.json"):
+        check_pretrained_dir(tmp_path)
+    (tmp_path / "config.json").write_text((saved[0] / "config.json").read_text())
+    with pytest.raises(ConfigError, match="holds no model.safetensors or model.safetensors.index.json"):
+        check_pretrained_dir(tmp_path)
+
+
+def test_a_factory_that_cannot_build_on_meta_is_built_for_real(saved):
+    directory, original = saved
+    transformers = pytest.importorskip("transformers")
+    model = build_on_meta(lambda: transformers.AutoModelForCausalLM.from_pretrained(directory), seed=0)
+    assert not any(p.is_meta for p in model.parameters())
+    assert torch.equal(model.lm_head.weight, original.lm_head.weight)
+
+
+def test_causal_lm_needs_exactly_one_of_model_type_and_config_dir():
+    with pytest.raises(ConfigError, match="give either model_type"):
+        causal_lm()
+    with pytest.raises(ConfigError, match="model.args.model_type='no-such-model'"):
+        causal_lm(model_type="no-such-model")
