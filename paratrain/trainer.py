@@ -51,6 +51,7 @@ from paratrain.parallel.ddp import settle_buckets
 from paratrain.parallel.dims import micro_batch_size, resolve_parallel_dims
 from paratrain.precision import build_mixed_precision
 from paratrain.tracking.metrics import MetricsLogger, NoMetrics
+from paratrain.tracking.trackers import Outcome, RunInfo
 
 logger = logging.getLogger("paratrain")
 
@@ -198,6 +199,7 @@ class Trainer:
             world_size=self.ctx.world_size,
         )
         self.callbacks.call("on_train_start")
+        outcome: Outcome = "failed"  # what the trackers record unless the loop ends otherwise
         try:
             while self.progress.step < self.config.train.max_steps:
                 step = self.train_step(self._next_batch(batches, window))
@@ -213,6 +215,7 @@ class Trainer:
                 last_checkpoint = self._maybe_checkpoint(stopping=stop_signal is not None) or last_checkpoint
                 faults.maybe_kill("after_step", step=self.progress.step, rank=self.ctx.rank)
                 if stop_signal is not None:
+                    outcome = "preempted"
                     raise self._stopped(stop_signal.name, last_checkpoint, received=stop.received_name)
                 watchdog.step_done(self.progress.step)
                 if self.callbacks.stop_reason:
@@ -220,10 +223,11 @@ class Trainer:
                     break
             self.checkpointer.wait()  # an asynchronous save still in flight is complete before train() returns
             self.callbacks.call("on_train_end")
+            outcome = "success"
         finally:
             watchdog.stop()
             stop.uninstall()
-            metrics.close()
+            metrics.close(outcome)
             self.engine.flush()
         return TrainResult(self.progress.step, last_loss, self.config.run.output_dir, last_checkpoint)
 
@@ -447,9 +451,14 @@ class Trainer:
     def _open_metrics(self) -> MetricsLogger | NoMetrics:
         if not self.ctx.is_main:
             return NoMetrics()
+        run = RunInfo(
+            name=self.config.run.name,
+            output_dir=self.config.run.output_dir,
+            hparams=self.config.model_dump(mode="json"),
+        )
         return MetricsLogger(
-            self.config.run.output_dir,
-            tensorboard=self.config.log.tensorboard,
+            run,
+            trackers=self.config.log.tracker_names(),
             progress_bar=self.config.log.progress_bar,
             start_step=self.progress.step,
             max_steps=self.config.train.max_steps,

@@ -22,6 +22,7 @@ from paratrain.errors import CheckpointError, ConfigError
 from paratrain.evaluation import check_evaluation
 from paratrain.models.plan import plan_of
 from paratrain.parallel.dims import ParallelDims, resolve_parallel_dims
+from paratrain.tracking.trackers import check_trackers_installed
 
 
 def preflight(config: Config, *, world_size: int, nproc_per_node: int) -> None:
@@ -38,6 +39,7 @@ def preflight(config: Config, *, world_size: int, nproc_per_node: int) -> None:
         lambda: check_factory_args(config.loss, key="loss"),
         lambda: check_callback_configs(config.callbacks),
         lambda: _check_evaluation(config, _dims(config, world_size, nproc_per_node)),
+        lambda: check_trackers_installed(config.log.tracker_names()),
         lambda: _check_writable(config.run.output_dir),
         lambda: _check_resume(config),
         lambda: _check_resume_config(config),

@@ -190,10 +190,20 @@ class CheckpointConfig(Section):
 class LogConfig(Section):
     every_steps: int = Field(10, gt=0)
     """Reduce metrics across ranks and log them every N steps (and at the first and last step)."""
+    trackers: list[Literal["jsonl", "tensorboard", "wandb", "mlflow"]] = ["jsonl"]
+    """Where rank 0 reports the resolved config and every metrics record: jsonl (output_dir/metrics.jsonl,
+    read by paratrain report), tensorboard (output_dir/tensorboard/), wandb (pip install 'paratrain[wandb]';
+    WANDB_MODE and WANDB_PROJECT apply), mlflow (pip install 'paratrain[mlflow]'; MLFLOW_TRACKING_URI and
+    MLFLOW_EXPERIMENT_NAME apply)."""
     tensorboard: bool = False
-    """Also write TensorBoard event files into output_dir/tensorboard/."""
+    """Shorthand for adding tensorboard to log.trackers."""
     progress_bar: Literal["auto", "on", "off"] = "auto"
     """auto shows a progress bar when rank 0's stderr is a terminal; otherwise plain lines."""
+
+    def tracker_names(self) -> list[str]:
+        """log.trackers, with tensorboard added when log.tensorboard is set, each once."""
+        names = [*self.trackers, *(["tensorboard"] if self.tensorboard else [])]
+        return list(dict.fromkeys(names))
 
     @field_validator("progress_bar", mode="before")
     @classmethod

@@ -1,16 +1,17 @@
-"""Rank-0 metric sinks: metrics.jsonl, TensorBoard, and a progress bar or plain log lines."""
+"""Rank 0's metrics: fanned out to the trackers named in log.trackers (trackers.py), and a progress bar
+or plain log lines."""
 
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import sys
-from pathlib import Path
 from typing import Any, Literal
 
 from tqdm import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
+
+from paratrain.tracking.trackers import Outcome, RunInfo, build_trackers
 
 logger = logging.getLogger("paratrain")
 
@@ -19,8 +20,8 @@ class MetricsLogger:
     """Receives each logged step's metrics (already reduced across ranks) on rank 0.
 
     Args:
-        output_dir: Where metrics.jsonl and tensorboard/ go.
-        tensorboard: Also write TensorBoard event files.
+        run: Name, output_dir and resolved config, recorded by every tracker.
+        trackers: Names from log.trackers (jsonl, tensorboard, wandb, mlflow).
         progress_bar: "auto" shows a bar only when stderr is a terminal.
         start_step: Steps already done (non-zero on resume).
         max_steps: Steps the run ends at.
@@ -28,15 +29,14 @@ class MetricsLogger:
 
     def __init__(
         self,
-        output_dir: Path,
+        run: RunInfo,
         *,
-        tensorboard: bool,
+        trackers: list[str],
         progress_bar: Literal["auto", "on", "off"],
         start_step: int,
         max_steps: int,
     ):
-        self._jsonl = open(output_dir / "metrics.jsonl", "a", buffering=1)
-        self._tensorboard = _open_tensorboard(output_dir / "tensorboard") if tensorboard else None
+        self._trackers = build_trackers(trackers, run)
         show_bar = progress_bar == "on" or (progress_bar == "auto" and sys.stderr.isatty())
         self._bar = tqdm(total=max_steps, initial=start_step, unit="step", dynamic_ncols=True) if show_bar else None
         # While the bar is drawn, log lines (checkpoints saved, warnings) go above it, not through it.
@@ -50,21 +50,18 @@ class MetricsLogger:
             self._bar.update(1)
 
     def log(self, metrics: dict[str, Any]) -> None:
-        self._jsonl.write(json.dumps(metrics) + "\n")
-        if self._tensorboard:
-            for name, value in metrics.items():
-                if isinstance(value, (int, float)) and name != "step":
-                    self._tensorboard.add_scalar(f"train/{name}", value, metrics["step"])
+        for tracker in self._trackers:
+            tracker.log(metrics)
         if self._bar:
             self._bar.set_postfix(loss=f"{metrics['loss']:.4f}", lr=f"{metrics['lr']:.2e}", refresh=False)
         else:
             logger.info(_format_line(metrics, self._max_steps))
 
-    def close(self) -> None:
+    def close(self, outcome: Outcome = "success") -> None:
+        """Closes every tracker with how the run ended (a failed or preempted run is marked so)."""
         self._undo.close()
-        self._jsonl.close()
-        if self._tensorboard:
-            self._tensorboard.close()
+        for tracker in self._trackers:
+            tracker.close(outcome)
         if self._bar:
             self._bar.close()
 
@@ -74,13 +71,7 @@ class NoMetrics:
 
     def step_done(self) -> None: ...
 
-    def close(self) -> None: ...
-
-
-def _open_tensorboard(directory: Path):
-    from torch.utils.tensorboard import SummaryWriter  # imported only when enabled: it loads TensorBoard
-
-    return SummaryWriter(log_dir=str(directory))
+    def close(self, outcome: Outcome = "success") -> None: ...
 
 
 def _format_line(metrics: dict[str, Any], max_steps: int) -> str:

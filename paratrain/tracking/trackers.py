@@ -1,0 +1,185 @@
+"""Experiment trackers rank 0 reports to, chosen by name in ``log.trackers``.
+
+Each tracker receives the resolved config as hyperparameters once, every metrics record, and is
+closed with how the run ended. wandb and mlflow are optional extras, imported only when named;
+their own environment variables choose where the run goes (``WANDB_MODE``/``WANDB_PROJECT``,
+``MLFLOW_TRACKING_URI``/``MLFLOW_EXPERIMENT_NAME``), so a cluster's existing set-up applies as is.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal, Protocol
+
+from paratrain.errors import ConfigError
+
+Outcome = Literal["success", "failed", "preempted"]
+
+# Name -> (module to import, install command). "jsonl" and "tensorboard" ship with paratrain's core deps.
+TRACKER_PACKAGES = {
+    "jsonl": (None, None),
+    "tensorboard": ("tensorboard", "pip install tensorboard"),
+    "wandb": ("wandb", "pip install 'paratrain[wandb]'"),
+    "mlflow": ("mlflow", "pip install 'paratrain[mlflow]'"),
+}
+
+
+@dataclass(frozen=True)
+class RunInfo:
+    """What every tracker records about the run besides its metrics."""
+
+    name: str
+    output_dir: Path
+    hparams: dict[str, Any]
+
+
+class Tracker(Protocol):
+    def log(self, metrics: dict[str, Any]) -> None: ...
+
+    def close(self, outcome: Outcome) -> None: ...
+
+
+def check_trackers_installed(names: list[str]) -> None:
+    """Raises ConfigError naming the install command for each named tracker whose package is missing,
+    so the run stops before any process starts rather than at the first log step."""
+    missing = [name for name in names if _package_missing(name)]
+    if missing:
+        fixes = "; ".join(
+            f"log.trackers names {name!r} but its package is not installed: {TRACKER_PACKAGES[name][1]}"
+            for name in missing
+        )
+        raise ConfigError(f"{fixes} (or remove it from log.trackers)")
+
+
+def build_trackers(names: list[str], run: RunInfo) -> list[Tracker]:
+    """Opens each named tracker, in the order given; if one fails to open, those already open are closed
+    as failed, so no W&B or MLflow run is left marked running."""
+    builders = {
+        "jsonl": JsonlTracker,
+        "tensorboard": TensorBoardTracker,
+        "wandb": WandbTracker,
+        "mlflow": MlflowTracker,
+    }
+    opened: list[Tracker] = []
+    try:
+        for name in names:
+            opened.append(builders[name](run))
+    except BaseException:
+        for tracker in opened:
+            tracker.close("failed")
+        raise
+    return opened
+
+
+def _package_missing(name: str) -> bool:
+    module = TRACKER_PACKAGES[name][0]
+    return module is not None and importlib.util.find_spec(module) is None
+
+
+def _scalars(metrics: dict[str, Any]) -> dict[str, float]:
+    # bool is an int to Python but not a metric to a tracker; "step" is the x axis, not a series.
+    return {
+        name: float(value)
+        for name, value in metrics.items()
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and name != "step"
+    }
+
+
+def _flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    # MLflow and TensorBoard take flat key/value parameters: {"optim": {"lr": 1}} -> {"optim.lr": 1}.
+    flat: dict[str, Any] = {}
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            flat.update(_flatten(value, f"{prefix}{key}."))
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat
+
+
+class JsonlTracker:
+    """One JSON object per logged step in output_dir/metrics.jsonl, read by ``paratrain report``."""
+
+    def __init__(self, run: RunInfo):
+        self._file = open(run.output_dir / "metrics.jsonl", "a", buffering=1)
+
+    def log(self, metrics: dict[str, Any]) -> None:
+        self._file.write(json.dumps(metrics) + "\n")
+
+    def close(self, outcome: Outcome) -> None:
+        self._file.close()
+
+
+class TensorBoardTracker:
+    """Event files in output_dir/tensorboard/, scalars under train/, the config as hparams text."""
+
+    def __init__(self, run: RunInfo):
+        from torch.utils.tensorboard import SummaryWriter  # imported only when named: it loads TensorBoard
+
+        self._writer = SummaryWriter(log_dir=str(run.output_dir / "tensorboard"))
+        self._writer.add_text("config", "```\n" + json.dumps(run.hparams, indent=2, default=str) + "\n```")
+
+    def log(self, metrics: dict[str, Any]) -> None:
+        for name, value in _scalars(metrics).items():
+            self._writer.add_scalar(f"train/{name}", value, metrics["step"])
+
+    def close(self, outcome: Outcome) -> None:
+        self._writer.close()
+
+
+class WandbTracker:
+    """A W&B run named after run.name, its files under output_dir/wandb/; WANDB_MODE=offline keeps it local."""
+
+    def __init__(self, run: RunInfo):
+        import wandb
+
+        self._run = wandb.init(
+            project=os.environ.get("WANDB_PROJECT", "paratrain"),
+            name=run.name,
+            dir=str(run.output_dir),
+            config={**run.hparams, "output_dir": str(run.output_dir)},
+            reinit="create_new",
+        )
+
+    def log(self, metrics: dict[str, Any]) -> None:
+        self._run.log(_scalars(metrics), step=metrics["step"])
+
+    def close(self, outcome: Outcome) -> None:
+        # A preempted run is requeued and resumes: W&B marks it not successful, which is what it is so far.
+        self._run.finish(exit_code=0 if outcome == "success" else 1)
+
+
+class MlflowTracker:
+    """An MLflow run named after run.name with the flattened config as params and output_dir as a tag."""
+
+    def __init__(self, run: RunInfo):
+        from mlflow.entities import Param
+        from mlflow.tracking import MlflowClient
+
+        self._client = MlflowClient()  # honours MLFLOW_TRACKING_URI
+        experiment_name = os.environ.get("MLFLOW_EXPERIMENT_NAME", "paratrain")
+        experiment = self._client.get_experiment_by_name(experiment_name)
+        experiment_id = experiment.experiment_id if experiment else self._client.create_experiment(experiment_name)
+        tags = {"mlflow.runName": run.name, "output_dir": str(run.output_dir)}
+        self._run_id = self._client.create_run(experiment_id, run_name=run.name, tags=tags).info.run_id
+        params = _flatten(run.hparams)
+        # MLflow caps a param value at 6000 characters and a batch at 100 params.
+        items = [(key, str(value)[:6000]) for key, value in params.items()]
+        for start in range(0, len(items), 100):
+            self._client.log_batch(self._run_id, params=[Param(k, v) for k, v in items[start : start + 100]])
+
+    def log(self, metrics: dict[str, Any]) -> None:
+        from mlflow.entities import Metric
+
+        timestamp = int(time.time() * 1000)
+        batch = [Metric(name, value, timestamp, metrics["step"]) for name, value in _scalars(metrics).items()]
+        self._client.log_batch(self._run_id, metrics=batch)
+
+    def close(self, outcome: Outcome) -> None:
+        # KILLED is MLflow's word for a run stopped from outside, which a preemption is.
+        status = {"success": "FINISHED", "failed": "FAILED", "preempted": "KILLED"}[outcome]
+        self._client.set_terminated(self._run_id, status=status)

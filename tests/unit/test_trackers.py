@@ -1,0 +1,153 @@
+"""log.trackers with the real packages in their local modes: W&B offline (its .wandb transaction log
+read back record by record), MLflow on a file store (read back with MlflowClient), TensorBoard event
+files (read with TensorBoard's own EventAccumulator), all against metrics.jsonl."""
+
+from __future__ import annotations
+
+import signal
+import struct
+from pathlib import Path
+
+import pytest
+import yaml
+from mlflow.tracking import MlflowClient
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+from wandb.proto import wandb_internal_pb2
+
+from paratrain.callbacks import Callback
+from paratrain.errors import EXIT_REQUEUE, EXIT_USER_ERROR
+from paratrain.tracking import trackers
+from paratrain.tracking.metrics import MetricsLogger
+from paratrain.tracking.trackers import RunInfo
+from tests.harness import read_metrics, run_cli_in_process, tiny_config, write_config
+
+ALL = ["jsonl", "tensorboard", "wandb", "mlflow"]
+
+
+@pytest.fixture
+def local_trackers(tmp_path, monkeypatch) -> str:
+    """Both packages pointed at tmp_path; returns the MLflow tracking URI."""
+    uri = f"file://{tmp_path}/mlruns"
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+    # MLflow 3 refuses the file store unless asked; it is the store that needs no server or database.
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
+    return uri
+
+
+def wandb_records(output_dir: Path) -> list:
+    """The records of the one offline run under output_dir/wandb, parsed from its .wandb file: a
+    LevelDB log (32 KiB blocks of CRC, length, type-framed chunks) of wandb_internal_pb2.Record.
+    wandb 0.31 ships no Python reader for it any more, so the framing is read here."""
+    (path,) = output_dir.glob("wandb/offline-run-*/run-*.wandb")
+    data, block = path.read_bytes(), 32768
+    assert data[:4] == b":W&B", "not a W&B transaction log"
+    position, records, pending = 7, [], b""
+    while position + 7 <= len(data):
+        if block - position % block < 7:  # a block's tail too short for a header is padding
+            position += block - position % block
+            continue
+        _, length, kind = struct.unpack("<IHB", data[position : position + 7])
+        if kind == 0:
+            break
+        pending += data[position + 7 : position + 7 + length]
+        position += 7 + length
+        if kind in (1, 4):  # FULL, or LAST of FIRST/MIDDLE/LAST
+            record = wandb_internal_pb2.Record()
+            record.ParseFromString(pending)
+            records.append(record)
+            pending = b""
+    return records
+
+
+def mlflow_run(uri: str, name: str):
+    client = MlflowClient(tracking_uri=uri)
+    (run,) = client.search_runs([client.get_experiment_by_name("paratrain").experiment_id])
+    assert run.info.run_name == name
+    return client, run
+
+
+def test_every_tracker_gets_the_config_each_metrics_record_and_the_run_name(tmp_path, local_trackers):
+    output_dir = tmp_path / "run"
+    config = tiny_config(output_dir, train={"max_steps": 3}, log={"every_steps": 1, "trackers": ALL})
+    config["run"]["name"] = "tracked"
+    code, stderr = run_cli_in_process(["train", str(write_config(tmp_path / "c.yaml", config))])
+    assert code == 0, stderr
+    losses = {record["step"]: record["loss"] for record in read_metrics(output_dir)}
+    assert sorted(losses) == [1, 2, 3]
+
+    records = wandb_records(output_dir)
+    (run,) = [record.run for record in records if record.WhichOneof("record_type") == "run"]
+    assert (run.display_name, run.project) == ("tracked", "paratrain")
+    wandb_config = {item.key: yaml.safe_load(item.value_json) for item in run.config.update}
+    assert wandb_config["train"]["max_steps"] == 3
+    assert wandb_config["output_dir"] == str(output_dir)
+    history = [
+        {(item.key or "/".join(item.nested_key)): float(item.value_json) for item in record.history.item}
+        for record in records
+        if record.WhichOneof("record_type") == "history"
+    ]
+    assert {int(row["_step"]): row["loss"] for row in history} == pytest.approx(losses)
+    assert [record.exit.exit_code for record in records if record.WhichOneof("record_type") == "exit"] == [0]
+
+    client, mlrun = mlflow_run(local_trackers, "tracked")
+    assert mlrun.info.status == "FINISHED"
+    assert mlrun.data.params["train.max_steps"] == "3" and mlrun.data.params["model.args.n_layer"] == "2"
+    assert mlrun.data.tags["output_dir"] == str(output_dir)
+    logged = {metric.step: metric.value for metric in client.get_metric_history(mlrun.info.run_id, "loss")}
+    assert logged == pytest.approx(losses)
+
+    events = EventAccumulator(str(output_dir / "tensorboard"))
+    events.Reload()
+    assert {event.step: event.value for event in events.Scalars("train/loss")} == pytest.approx(losses)
+
+
+class StopAfterTwoSteps(Callback):
+    """A callback that preempts its own run, as Slurm's USR1 would, after step 2."""
+
+    def on_step_end(self, context) -> None:
+        if context.step == 2:
+            signal.raise_signal(signal.SIGUSR1)
+
+
+def test_a_preempted_run_is_closed_as_killed_in_mlflow(tmp_path, local_trackers):
+    output_dir = tmp_path / "run"
+    callbacks = [{"factory": f"{__name__}:StopAfterTwoSteps"}]
+    config = tiny_config(output_dir, train={"max_steps": 5}, log={"trackers": ["jsonl", "mlflow"]})
+    config["callbacks"] = callbacks
+    code, stderr = run_cli_in_process(["train", str(write_config(tmp_path / "c.yaml", config))])
+    assert code == EXIT_REQUEUE, stderr
+    client, mlrun = mlflow_run(local_trackers, "test")
+    assert mlrun.info.status == "KILLED"
+    logged = {metric.step: metric.value for metric in client.get_metric_history(mlrun.info.run_id, "loss")}
+    assert logged == pytest.approx({record["step"]: record["loss"] for record in read_metrics(output_dir)})
+    assert max(logged) < 5  # stopped early, every step it logged reached MLflow
+
+
+def test_a_failed_run_is_closed_as_failed_in_wandb_and_mlflow(tmp_path, local_trackers):
+    run = RunInfo(name="broken", output_dir=tmp_path, hparams={"train": {"max_steps": 1}})
+    logger = MetricsLogger(run, trackers=["wandb", "mlflow"], progress_bar="off", start_step=0, max_steps=1)
+    logger.close("failed")
+    exits = [record.exit.exit_code for record in wandb_records(tmp_path) if record.WhichOneof("record_type") == "exit"]
+    assert exits == [1]
+    assert mlflow_run(local_trackers, "broken")[1].info.status == "FAILED"
+
+
+def test_unknown_tracker_is_refused_before_training(tmp_path):
+    config = tiny_config(tmp_path / "run", log={"trackers": ["jsonl", "neptune"]})
+    code, stderr = run_cli_in_process(["train", str(write_config(tmp_path / "c.yaml", config))])
+    assert code == EXIT_USER_ERROR
+    assert "log.trackers" in stderr and "neptune" in stderr and "wandb" in stderr
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+def test_tracker_whose_package_is_missing_names_the_install_command(tmp_path, monkeypatch):
+    monkeypatch.setitem(
+        trackers.TRACKER_PACKAGES, "wandb", ("wandb_not_installed_here", "pip install 'paratrain[wandb]'")
+    )
+    config = tiny_config(tmp_path / "run", log={"trackers": ["wandb"]})
+    code, stderr = run_cli_in_process(["train", str(write_config(tmp_path / "c.yaml", config))])
+    assert code == EXIT_USER_ERROR
+    assert "pip install 'paratrain[wandb]'" in stderr and "log.trackers" in stderr
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()
