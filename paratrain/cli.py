@@ -40,7 +40,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def train_command(args: argparse.Namespace) -> int:
-    options = LaunchOptions(args.nproc_per_node, args.nnodes, args.node_rank, args.rdzv_endpoint, args.max_restarts)
+    from paratrain.launch.slurm import apply_slurm_environment
+
+    options = LaunchOptions(
+        args.nproc_per_node, args.nnodes or 1, args.node_rank, args.rdzv_endpoint, args.max_restarts
+    )
+    # Inside an srun step every node runs this same command: Slurm says which node this is.
+    options = apply_slurm_environment(options, os.environ, nnodes_given=args.nnodes is not None)
     if args.dry_run:  # before options.validate(): planning a multi-node world needs no rendezvous endpoint
         return dry_run_command(args)
     options.validate()
@@ -70,7 +76,7 @@ def dry_run_command(args: argparse.Namespace) -> int:
     config = load_config(args.config, args.overrides)
     from paratrain.planner.dry_run import dry_run  # loads torch.distributed
 
-    print(dry_run(config, nproc_per_node=args.nproc_per_node, nnodes=args.nnodes))
+    print(dry_run(config, nproc_per_node=args.nproc_per_node, nnodes=args.nnodes or 1))
     return 0
 
 
@@ -141,6 +147,41 @@ def verify_command(args: argparse.Namespace) -> int:
     return verify(args.config, args.overrides, nproc_per_node=args.nproc_per_node, steps=args.steps)
 
 
+def slurm_command(args: argparse.Namespace) -> int:
+    import shutil
+    import subprocess
+
+    from paratrain.launch.slurm import SlurmJob, render_sbatch
+
+    config = load_config(args.config, args.overrides)  # bad overrides are refused here, not on the cluster
+    job = SlurmJob(
+        config=Path(args.config).resolve(),
+        overrides=tuple(args.overrides),
+        nodes=args.nodes,
+        gpus_per_node=args.gpus_per_node,
+        job_name=config.run.name,
+        output_dir=config.run.output_dir.resolve(),
+        time=args.time,
+        partition=args.partition,
+        device=args.device,
+    )
+    job.validate()
+    if args.submit and shutil.which("sbatch") is None:
+        raise ConfigError("--submit needs Slurm's sbatch on PATH: run on a Slurm login node, or drop --submit")
+    script = Path(args.out) if args.out else job.output_dir / "slurm.sbatch"
+    script.parent.mkdir(parents=True, exist_ok=True)
+    job.output_dir.mkdir(parents=True, exist_ok=True)  # Slurm writes slurm-<job>.out there and creates no folder
+    script.write_text(render_sbatch(job, workdir=Path.cwd()))
+    print(f"wrote {script}")
+    if args.submit:
+        submitted = subprocess.run(["sbatch", "--parsable", str(script)], capture_output=True, text=True)
+        if submitted.returncode != 0:
+            print(f"paratrain: sbatch failed: {submitted.stderr.strip()}", file=sys.stderr)
+            return submitted.returncode
+        print(f"submitted job {submitted.stdout.strip().split(';')[0]}")
+    return 0
+
+
 def plan_command(args: argparse.Namespace) -> int:
     config = load_config(args.config, args.overrides)
     from paratrain.planner.plan import plan_command_text  # loads torch
@@ -162,7 +203,7 @@ def build_parser() -> argparse.ArgumentParser:
         "overrides", nargs="*", metavar="key=value", help="dotted config overrides, e.g. train.max_steps=50"
     )
     train.add_argument("--nproc-per-node", type=int, default=1, help="processes on this node (one per GPU)")
-    train.add_argument("--nnodes", type=int, default=1, help="number of nodes")
+    train.add_argument("--nnodes", type=int, help="number of nodes (default 1; inside srun: SLURM_NNODES)")
     train.add_argument("--node-rank", type=int, default=0, help="this node's rank, 0..nnodes-1")
     train.add_argument("--rdzv-endpoint", help="HOST:PORT of node 0, the same on every node (multi-node)")
     train.add_argument("--max-restarts", type=int, default=0, help="restart the group this often after a failure")
@@ -234,6 +275,22 @@ def build_parser() -> argparse.ArgumentParser:
     )
     verify.add_argument("--steps", type=int, default=20, help="optimizer steps each run trains (default 20)")
     verify.set_defaults(handler=verify_command)
+
+    slurm = commands.add_parser(
+        "slurm", help="write (and with --submit, submit) an sbatch script: one launcher per node, requeue on 75"
+    )
+    slurm.add_argument("config", help="YAML config file")
+    slurm.add_argument("overrides", nargs="*", metavar="key=value", help="dotted config overrides, as for train")
+    slurm.add_argument("--nodes", type=int, required=True, help="nodes to request")
+    slurm.add_argument("--gpus-per-node", type=int, required=True, help="GPUs per node, one process each")
+    slurm.add_argument("--time", help="time limit, as sbatch --time (e.g. 24:00:00)")
+    slurm.add_argument("--partition", help="partition, as sbatch --partition")
+    slurm.add_argument(
+        "--device", choices=("cuda", "cpu"), default="cuda", help="cpu: request CPUs, not GPUs (one per process)"
+    )
+    slurm.add_argument("--out", help="script path (default: OUTPUT_DIR/slurm.sbatch)")
+    slurm.add_argument("--submit", action="store_true", help="submit the script with sbatch")
+    slurm.set_defaults(handler=slurm_command)
 
     plan = commands.add_parser(
         "plan", help="memory per GPU of every layout a cluster allows, ranked, with a recommendation"

@@ -1,0 +1,176 @@
+"""Slurm: the launch options of a ``paratrain train`` inside an srun step, and the sbatch script
+``paratrain slurm`` writes.
+
+Inside ``srun`` every node runs the same command; Slurm's environment says how many nodes there are
+(``SLURM_NNODES``), which one this is (``SLURM_NODEID``) and their names (``SLURM_JOB_NODELIST``, in
+Slurm's compressed form: the first name, node 0, hosts the rendezvous).
+"""
+
+from __future__ import annotations
+
+import re
+import shlex
+import sys
+from collections.abc import Mapping
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+from paratrain.errors import ConfigError
+from paratrain.launch.launcher import LaunchOptions
+
+# srun sets SLURM_STEP_ID in a job step only; the batch script itself runs outside any step and must
+# not mistake itself for node 0 of an N-node launch.
+STEP_VARIABLE = "SLURM_STEP_ID"
+RENDEZVOUS_PORT_BASE = 29500
+
+
+def expand_hostlist(hostlist: str) -> list[str]:
+    """Expands Slurm's compressed host list as ``scontrol show hostnames`` does:
+    ``node[01-03,07]`` -> node01 node02 node03 node07, ``a1,b[2-3]`` -> a1 b2 b3 (zero padding kept).
+
+    Raises:
+        ConfigError: on a malformed list (unbalanced brackets, a reversed range).
+    """
+    hosts: list[str] = []
+    for item in _split_top_level(hostlist):
+        hosts += _expand_item(item, hostlist)
+    return hosts
+
+
+def _split_top_level(hostlist: str) -> list[str]:
+    # Commas inside brackets separate ranges of one name, outside them separate names.
+    items, depth, current = [], 0, ""
+    for char in hostlist.strip():
+        depth += {"[": 1, "]": -1}.get(char, 0)
+        if depth not in (0, 1):
+            raise ConfigError(f"SLURM_JOB_NODELIST={hostlist!r}: unbalanced brackets")
+        if char == "," and depth == 0:
+            items.append(current)
+            current = ""
+        else:
+            current += char
+    if depth != 0:
+        raise ConfigError(f"SLURM_JOB_NODELIST={hostlist!r}: unbalanced brackets")
+    return [item for item in [*items, current] if item]
+
+
+def _expand_item(item: str, hostlist: str) -> list[str]:
+    match = re.fullmatch(r"([^\[\]]*)\[([^\[\]]+)\]([^\[\]]*)", item)
+    if not match:
+        if "[" in item or "]" in item:
+            raise ConfigError(f"SLURM_JOB_NODELIST={hostlist!r}: cannot read {item!r}")
+        return [item]
+    prefix, ranges, suffix = match.groups()
+    hosts = []
+    for part in ranges.split(","):
+        low, _, high = part.partition("-")
+        high = high or low
+        if not (low.isdigit() and high.isdigit()) or int(high) < int(low):
+            raise ConfigError(f"SLURM_JOB_NODELIST={hostlist!r}: {part!r} is not a range like 01-04")
+        hosts += [f"{prefix}{number:0{len(low)}d}{suffix}" for number in range(int(low), int(high) + 1)]
+    return hosts
+
+
+def in_srun_step(env: Mapping[str, str]) -> bool:
+    return STEP_VARIABLE in env and "SLURM_NNODES" in env and "SLURM_NODEID" in env
+
+
+def apply_slurm_environment(options: LaunchOptions, env: Mapping[str, str], *, nnodes_given: bool) -> LaunchOptions:
+    """The launch options with nodes, node rank and rendezvous endpoint taken from Slurm's environment
+    inside an srun step (unchanged outside one).
+
+    Raises:
+        ConfigError: when --nnodes or --node-rank contradict Slurm's, or the node list does not match
+            SLURM_NNODES.
+    """
+    if not in_srun_step(env):
+        return options
+    nnodes, node_rank = int(env["SLURM_NNODES"]), int(env["SLURM_NODEID"])
+    hosts = expand_hostlist(env.get("SLURM_JOB_NODELIST", env.get("SLURMD_NODENAME", "localhost")))
+    if nnodes_given and options.nnodes != nnodes:
+        raise ConfigError(
+            f"--nnodes {options.nnodes} contradicts SLURM_NNODES={nnodes} of this srun step: drop --nnodes "
+            f"(paratrain takes it from Slurm) or request {options.nnodes} nodes from Slurm"
+        )
+    if len(hosts) < nnodes:
+        raise ConfigError(
+            f"SLURM_JOB_NODELIST={env.get('SLURM_JOB_NODELIST')!r} names {len(hosts)} hosts but SLURM_NNODES={nnodes}"
+        )
+    # One port per job, so two jobs sharing node 0 do not meet in one rendezvous.
+    port = RENDEZVOUS_PORT_BASE + int(env.get("SLURM_JOB_ID", "0")) % 10000
+    endpoint = options.rdzv_endpoint or f"{hosts[0]}:{port}"
+    return replace(options, nnodes=nnodes, node_rank=node_rank, rdzv_endpoint=endpoint)
+
+
+@dataclass(frozen=True)
+class SlurmJob:
+    """What ``paratrain slurm`` asks Slurm for.
+
+    Attributes:
+        nodes: Nodes, one paratrain launcher on each.
+        gpus_per_node: GPUs per node, one training process each (with device="cpu": processes per node,
+            a CPU each).
+        device: "cuda" requests GPUs from Slurm; "cpu" requests CPUs (clusters without GRES, tests).
+    """
+
+    config: Path
+    overrides: tuple[str, ...]
+    nodes: int
+    gpus_per_node: int
+    job_name: str
+    output_dir: Path
+    time: str | None = None
+    partition: str | None = None
+    device: str = "cuda"
+
+    def validate(self) -> None:
+        if self.nodes < 1 or self.gpus_per_node < 1:
+            raise ConfigError(
+                f"--nodes {self.nodes} --gpus-per-node {self.gpus_per_node}: both must be >= 1 "
+                f"(with --device cpu, --gpus-per-node is processes per node)"
+            )
+
+
+def render_sbatch(job: SlurmJob, *, workdir: Path, python: str = sys.executable) -> str:
+    """The sbatch script: one launcher per node through srun; Slurm sends the batch shell USR1 two
+    minutes before the time limit (or on ``scancel --signal=USR1 --batch``), the shell passes it to the
+    launchers, which stop at an agreed step, save and exit 75, and the shell requeues the job."""
+    resources = (
+        [f"#SBATCH --gpus-per-node={job.gpus_per_node}", f"#SBATCH --cpus-per-task={job.gpus_per_node}"]
+        if job.device == "cuda"
+        else [f"#SBATCH --cpus-per-task={job.gpus_per_node}"]
+    )
+    options = [f"#SBATCH --time={job.time}"] * bool(job.time) + [f"#SBATCH --partition={job.partition}"] * bool(
+        job.partition
+    )
+    train = [python, "-m", "paratrain.cli", "train", str(job.config), *job.overrides]
+    train += ["--nproc-per-node", str(job.gpus_per_node), "checkpoint.resume=auto"]
+    lines = [
+        "#!/bin/bash",
+        f"#SBATCH --job-name={job.job_name}",
+        f"#SBATCH --nodes={job.nodes}",
+        "#SBATCH --ntasks-per-node=1",
+        *resources,
+        *options,
+        "#SBATCH --signal=B:USR1@120",
+        "#SBATCH --requeue",
+        "#SBATCH --open-mode=append",
+        f"#SBATCH --chdir={workdir}",
+        f"#SBATCH --output={job.output_dir}/slurm-%j.out",
+        "",
+        "# The launchers on every node; each reads its node rank and node 0's address from Slurm.",
+        f"srun --kill-on-bad-exit=1 {shlex.join(train)} &",
+        "launchers=$!",
+        "# USR1 (time limit near, or preemption) reaches this shell only (B:); pass it on to the launchers.",
+        "trap 'kill -USR1 $launchers' USR1",
+        "wait $launchers",
+        "code=$?",
+        "while kill -0 $launchers 2>/dev/null; do wait $launchers; code=$?; done  # wait ends early on a trap",
+        "if [ $code -eq 75 ]; then",
+        '  echo "paratrain: stopped for a requeue (exit 75): requeueing job $SLURM_JOB_ID"',
+        "  scontrol requeue $SLURM_JOB_ID",
+        "fi",
+        "exit $code",
+        "",
+    ]
+    return "\n".join(lines)
