@@ -117,6 +117,7 @@ class Trainer:
             device_kind=config.train.device,
             needs_group=dims.needs_process_group,
             timeout_s=config.parallel.collective_timeout_s,
+            cpu_collectives=dims.fsdp_enabled and config.parallel.fsdp.cpu_offload,
         )
         self.dims = dims.with_mesh(self.ctx.device.type)
         logger.info("layout %s on %s", self.dims.describe_layout(), self.ctx.device)

@@ -89,7 +89,7 @@ class FSDPConfig(Section):
     """Dtype parameters are gathered and computed in (FSDP mixed precision); null keeps fp32 and lets
     ``precision`` autocast the compute."""
     reduce_dtype: Literal["fp32", "bf16", "fp16"] | None = None
-    """Dtype gradients are reduce-scattered in; null uses param_dtype (fp32 when that is null)."""
+    """Dtype gradients are reduce-scattered in; null means fp32 (param_dtype's own when that is null)."""
     cpu_offload: bool = False
     """Keep sharded parameters, gradients and optimizer state in CPU memory (GPU runs only)."""
     prefetch_blocks: int = Field(0, ge=0)

@@ -67,8 +67,24 @@ def pick_device(kind: Literal["auto", "cpu", "cuda"], local_rank: int) -> torch.
     return torch.device("cuda", local_rank)
 
 
+def process_group_backend(device: torch.device, *, cpu_collectives: bool) -> str:
+    """The backend string for ``init_process_group``: gloo on CPU, NCCL on CUDA.
+
+    FSDP's CPU offload leaves gradients (DTensors) on the CPU, and gradient clipping's
+    ``full_tensor()`` is then a collective on CPU tensors, which NCCL cannot run: such runs get
+    gloo beside NCCL (``cuda:nccl,cpu:gloo``), as torchtitan does for offload.
+    """
+    if device.type != "cuda":
+        return "gloo"
+    return "cuda:nccl,cpu:gloo" if cpu_collectives else "nccl"
+
+
 def init_distributed(
-    *, device_kind: Literal["auto", "cpu", "cuda"], needs_group: bool, timeout_s: float = 600.0
+    *,
+    device_kind: Literal["auto", "cpu", "cuda"],
+    needs_group: bool,
+    timeout_s: float = 600.0,
+    cpu_collectives: bool = False,
 ) -> DistContext:
     """Joins (or creates) the process group and binds this process to its device."""
     rank = int(os.environ.get("RANK", 0))
@@ -77,7 +93,7 @@ def init_distributed(
     device = pick_device(device_kind, local_rank)
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    backend = "nccl" if device.type == "cuda" else "gloo"
+    backend = process_group_backend(device, cpu_collectives=cpu_collectives)
     timeout = datetime.timedelta(seconds=timeout_s)
     if dist.is_initialized():
         # The caller's own group (a script that trains several times, or sets the group up itself):
@@ -94,7 +110,11 @@ def init_distributed(
                 backend, store=store, rank=rank, world_size=world_size, timeout=timeout, device_id=device_id
             )
     elif needs_group:
-        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+        # device_id binds the one-process NCCL group to its GPU eagerly, as torchrun's path does.
+        device_id = device if device.type == "cuda" else None
+        dist.init_process_group(
+            backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout, device_id=device_id
+        )
     else:
         backend = None
     return DistContext(rank, world_size, local_rank, device, backend, owns_group=backend is not None)

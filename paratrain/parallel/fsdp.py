@@ -54,9 +54,21 @@ def set_gradient_sync(model: nn.Module, enabled: bool) -> None:
         model.set_requires_gradient_sync(enabled)
 
 
+def resolved_reduce_dtype(options: FSDPConfig) -> str | None:
+    """The dtype gradients are reduced in: as set, else fp32 when parameters compute in bf16/fp16.
+
+    Left unset, FSDP reduces in param_dtype, so a bf16 run would sum and accumulate gradients in
+    bf16 across ranks and micro-batches; fp32 reduction is the standard mixed-precision recipe.
+    """
+    if options.reduce_dtype:
+        return options.reduce_dtype
+    return "fp32" if options.param_dtype in ("bf16", "fp16") else None
+
+
 def _mixed_precision(options: FSDPConfig) -> MixedPrecisionPolicy:
     param = DTYPES[options.param_dtype] if options.param_dtype else None
-    reduce = DTYPES[options.reduce_dtype] if options.reduce_dtype else None
+    reduce_name = resolved_reduce_dtype(options)
+    reduce = DTYPES[reduce_name] if reduce_name else None
     return MixedPrecisionPolicy(param_dtype=param, reduce_dtype=reduce)
 
 
