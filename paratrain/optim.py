@@ -18,12 +18,19 @@ def scaled_lr(options: OptimConfig, *, dp_size: int) -> float:
     return options.lr * factor
 
 
+def use_fused_kernel(device_types: set[str], *, uniform: bool) -> bool:
+    """Fused AdamW for parameters all on CUDA and all of one kind (all DTensor or all plain, see
+    foreach); CPU-offloaded or CPU runs keep foreach, whose CPU path is the tested one."""
+    return uniform and device_types == {"cuda"}
+
+
 def build_optimizer(model: nn.Module, options: OptimConfig, *, dp_size: int) -> torch.optim.Optimizer:
     """AdamW or SGD. Weight decay applies to matrices only (not biases, norms' scales), as in GPT-2.
 
     The two parameter groups are the same in every layout, so optimizer and schedule state move
     between layouts. Tensor parallel alone leaves some parameters sharded (DTensor) and others
     plain; torch's multi-tensor kernels refuse that mix, so such a model steps one tensor at a time.
+    On CUDA, AdamW uses the fused kernel (one launch per step instead of foreach's several).
     """
     params = [p for p in model.parameters() if p.requires_grad]
     groups = [
@@ -33,7 +40,9 @@ def build_optimizer(model: nn.Module, options: OptimConfig, *, dp_size: int) -> 
     foreach = len({isinstance(p, DTensor) for p in params}) == 1
     lr = scaled_lr(options, dp_size=dp_size)
     if options.name == "adamw":
-        return torch.optim.AdamW(groups, lr=lr, betas=options.betas, eps=options.eps, foreach=foreach)
+        fused = use_fused_kernel({p.device.type for p in params}, uniform=foreach)
+        kernel = {"fused": True} if fused else {"foreach": foreach}
+        return torch.optim.AdamW(groups, lr=lr, betas=options.betas, eps=options.eps, **kernel)
     return torch.optim.SGD(groups, lr=lr, momentum=options.momentum, foreach=foreach)
 
 

@@ -27,6 +27,7 @@ from paratrain.checkpoint.manifest import read_manifest
 from paratrain.checkpoint.state import ModelState, OptimizerState, Progress, RNGState
 from paratrain.config.factories import call_factory
 from paratrain.config.schema import Config, config_to_yaml
+from paratrain.cuda_settings import apply_kernel_settings
 from paratrain.data.loader import StepBatches
 from paratrain.data.sampler import DataPosition, GlobalBatchSampler, build_sampler
 from paratrain.data.stream import StreamBatches, StreamedTokens, check_streaming
@@ -119,6 +120,7 @@ class Trainer:
             timeout_s=config.parallel.collective_timeout_s,
             cpu_collectives=dims.fsdp_enabled and config.parallel.fsdp.cpu_offload,
         )
+        apply_kernel_settings(self.ctx.device, deterministic=config.train.deterministic)
         self.dims = dims.with_mesh(self.ctx.device.type)
         logger.info("layout %s on %s", self.dims.describe_layout(), self.ctx.device)
         self.dp_rank, self.dp_size = self.dims.dp_rank, self.dims.dp
@@ -442,6 +444,7 @@ class Trainer:
             world_size=self.ctx.world_size,
             config=self.config.model_dump(mode="json"),
             async_save=self.config.checkpoint.async_save,
+            device=self.ctx.device,
         )
 
     def _prepare_output_dir(self) -> None:

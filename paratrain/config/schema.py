@@ -43,6 +43,9 @@ class TrainConfig(Section):
     """Clip the global gradient norm to this value; null disables clipping (the norm is still logged)."""
     device: Literal["auto", "cpu", "cuda"] = "auto"
     """Device kind: auto picks CUDA (one GPU per process, NCCL) when present, else CPU (gloo)."""
+    deterministic: bool = False
+    """Deterministic kernels (torch.use_deterministic_algorithms, CUBLAS_WORKSPACE_CONFIG, attention
+    on SDPA's math backend only): on a GPU, runs and resumes repeat bit for bit, at a speed cost."""
 
 
 class OptimConfig(Section):

@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+import os
+
 import torch
 
-from paratrain.config.schema import FSDPConfig
+from paratrain.checkpoint.checkpointer import staging_pins_memory
+from paratrain.config.schema import FSDPConfig, OptimConfig
+from paratrain.cuda_settings import apply_kernel_settings
 from paratrain.launch.process_group import process_group_backend
+from paratrain.optim import build_optimizer, use_fused_kernel
 from paratrain.parallel.fsdp import _mixed_precision, resolved_reduce_dtype
 
 
@@ -24,3 +29,46 @@ def test_fsdp_reduces_in_fp32_unless_told_otherwise():
     assert resolved_reduce_dtype(FSDPConfig()) is None
     policy = _mixed_precision(FSDPConfig(param_dtype="bf16"))
     assert (policy.param_dtype, policy.reduce_dtype) == (torch.bfloat16, torch.float32)
+
+
+def test_adamw_is_fused_only_when_every_parameter_is_a_plain_cuda_tensor():
+    assert use_fused_kernel({"cuda"}, uniform=True) is True
+    assert use_fused_kernel({"cuda"}, uniform=False) is False
+    assert use_fused_kernel({"cpu"}, uniform=True) is False
+    assert use_fused_kernel({"cuda", "cpu"}, uniform=True) is False
+    optimizer = build_optimizer(torch.nn.Linear(2, 2), OptimConfig(), dp_size=1)
+    assert optimizer.defaults["fused"] is None and optimizer.defaults["foreach"] is True
+
+
+def test_async_staging_pins_host_memory_only_for_a_run_on_a_gpu():
+    assert staging_pins_memory(torch.device("cuda", 3)) is True
+    assert staging_pins_memory(torch.device("cpu")) is False
+
+
+def test_cuda_runs_get_tf32_and_deterministic_runs_get_deterministic_kernels(monkeypatch):
+    monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
+    saved = (
+        torch.backends.cuda.matmul.allow_tf32,
+        torch.are_deterministic_algorithms_enabled(),
+        torch.backends.cuda.flash_sdp_enabled(),
+        torch.backends.cuda.mem_efficient_sdp_enabled(),
+        torch.backends.cuda.cudnn_sdp_enabled(),
+    )
+    try:
+        torch.backends.cuda.matmul.allow_tf32 = False
+        apply_kernel_settings(torch.device("cpu"), deterministic=False)
+        assert torch.backends.cuda.matmul.allow_tf32 is False
+        assert torch.are_deterministic_algorithms_enabled() is saved[1]
+        apply_kernel_settings(torch.device("cuda", 0), deterministic=True)
+        assert torch.backends.cuda.matmul.allow_tf32 is True
+        assert torch.are_deterministic_algorithms_enabled() is True
+        assert os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":4096:8"
+        assert not torch.backends.cuda.flash_sdp_enabled()
+        assert not torch.backends.cuda.mem_efficient_sdp_enabled()
+        assert torch.backends.cuda.math_sdp_enabled()
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = saved[0]
+        torch.use_deterministic_algorithms(saved[1])
+        torch.backends.cuda.enable_flash_sdp(saved[2])
+        torch.backends.cuda.enable_mem_efficient_sdp(saved[3])
+        torch.backends.cuda.enable_cudnn_sdp(saved[4])
