@@ -1,0 +1,111 @@
+"""Functions the layer tests run on every rank of the pool (rank_pool.py): each lays out a small GPT
+piece with paratrain's own parallel code, runs the same input through an unsharded copy, and returns
+the largest differences so the test (in the parent) decides.
+
+Module level so the ranks can import them by name.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
+
+from paratrain.config.schema import ParallelConfig
+from paratrain.models.gpt import GPT, GPTConfig
+from paratrain.parallel.dims import ParallelDims
+from paratrain.parallel.parallelize import parallelize
+from paratrain.parallel.tensor import apply_tensor_parallel
+
+# Sizes tp=2 divides (heads, hidden, the feed-forward's 4x) and a sequence tp=2 splits under sequence parallel.
+SMALL = GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=4, n_embd=32)
+BATCH, SEQ = 8, 8
+
+
+def tensor_parallel_block(sequence_parallel: bool, plan_changes: dict | None = None) -> dict[str, float]:
+    """Block 0 of a GPT under tensor parallel (tp=2, two replicas) against the unsharded block: largest
+    absolute difference of the output and of each parameter's gradient. ``plan_changes`` replaces
+    fields of the model's ParallelPlan (to check that a wrong plan is caught)."""
+    dims = _dims_with_mesh(dp_replicate=2, tp=2)
+    # One block: it is both the first (sequence parallel splits its input) and the last (gathers its output).
+    model, reference = _model_and_copy(dataclasses.replace(SMALL, n_layer=1))
+    plan = dataclasses.replace(model.parallel_plan(), **(plan_changes or {}))
+    apply_tensor_parallel(model, dims.tp_mesh, plan=plan, sequence_parallel=sequence_parallel)
+    block, reference_block = model.blocks[0], reference.blocks[0]
+    x = torch.randn(BATCH, SEQ, SMALL.n_embd, generator=torch.Generator().manual_seed(1))
+    weights = torch.randn(BATCH, SEQ, SMALL.n_embd, generator=torch.Generator().manual_seed(2))
+    output, expected = block(x), reference_block(x)
+    (output * weights).sum().backward()
+    (expected * weights).sum().backward()
+    return {"output": _difference(output, expected), **_gradient_differences(block, reference_block)}
+
+
+def tensor_parallel_block_or_error(sequence_parallel: bool, plan_changes: dict) -> dict[str, float | str]:
+    """``tensor_parallel_block``, with a DTensor error (raised alike on every rank, before any collective
+    waits on a partner) returned as ``{"raised": message}`` so the pool lives on."""
+    try:
+        return tensor_parallel_block(sequence_parallel, plan_changes)
+    except RuntimeError as error:
+        return {"raised": str(error).splitlines()[-1]}
+
+
+def parallelized_gpt(degrees: dict[str, int], options: dict | None = None) -> dict[str, float]:
+    """A whole small GPT through ``parallelize`` (the path every layout takes) against the unsharded model
+    on the same global batch, each data-parallel rank taking its slice: largest difference of the loss
+    (averaged over data-parallel ranks) and of each parameter's gradient."""
+    dims = _dims_with_mesh(**degrees)
+    model, reference = _model_and_copy()
+    parallelize(model, dims, plan=model.parallel_plan(), options=ParallelConfig(**(options or {})))
+    tokens = torch.randint(0, SMALL.vocab_size, (BATCH, SEQ + 1), generator=torch.Generator().manual_seed(3))
+    per_rank = BATCH // dims.dp
+    mine = tokens[dims.dp_rank * per_rank : (dims.dp_rank + 1) * per_rank]
+    loss, expected = _lm_loss(model, mine), _lm_loss(reference, tokens)
+    loss.backward()
+    expected.backward()
+    mean_loss = loss.detach().clone()
+    dist.all_reduce(mean_loss, group=dims.batch_mesh.get_group())
+    return {"loss": _difference(mean_loss / dims.dp, expected), **_gradient_differences(model, reference)}
+
+
+def role_mesh_groups(degrees: dict[str, int]) -> dict[str, object]:
+    """This rank's view of the role meshes ParallelDims builds: the global ranks in each of its groups."""
+    dims = _dims_with_mesh(**degrees)
+    roles = {"tp": dims.tp_mesh, "pp": dims.pp_mesh, "batch": dims.batch_mesh, "loss": dims.loss_mesh}
+    groups = {role: dist.get_process_group_ranks(mesh.get_group()) for role, mesh in roles.items()}
+    fsdp = dims.fsdp_mesh
+    groups["fsdp"] = sorted(fsdp.mesh.flatten().tolist()) if fsdp is not None else None
+    return {"groups": groups, "dp_rank": dims.dp_rank, "pp_rank": dims.pp_rank, "layout": dims.strategy}
+
+
+def _dims_with_mesh(**degrees: int) -> ParallelDims:
+    return ParallelDims.resolve(None, world_size=dist.get_world_size(), degrees=degrees).with_mesh("cpu")
+
+
+def _model_and_copy(config: GPTConfig = SMALL) -> tuple[GPT, GPT]:
+    torch.manual_seed(0)  # the same weights on every rank, as the trainer's seeded build gives
+    model = GPT(config)
+    return model, copy.deepcopy(model)
+
+
+def _lm_loss(model: torch.nn.Module, tokens: torch.Tensor) -> torch.Tensor:
+    logits = model(tokens[:, :-1])
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1))
+
+
+def _gradient_differences(model: torch.nn.Module, reference: torch.nn.Module) -> dict[str, float]:
+    expected = dict(reference.named_parameters())
+    differences = {}
+    for name, parameter in model.named_parameters():
+        if parameter.grad is None:
+            raise AssertionError(f"{name} got no gradient")
+        differences[f"grad {name}"] = _difference(parameter.grad, expected[name].grad)
+    return differences
+
+
+def _difference(value: torch.Tensor, expected: torch.Tensor) -> float:
+    full = value.full_tensor() if isinstance(value, DTensor) else value
+    return (full.detach() - expected.detach()).abs().max().item()
