@@ -91,6 +91,9 @@ class ParallelDims:
     dp_shard: int = 1
     tp: int = 1
     mesh: DeviceMesh | None = field(default=None, compare=False, repr=False)
+    # The flattened role meshes, kept as _flatten returns them: torch deprecates slicing them back out
+    # of the root mesh (UserWarning in torch 2.13: "Users need to bookkeep the flattened mesh directly").
+    flattened: dict[str, DeviceMesh] = field(default_factory=dict, compare=False, repr=False)
 
     @classmethod
     def resolve(
@@ -174,20 +177,22 @@ class ParallelDims:
             return self
         shape = tuple(getattr(self, name) for name in MESH_DIMS)
         mesh = init_device_mesh(device_type, shape, mesh_dim_names=MESH_DIMS)
-        mesh["dp_replicate", "dp_shard"]._flatten("dp")
-        mesh["pp", "dp_replicate", "dp_shard"]._flatten("loss")
-        return replace(self, mesh=mesh)
+        flattened = {
+            "dp": mesh["dp_replicate", "dp_shard"]._flatten("dp"),
+            "loss": mesh["pp", "dp_replicate", "dp_shard"]._flatten("loss"),
+        }
+        return replace(self, mesh=mesh, flattened=flattened)
 
     @property
     def batch_mesh(self) -> DeviceMesh | None:
         """The ranks that read different slices of a global batch (dp_replicate x dp_shard, flattened)."""
-        return self.mesh["dp"] if self.mesh is not None else None
+        return self.flattened.get("dp")
 
     @property
     def loss_mesh(self) -> DeviceMesh | None:
         """What a step's loss is summed over: the data-parallel ranks of every pipeline stage (stages
         without the loss add zero; tensor-parallel ranks hold copies and are left out). Divide by ``dp``."""
-        return self.mesh["loss"] if self.mesh is not None else None
+        return self.flattened.get("loss")
 
     @property
     def fsdp_mesh(self) -> DeviceMesh | None:
