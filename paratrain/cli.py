@@ -9,7 +9,15 @@ from pathlib import Path
 
 from paratrain.config.schema import config_to_yaml, load_config
 from paratrain.config.warnings import ineffective_options
-from paratrain.errors import EXIT_REQUEUE, EXIT_USER_ERROR, CheckpointError, ConfigError, Preempted
+from paratrain.errors import (
+    EXIT_NONFINITE,
+    EXIT_REQUEUE,
+    EXIT_USER_ERROR,
+    CheckpointError,
+    ConfigError,
+    NonFiniteStop,
+    Preempted,
+)
 from paratrain.launch.launcher import LaunchOptions
 
 
@@ -25,6 +33,9 @@ def main(argv: list[str] | None = None) -> int:
     except Preempted as stopped:  # one process, trained in this one
         print(f"paratrain: {stopped}", file=sys.stderr)
         return EXIT_REQUEUE
+    except NonFiniteStop as stopped:  # one process, trained in this one
+        print(f"paratrain: error: {stopped}", file=sys.stderr)
+        return EXIT_NONFINITE
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:

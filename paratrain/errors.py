@@ -8,6 +8,7 @@ from pathlib import Path
 EXIT_USER_ERROR = 2  # the documented exit code for bad input
 EXIT_REQUEUE = 75  # EX_TEMPFAIL: stopped on SIGTERM/SIGUSR1 after saving a checkpoint; requeue to continue
 EXIT_HANG = 124  # as timeout(1): a step exceeded debug.step_timeout_s; stacks in output_dir/hang/
+EXIT_NONFINITE = 3  # training diverged: non-finite gradients or weights (train.nonfinite); nothing bad was saved
 
 
 class ConfigError(ValueError):
@@ -33,3 +34,26 @@ class Preempted(Exception):
             f"requeue the job and checkpoint.resume=auto continues from there"
         )
         self.step, self.checkpoint, self.signal_name = step, checkpoint, signal_name
+
+
+class NonFiniteStop(Exception):
+    """Every rank stopped at the same step because gradients or weights were not finite.
+
+    No optimizer step was applied with those gradients and no checkpoint of non-finite weights was written.
+
+    Attributes:
+        step: The step whose gradients (or weights) were not finite.
+        checkpoint: The newest healthy checkpoint a resume would continue from (None: there is none).
+    """
+
+    def __init__(self, *, step: int, reason: str, checkpoint: Path | None):
+        resume = (
+            f"the last healthy checkpoint is {checkpoint} (checkpoint.resume=auto continues from it)"
+            if checkpoint
+            else "no healthy checkpoint was written yet"
+        )
+        super().__init__(
+            f"stopped at step {step}: {reason}; exit code {EXIT_NONFINITE}; {resume}. Lower optim.lr, set "
+            f"train.grad_clip, or train.nonfinite=skip to skip such steps"
+        )
+        self.step, self.checkpoint = step, checkpoint

@@ -14,7 +14,15 @@ import sys
 from paratrain.config.preflight import preflight
 from paratrain.config.schema import Config, load_config
 from paratrain.config.warnings import ineffective_options
-from paratrain.errors import EXIT_REQUEUE, EXIT_USER_ERROR, CheckpointError, ConfigError, Preempted
+from paratrain.errors import (
+    EXIT_NONFINITE,
+    EXIT_REQUEUE,
+    EXIT_USER_ERROR,
+    CheckpointError,
+    ConfigError,
+    NonFiniteStop,
+    Preempted,
+)
 from paratrain.launch.process_group import world_size_from_env
 from paratrain.parallel.dims import resolve_parallel_dims
 from paratrain.trainer import Trainer, TrainResult
@@ -52,6 +60,10 @@ def main(argv: list[str] | None = None) -> int:
         if rank == 0:
             print(f"paratrain: {stopped}", file=sys.stderr, flush=True)
         return EXIT_REQUEUE
+    except NonFiniteStop as stopped:
+        if rank == 0:
+            print(f"paratrain: error: {stopped}", file=sys.stderr, flush=True)
+        return EXIT_NONFINITE
     return 0
 
 

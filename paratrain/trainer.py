@@ -33,7 +33,7 @@ from paratrain.data.sampler import DataPosition, GlobalBatchSampler, build_sampl
 from paratrain.data.stream import StreamBatches, StreamedTokens, check_streaming
 from paratrain.debug import dump_gradients, dump_weights
 from paratrain.engine import LossFn
-from paratrain.errors import Preempted
+from paratrain.errors import NonFiniteStop, Preempted
 from paratrain.evaluation import build_evaluator, check_evaluation
 from paratrain.gradients import clip_grad_norm
 from paratrain.launch import faults
@@ -46,6 +46,7 @@ from paratrain.launch.process_group import (
     world_size_from_env,
 )
 from paratrain.launch.watchdog import StepWatchdog
+from paratrain.nonfinite import NonFiniteGuard, grads_are_finite, weights_are_finite
 from paratrain.optim import build_lr_scheduler, build_optimizer
 from paratrain.parallel.collectives import all_reduce_sum
 from paratrain.parallel.ddp import settle_buckets
@@ -74,6 +75,7 @@ class StepOutput:
     loss: torch.Tensor  # this rank's mean loss over the step's micro-batches
     grad_norm: torch.Tensor  # global gradient norm before clipping
     lr: float  # learning rate the step used
+    applied: bool = True  # False: the gradients were not finite and the optimizer did not step
 
 
 @dataclass
@@ -82,6 +84,7 @@ class _LogWindow:
 
     loss_sum: torch.Tensor
     steps: int = 0
+    skipped: int = 0  # steps not applied (non-finite gradients); their loss is left out of loss_sum
     started: float = 0.0
     data_wait: float = 0.0  # seconds this rank waited for the loader's next batch
 
@@ -158,6 +161,8 @@ class Trainer:
         self.tokens_per_sample = self.dataset.block_size if self.streaming else tokens_per_sample(self.dataset)
         # A stream's position is its own (files, documents, tokens carried); a map-style dataset's is the sampler's.
         self.progress, self.position = Progress(), self.dataset.position if self.streaming else DataPosition()
+        self.nonfinite = NonFiniteGuard(config.train.nonfinite, config.train.nonfinite_max_skips)
+        self.last_healthy_checkpoint: Path | None = None  # what a stop on non-finite values names
         self.evaluator = build_evaluator(
             config.eval,
             eval_dataset,
@@ -206,7 +211,9 @@ class Trainer:
         try:
             while self.progress.step < self.config.train.max_steps:
                 step = self.train_step(self._next_batch(batches, window))
-                self._advance(window, step.loss)
+                self._advance(window, step)
+                if self.nonfinite.should_stop(self.progress.step, finite=step.applied):
+                    raise self._diverged(self.nonfinite.reason())
                 metrics.step_done()
                 evaluated = self._maybe_evaluate(window)
                 if self._should_log() or evaluated:  # eval_loss is logged beside the training metrics
@@ -240,12 +247,16 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         loss = self.engine.forward_backward(micro_batches)
         self.precision.unscale_(self.optimizer)
+        faults.maybe_poison_gradients("nan_grad", self.bare_model, step=self.progress.step + 1, rank=self.ctx.rank)
         self._maybe_dump_gradients()
         grad_norm = self._clip_gradients()
         lr = self.optimizer.param_groups[0]["lr"]
-        self.precision.step(self.optimizer)
-        self.lr_scheduler.step()
-        return StepOutput(loss, grad_norm, lr)
+        # fp16's scaler skips overflowed steps itself (and shrinks its scale); otherwise the norm decides.
+        applied = self.precision.scaler is not None or grads_are_finite(grad_norm)
+        if applied:
+            self.precision.step(self.optimizer)
+            self.lr_scheduler.step()
+        return StepOutput(loss, grad_norm, lr, applied)
 
     def close(self) -> None:
         """Releases the layout, then the process group if this Trainer created it. Call once training is over."""
@@ -320,12 +331,15 @@ class Trainer:
         window.data_wait += time.perf_counter() - waited
         return micro_batches
 
-    def _advance(self, window: _LogWindow, loss: torch.Tensor) -> None:
+    def _advance(self, window: _LogWindow, step: StepOutput) -> None:
         self.progress.step += 1
-        if not self.streaming:  # a stream moved its position as it was read
+        if not self.streaming:  # a stream moved its position as it was read; a skipped step's batch is not retried
             self.position.advance(self.sampler.batches_per_epoch)
-        window.loss_sum += loss
         window.steps += 1
+        if step.applied:
+            window.loss_sum += step.loss
+        else:
+            window.skipped += 1
 
     def _say_if_nothing_to_train(self) -> None:
         if self.progress.step >= self.config.train.max_steps:
@@ -359,10 +373,11 @@ class Trainer:
     ) -> float:
         # Only ranks holding the last pipeline stage have a loss (all ranks, without a pipeline); the
         # others add zero. The reduction also waits for the window's work, for the step time.
-        loss = window.loss_sum / window.steps
+        applied = window.steps - window.skipped  # the same on every rank: so is the verdict
+        loss = window.loss_sum / max(applied, 1)
         if self.dims.mesh is not None:
             loss = all_reduce_sum(loss, group=self.dims.loss_mesh.get_group()) / self.dims.dp
-        loss = loss.item()
+        loss = loss.item() if applied else float("nan")
         step_time = (time.perf_counter() - window.started) / window.steps
         samples_per_s = self.config.train.global_batch_size / step_time
         record = {
@@ -378,6 +393,8 @@ class Trainer:
             "world_size": self.ctx.world_size,
             "time": time.time(),
         }
+        if self.nonfinite.skipped_steps:
+            record["skipped_steps"] = len(self.nonfinite.skipped_steps)  # over the run, not the window
         if self.tokens_per_sample:
             record["tokens_per_s"] = samples_per_s * self.tokens_per_sample
         record.update(evaluated)
@@ -392,9 +409,12 @@ class Trainer:
         periodic = options.every_steps and step % options.every_steps == 0
         if not (periodic or (options.save_final and last) or stopping):
             return None
+        if not weights_are_finite(self.bare_model):
+            raise self._diverged(f"the weights are not finite, so checkpoint step-{step} was not written")
         # The last save of a run is written before going on: the process is about to exit.
         blocking = not options.async_save or stopping or last
-        path = self.checkpointer.save(step, self.checkpoint_state(), blocking=blocking)
+        path = self.checkpointer.save(step, self.checkpoint_state(), blocking=blocking, weights_finite=True)
+        self.last_healthy_checkpoint = path
         logger.info("saved checkpoint %s" if blocking else "saving checkpoint %s in the background", path)
         self.callbacks.call("on_checkpoint_saved", checkpoint=path)
         return path
@@ -427,6 +447,7 @@ class Trainer:
         # A run switched to fp16 resumes a checkpoint without a gradient scaler: its scaler starts fresh.
         self.checkpointer.load(path, self.checkpoint_state(), optional=("rng", "grad_scaler"))
         logger.info("resumed from %s at step %d (epoch %d)", path, self.progress.step, self.position.epoch)
+        self.last_healthy_checkpoint = path
         # Any samples do: only the order in which gradients become ready matters (see settle_buckets).
         if self.streaming:
             samples = self.dataset.peek(self.micro_batch_size)
@@ -475,3 +496,10 @@ class Trainer:
         announce_stop(local_rank=self.ctx.local_rank)
         logger.info("stopping at step %d on %s: checkpoint %s is complete", self.progress.step, signal_name, checkpoint)
         return Preempted(step=self.progress.step, checkpoint=checkpoint, signal_name=signal_name)
+
+    def _diverged(self, reason: str) -> NonFiniteStop:
+        """The exception every rank ends with when gradients or weights are not finite (the verdict is the
+        same on every rank). An asynchronous save still in flight is finished first: its weights were
+        checked before it began."""
+        self.checkpointer.wait()
+        return NonFiniteStop(step=self.progress.step, reason=reason, checkpoint=self.last_healthy_checkpoint)

@@ -87,12 +87,15 @@ class Checkpointer:
             # quiet_single_process cannot reach.
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
 
-    def save(self, step: int, state: dict[str, Stateful], *, blocking: bool = True) -> Path:
+    def save(
+        self, step: int, state: dict[str, Stateful], *, blocking: bool = True, weights_finite: bool | None = None
+    ) -> Path:
         """Writes ``step-<step>``; returns its path. Every rank calls it at the same step.
 
         With ``blocking=False`` (needs ``async_save``) it returns once the state is copied to CPU
         memory; the checkpoint is complete only after ``wait()``. Either way a save still in flight
-        is waited for first.
+        is waited for first. ``weights_finite`` (the caller's check of every rank's weights) goes into the
+        manifest; ``resume: auto`` never picks a checkpoint recorded as not finite.
         """
         self.wait()
         path = self._fresh_directory(step)
@@ -100,7 +103,7 @@ class Checkpointer:
             with quiet_single_process():
                 dcp.save(state, storage_writer=FileSystemWriter(path), no_dist=not is_distributed())
             faults.maybe_kill("mid_save", step=step, rank=self.rank)
-            self._mark_complete(path, step=step, group=None)
+            self._mark_complete(path, step=step, group=None, weights_finite=weights_finite)
             return path
         started = time.perf_counter()
         with quiet_single_process():
@@ -113,7 +116,7 @@ class Checkpointer:
             )
         faults.maybe_kill("mid_async_save", step=step, rank=self.rank)
         assert self._executor is not None
-        done = self._executor.submit(self._finish_async, written, path, step, started)
+        done = self._executor.submit(self._finish_async, written, path, step, started, weights_finite)
         self._in_flight = _InFlightSave(step, path, done)
         return path
 
@@ -150,17 +153,23 @@ class Checkpointer:
         barrier()
         return path
 
-    def _finish_async(self, written: Future, path: Path, step: int, started: float) -> None:
+    def _finish_async(
+        self, written: Future, path: Path, step: int, started: float, weights_finite: bool | None
+    ) -> None:
         """In the background thread: waits for DCP's write, then marks the checkpoint complete."""
         written.result()
         faults.maybe_slow_down("slow_async_save", step=step, rank=self.rank)
-        self._mark_complete(path, step=step, group=self._group)
+        self._mark_complete(path, step=step, group=self._group, weights_finite=weights_finite)
         logger.info("checkpoint %s written in the background in %.2f s", path, time.perf_counter() - started)
 
-    def _mark_complete(self, path: Path, *, step: int, group: dist.ProcessGroup | None) -> None:
+    def _mark_complete(
+        self, path: Path, *, step: int, group: dist.ProcessGroup | None, weights_finite: bool | None
+    ) -> None:
         barrier(group)  # every rank's data is on disk before rank 0 declares the checkpoint complete
         if self.rank == 0:
-            write_manifest(path, step=step, config=self.config, world_size=self.world_size)
+            write_manifest(
+                path, step=step, config=self.config, world_size=self.world_size, weights_finite=weights_finite
+            )
             self._rotate()
         barrier(group)
 
@@ -218,10 +227,16 @@ class Checkpointer:
         complete = [path for _, path in reversed(find_checkpoints(self.directory)) if is_complete(path)]
         for path in complete:
             try:
-                verify_checkpoint(path)
-                return path
+                manifest = verify_checkpoint(path)
             except CheckpointError as error:
                 logger.warning("skipping damaged checkpoint: %s; falling back to the previous one", error)
+                continue
+            if manifest.get("weights_finite") is False:
+                logger.warning(
+                    "skipping checkpoint %s: its weights are not finite; falling back to the previous one", path
+                )
+                continue
+            return path
         if complete:
             raise CheckpointError(
                 f"no checkpoint in {self.directory} verifies; set checkpoint.resume=never with a new "

@@ -33,9 +33,15 @@ def find_checkpoints(directory: Path) -> list[tuple[int, Path]]:
     return sorted(found)
 
 
-def write_manifest(directory: Path, *, step: int, config: dict[str, Any], world_size: int) -> None:
+def write_manifest(
+    directory: Path, *, step: int, config: dict[str, Any], world_size: int, weights_finite: bool | None = None
+) -> None:
+    """Marks ``directory`` complete. ``weights_finite``: whether the saved weights were checked finite on
+    every rank (None: not checked, as by tools that copy checkpoints)."""
     files = {path.name: _describe_file(path) for path in sorted(directory.iterdir()) if path.name != MANIFEST_NAME}
     manifest = {"format": _FORMAT_VERSION, "step": step, "world_size": world_size, "files": files, "config": config}
+    if weights_finite is not None:
+        manifest["weights_finite"] = weights_finite
     tmp = directory / (MANIFEST_NAME + ".tmp")
     with open(tmp, "w") as handle:
         json.dump(manifest, handle, indent=1)

@@ -19,7 +19,8 @@ from paratrain.errors import ConfigError
 class Section(BaseModel):
     """Base of every config section: unknown keys are errors, field docstrings are descriptions."""
 
-    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True, validate_default=True)
+    # A NaN or infinite number is never a meaningful setting (an Inf learning rate trains garbage).
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True, validate_default=True, allow_inf_nan=False)
 
 
 class RunConfig(Section):
@@ -46,6 +47,12 @@ class TrainConfig(Section):
     deterministic: bool = False
     """Deterministic kernels (torch.use_deterministic_algorithms, CUBLAS_WORKSPACE_CONFIG, attention
     on SDPA's math backend only): on a GPU, runs and resumes repeat bit for bit, at a speed cost."""
+    nonfinite: Literal["stop", "skip"] = "stop"
+    """A step whose gradient norm is NaN or infinite is never applied. stop: end the run (exit code 3),
+    naming the step and the last healthy checkpoint; skip: drop the step, log it and go on (fp16's
+    loss scaler handles its own overflows and is not counted)."""
+    nonfinite_max_skips: int = Field(5, gt=0)
+    """With nonfinite=skip, this many non-finite steps in a row stop the run as nonfinite=stop would."""
 
 
 class OptimConfig(Section):
@@ -56,11 +63,11 @@ class OptimConfig(Section):
     weight_decay: float = Field(0.0, ge=0)
     """Decoupled weight decay (AdamW) or L2 penalty (SGD)."""
     betas: tuple[float, float] = (0.9, 0.95)
-    """AdamW betas."""
+    """AdamW betas, each in [0, 1)."""
     eps: float = Field(1e-8, gt=0)
     """AdamW epsilon."""
-    momentum: float = Field(0.0, ge=0)
-    """SGD momentum."""
+    momentum: float = Field(0.0, ge=0, lt=1)
+    """SGD momentum, in [0, 1)."""
     warmup_steps: int = Field(0, ge=0)
     """Linear warm-up from 0 to the peak learning rate over this many steps."""
     schedule: Literal["cosine", "constant"] = "cosine"
@@ -70,6 +77,13 @@ class OptimConfig(Section):
     lr_scaling: Literal["none", "linear", "sqrt"] = "none"
     """Scale lr by the data-parallel size (linear) or its square root. Changes the training math:
     a run scaled this way no longer matches a single-process run."""
+
+    @field_validator("betas")
+    @classmethod
+    def _betas_in_range(cls, betas: tuple[float, float]) -> tuple[float, float]:
+        if not all(0 <= beta < 1 for beta in betas):
+            raise ValueError(f"got {list(betas)}; each beta must be in [0, 1), e.g. [0.9, 0.95]")
+        return betas
 
 
 class DDPConfig(Section):

@@ -9,7 +9,8 @@ start of the step instead of killing, for the hang watchdog. ``sigterm_after_ste
 instead of SIGKILL, a preemption notice at a known step (a signal sent from outside lands at a step
 that depends on how fast the run goes). ``slow_async_save``
 delays the background write of an asynchronous save by ``SLOW_WRITE_S`` before it completes, so
-that something can happen while a save is in flight. Several faults are separated by commas
+that something can happen while a save is in flight. ``nan_grad`` fills this rank's gradients with
+NaN after the backward of the step (every rank by default), as a diverging model would. Several faults are separated by commas
 (``sigterm_mid_async_save:20:1,slow_async_save:20``). With the variable unset, nothing happens. A
 fault fires in the first attempt only: workers that torchrun restarts (``TORCHELASTIC_RESTART_COUNT``
 > 0) run through, so a restart can be shown to recover.
@@ -20,6 +21,8 @@ from __future__ import annotations
 import os
 import signal
 import time
+
+import torch
 
 ENV_VAR = "PARATRAIN_FAULT"
 STALL_S = 3600.0
@@ -36,6 +39,14 @@ def maybe_slow_down(point: str, *, step: int, rank: int) -> None:
     """Sleeps SLOW_WRITE_S at ``point`` (e.g. ``slow_async_save``), as slow storage would."""
     if _fires(point, step=step, rank=rank):
         time.sleep(SLOW_WRITE_S)
+
+
+def maybe_poison_gradients(point: str, model: torch.nn.Module, *, step: int, rank: int) -> None:
+    """Fills every gradient this rank holds with NaN at ``point`` (e.g. ``nan_grad``)."""
+    if _fires(point, step=step, rank=rank):
+        for param in model.parameters():
+            if param.grad is not None:
+                param.grad.detach().fill_(float("nan"))
 
 
 def maybe_kill(point: str, *, step: int, rank: int) -> None:

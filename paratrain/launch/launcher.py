@@ -9,7 +9,7 @@ import uuid
 from dataclasses import dataclass
 from types import FrameType
 
-from paratrain.errors import EXIT_REQUEUE, ConfigError
+from paratrain.errors import EXIT_NONFINITE, EXIT_REQUEUE, ConfigError
 
 # torchrun's own handling (stop the workers with the same signal, then raise) for these; SIGTERM and
 # SIGUSR1 are paratrain's (_StopRequests), so that the workers get time to save a checkpoint.
@@ -161,6 +161,9 @@ def _summarise_failure(error) -> int:
     if error.failures and all(failure.exitcode == EXIT_REQUEUE for failure in error.failures.values()):
         print(f"paratrain: every worker stopped for a requeue (exit code {EXIT_REQUEUE})", file=sys.stderr)
         return EXIT_REQUEUE
+    if error.failures and all(failure.exitcode == EXIT_NONFINITE for failure in error.failures.values()):
+        print(f"paratrain: every worker stopped on non-finite values (exit code {EXIT_NONFINITE})", file=sys.stderr)
+        return EXIT_NONFINITE
     codes = []
     for rank, failure in sorted(error.failures.items()):
         how = (

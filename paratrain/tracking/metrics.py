@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import sys
 from typing import Any, Literal
 
@@ -50,8 +51,9 @@ class MetricsLogger:
             self._bar.update(1)
 
     def log(self, metrics: dict[str, Any]) -> None:
+        strict = strict_json_record(metrics)  # every tracker gets null, not NaN, and the names in "nonfinite"
         for tracker in self._trackers:
-            tracker.log(metrics)
+            tracker.log(strict)
         if self._bar:
             self._bar.set_postfix(loss=f"{metrics['loss']:.4f}", lr=f"{metrics['lr']:.2e}", refresh=False)
         else:
@@ -64,6 +66,15 @@ class MetricsLogger:
             tracker.close(outcome)
         if self._bar:
             self._bar.close()
+
+
+def strict_json_record(metrics: dict[str, Any]) -> dict[str, Any]:
+    """The record with NaN and infinite numbers as null, named in a ``nonfinite`` list: JSON has no
+    NaN, and a line holding one is not valid JSON to strict readers (jq, JavaScript, pandas' engine)."""
+    bad = [name for name, value in metrics.items() if isinstance(value, float) and not math.isfinite(value)]
+    if not bad:
+        return metrics
+    return {**{name: None if name in bad else value for name, value in metrics.items()}, "nonfinite": bad}
 
 
 class NoMetrics:

@@ -108,7 +108,7 @@ class JsonlTracker:
         self._file = open(run.output_dir / "metrics.jsonl", "a", buffering=1)
 
     def log(self, metrics: dict[str, Any]) -> None:
-        self._file.write(json.dumps(metrics) + "\n")
+        self._file.write(json.dumps(metrics, allow_nan=False) + "\n")
 
     def close(self, outcome: Outcome) -> None:
         self._file.close()
