@@ -1,0 +1,84 @@
+"""The non-finite guard's pieces in-process: the skip/stop verdicts, the weight check, strict metrics
+lines, checkpoints recorded as not finite passed over by resume: auto, and config values that could
+only train garbage refused by the CLI."""
+
+from __future__ import annotations
+
+import json
+import logging
+
+import pytest
+import torch
+
+from paratrain.checkpoint import Checkpointer
+from paratrain.checkpoint.state import ModelState, Progress
+from paratrain.nonfinite import NonFiniteGuard, weights_are_finite
+from paratrain.tracking.metrics import MetricsLogger, strict_json_record
+from paratrain.tracking.trackers import RunInfo
+from tests.harness import run_cli_in_process, tiny_config, write_config
+
+
+def test_skip_drops_isolated_steps_and_stops_after_max_skips_in_a_row():
+    guard = NonFiniteGuard("skip", max_skips=2)
+    verdicts = [guard.should_stop(step, finite=finite) for step, finite in enumerate([1, 0, 1, 0, 0], start=1)]
+    assert verdicts == [False, False, False, False, True]
+    assert guard.skipped_steps == [2, 4, 5]
+
+
+def test_stop_stops_at_the_first_non_finite_step():
+    guard = NonFiniteGuard("stop", max_skips=5)
+    assert not guard.should_stop(1, finite=True)
+    assert guard.should_stop(2, finite=False)
+
+
+def test_weights_are_finite_finds_one_nan_anywhere():
+    model = torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.Linear(3, 1))
+    assert weights_are_finite(model)
+    with torch.no_grad():
+        model[1].bias[0] = float("nan")
+    assert not weights_are_finite(model)
+
+
+def test_metrics_lines_are_strict_json_with_non_finite_values_named(tmp_path):
+    record = {"step": 3, "loss": float("nan"), "lr": 1e-3, "grad_norm": float("inf"), "samples_per_s": 1.0}
+    assert strict_json_record(record)["nonfinite"] == ["loss", "grad_norm"]
+    run = RunInfo("test", tmp_path, {})
+    metrics = MetricsLogger(run, trackers=["jsonl", "tensorboard"], progress_bar="off", start_step=0, max_steps=3)
+    metrics.log(record)
+    metrics.close()
+    line = (tmp_path / "metrics.jsonl").read_text().splitlines()[0]
+    parsed = json.loads(line, parse_constant=lambda name: pytest.fail(f"{name} in {line}"))
+    assert parsed["loss"] is None and parsed["grad_norm"] is None and parsed["lr"] == 1e-3
+
+
+def test_resume_auto_passes_over_a_checkpoint_recorded_as_not_finite(tmp_path, caplog):
+    checkpointer = Checkpointer(tmp_path / "checkpoints", keep_last=None, rank=0, world_size=1, config={})
+    for step, finite in ((10, True), (20, False)):
+        state = {"model": ModelState(torch.nn.Linear(2, 2)), "progress": Progress(step)}
+        checkpointer.save(step, state, weights_finite=finite)
+    with caplog.at_level(logging.WARNING, logger="paratrain"):
+        assert checkpointer.latest_verified() == checkpointer.directory / "step-10"
+    assert "step-20: its weights are not finite" in caplog.text
+
+
+@pytest.mark.parametrize(
+    "override,key",
+    [
+        ("optim.lr=.inf", "optim.lr"),
+        ("optim.lr=.nan", "optim.lr"),
+        ("train.grad_clip=.inf", "train.grad_clip"),
+        ("optim.betas=[0.9,1.0]", "optim.betas"),
+        ("optim.betas=[-0.1,0.9]", "optim.betas"),
+        ("optim.momentum=1.0", "optim.momentum"),
+        ("optim.eps=0", "optim.eps"),
+        ("optim.weight_decay=-0.1", "optim.weight_decay"),
+        ("train.nonfinite=ignore", "train.nonfinite"),
+        ("train.nonfinite_max_skips=0", "train.nonfinite_max_skips"),
+    ],
+)
+def test_values_that_can_only_train_garbage_are_refused(tmp_path, override, key):
+    config = write_config(tmp_path / "config.yaml", tiny_config(tmp_path / "run"))
+    code, stderr = run_cli_in_process(["train", str(config), override])
+    assert code == 2, stderr
+    assert "Traceback" not in stderr
+    assert f"{key}:" in stderr
