@@ -114,6 +114,12 @@ def _check_precision(config: Config, dims: ParallelDims) -> None:
 
 
 def _check_evaluation(config: Config, dims: ParallelDims) -> None:
+    # From the command line there is no other way to give an evaluation dataset than eval.factory.
+    if config.eval.every_steps and config.eval.factory is None:
+        raise ConfigError(
+            f"eval.every_steps={config.eval.every_steps} asks for evaluation, but eval.factory is null; "
+            f"set eval.factory to a validation dataset factory, or remove eval.every_steps"
+        )
     check_evaluation(config.eval, dims)
     if config.eval.factory is not None:
         check_factory_args(config.eval, key="eval")

@@ -29,6 +29,14 @@ class RunConfig(Section):
     output_dir: Path = Path("runs/paratrain")
     """Directory for config.yaml, metrics.jsonl, checkpoints/ and tensorboard/."""
 
+    @field_validator("output_dir", mode="before")
+    @classmethod
+    def _not_empty(cls, value: Any) -> Any:
+        # Path("") is the current directory: an empty value would scatter a run's files there.
+        if isinstance(value, str) and not value.strip():
+            raise ValueError("is empty; name a directory for the run's files, e.g. runs/my-run")
+        return value
+
 
 class TrainConfig(Section):
     max_steps: int = Field(100, gt=0)
@@ -408,10 +416,19 @@ def config_to_yaml(config: Config) -> str:
 
 
 def _read_yaml(path: Path) -> dict[str, Any]:
+    if path.is_dir():
+        raise ConfigError(f"config file {path} is a directory; pass the path of a YAML config file inside it")
     if not path.is_file():
         raise ConfigError(f"config file {path} does not exist; pass the path of a YAML config")
     try:
-        loaded = yaml.safe_load(path.read_text())
+        text = path.read_bytes().decode("utf-8")
+    except UnicodeDecodeError as error:
+        raise ConfigError(
+            f"config file {path} is not UTF-8 text (byte {error.start} is {error.object[error.start]:#04x}); "
+            f"save it as UTF-8"
+        ) from None
+    try:
+        loaded = yaml.load(text, Loader=_UniqueKeyLoader)
     except yaml.YAMLError as error:
         raise ConfigError(f"config file {path} is not valid YAML: {error}") from None
     if loaded is None:
@@ -419,6 +436,23 @@ def _read_yaml(path: Path) -> dict[str, Any]:
     if not isinstance(loaded, dict):
         raise ConfigError(f"config file {path} must hold a mapping of sections, not {type(loaded).__name__}")
     return loaded
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """SafeLoader that refuses a key given twice in one mapping: PyYAML keeps the last silently, so
+    the first value, the one a reader sees, would not be the one that trains."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        seen: dict[Any, int] = {}
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            line = key_node.start_mark.line + 1
+            if key in seen:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"duplicate key {key!r} on lines {seen[key]} and {line}; keep one", key_node.start_mark
+                )
+            seen[key] = line
+        return super().construct_mapping(node, deep=deep)
 
 
 def _parse_override(override: str) -> tuple[str, Any]:

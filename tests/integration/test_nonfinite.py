@@ -16,7 +16,7 @@ import torch
 from paratrain.errors import EXIT_NONFINITE
 from tests.harness import checkpoint_weights, launch_workers, read_metrics, tiny_config, write_config
 
-STEPS, NAN_STEP, EVERY = 8, 5, 2
+STEPS, NAN_STEP, EVERY = 6, 5, 3
 LAYOUTS = {
     "single": ([], 1),
     "ddp x2": (["parallel.strategy=ddp"], 2),
@@ -102,7 +102,7 @@ def test_resume_auto_continues_from_the_last_healthy_checkpoint(outcomes, layout
     assert codes[f"{layout} resume"] == 0
     output_dir = root / f"{layout.replace(' ', '_')}-stop"
     steps = _steps_logged(output_dir)
-    last_healthy = (NAN_STEP - 1) // EVERY * EVERY  # step-4
+    last_healthy = (NAN_STEP - 1) // EVERY * EVERY  # the newest checkpoint before the NaN step
     assert steps == [*range(1, NAN_STEP), *range(last_healthy + 1, STEPS + 1)]
     assert all(math.isfinite(record["loss"]) for record in read_metrics(output_dir))
     final = checkpoint_weights(output_dir / f"checkpoints/step-{STEPS}")
