@@ -17,6 +17,7 @@ from paratrain.errors import (
     ConfigError,
     NonFiniteStop,
     Preempted,
+    UserCodeError,
 )
 from paratrain.launch.launcher import LaunchOptions
 
@@ -27,7 +28,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     try:
         return args.handler(args)
-    except (ConfigError, CheckpointError) as error:
+    except (ConfigError, CheckpointError, UserCodeError) as error:
         print(f"paratrain: error: {error}", file=sys.stderr)
         return EXIT_USER_ERROR
     except Preempted as stopped:  # one process, trained in this one

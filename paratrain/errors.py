@@ -15,6 +15,11 @@ class ConfigError(ValueError):
     """Bad input found before training starts: the message names the key, the value and the fix."""
 
 
+class UserCodeError(Exception):
+    """The user's own code (a model, data, loss, eval or callback factory) raised: reported once, by rank 0,
+    as one block naming the factory, the exception and the user's own frames; exit code 2."""
+
+
 class CheckpointError(ValueError):
     """A checkpoint that cannot be trusted or loaded: the message names the file and what to do."""
 

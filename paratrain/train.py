@@ -22,6 +22,7 @@ from paratrain.errors import (
     ConfigError,
     NonFiniteStop,
     Preempted,
+    UserCodeError,
 )
 from paratrain.launch.process_group import world_size_from_env
 from paratrain.parallel.dims import resolve_parallel_dims
@@ -53,7 +54,7 @@ def main(argv: list[str] | None = None) -> int:
             for warning in ineffective_options(config, dims):
                 logging.getLogger("paratrain").warning("warning: %s", warning)
         run(config)
-    except (ConfigError, CheckpointError) as error:
+    except (ConfigError, CheckpointError, UserCodeError) as error:
         report_user_error(error, rank=rank)
         return EXIT_USER_ERROR
     except Preempted as stopped:

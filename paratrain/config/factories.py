@@ -3,12 +3,22 @@
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import inspect
+import sysconfig
+import traceback
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from paratrain.config.schema import FactoryConfig
-from paratrain.errors import ConfigError
+from paratrain.errors import CheckpointError, ConfigError, UserCodeError
+
+# Frames under these are not the user's: paratrain, the standard library and installed packages (torch,
+# transformers), found without importing them.
+_PARATRAIN_ROOT = str(Path(__file__).resolve().parent.parent)
+_TORCH_ROOT = str(Path(importlib.util.find_spec("torch").origin).parent)
+_STDLIB_ROOTS = tuple({sysconfig.get_paths()[name] for name in ("stdlib", "platstdlib", "purelib", "platlib")})
 
 
 def resolve_factory(path: str, *, key: str) -> Callable[..., Any]:
@@ -50,4 +60,32 @@ def check_factory_args(section: FactoryConfig, *, key: str) -> Callable[..., Any
 
 
 def call_factory(section: FactoryConfig, *, key: str) -> Any:
-    return check_factory_args(section, key=key)(**section.args)
+    """Calls ``section.factory(**section.args)``.
+
+    Raises:
+        UserCodeError: the factory raised; the message holds its type, message and the user's own frames.
+    """
+    factory = check_factory_args(section, key=key)
+    try:
+        return factory(**section.args)
+    except (ConfigError, CheckpointError):  # already a message for the user (paratrain's own factories)
+        raise
+    except Exception as error:
+        raise UserCodeError(describe_user_error(f"{key}.factory={section.factory!r}", error)) from error
+
+
+def describe_user_error(where: str, error: BaseException) -> str:
+    """One block: where it happened, the exception, and the frames of the user's code (not paratrain's,
+    torch's or the standard library's), innermost last, as a traceback lists them."""
+    frames = [frame for frame in traceback.extract_tb(error.__traceback__) if _is_user_frame(frame.filename)]
+    lines = [f"{where} raised {type(error).__name__}: {error}"]
+    for frame in frames or traceback.extract_tb(error.__traceback__)[-1:]:
+        lines.append(f'  File "{frame.filename}", line {frame.lineno}, in {frame.name}')
+        if frame.line:
+            lines.append(f"    {frame.line}")
+    return "\n".join(lines)
+
+
+def _is_user_frame(filename: str) -> bool:
+    library_roots = (_PARATRAIN_ROOT, _TORCH_ROOT, *_STDLIB_ROOTS)
+    return not filename.startswith("<") and not any(filename.startswith(root) for root in library_roots)
