@@ -13,11 +13,14 @@ import dataclasses
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
-from paratrain.config.schema import ParallelConfig
+from paratrain.config.schema import FSDPConfig, ParallelConfig
 from paratrain.models.gpt import GPT, GPTConfig
+from paratrain.models.plan import plan_of
 from paratrain.parallel.dims import ParallelDims
+from paratrain.parallel.fsdp import apply_fsdp
 from paratrain.parallel.parallelize import parallelize
 from paratrain.parallel.tensor import apply_tensor_parallel
 
@@ -69,6 +72,19 @@ def parallelized_gpt(degrees: dict[str, int], options: dict | None = None) -> di
     mean_loss = loss.detach().clone()
     dist.all_reduce(mean_loss, group=dims.batch_mesh.get_group())
     return {"loss": _difference(mean_loss / dims.dp, expected), **_gradient_differences(model, reference)}
+
+
+def fsdp_units_of_a_model_without_blocks() -> dict[str, object]:
+    """apply_fsdp on a model whose plan declares no blocks: how many FSDP units it made and whether every
+    parameter is sharded."""
+    dims = _dims_with_mesh(dp_shard=dist.get_world_size())
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+    apply_fsdp(model, dims.fsdp_mesh, plan=plan_of(model), options=FSDPConfig())
+    return {
+        "units": sum(isinstance(module, FSDPModule) for module in model.modules()),
+        "root_is_unit": isinstance(model, FSDPModule),
+        "all_sharded": all(isinstance(p, DTensor) for p in model.parameters()),
+    }
 
 
 def role_mesh_groups(degrees: dict[str, int]) -> dict[str, object]:

@@ -63,6 +63,12 @@ def test_parallelize_gives_the_unsharded_gradients(ranks, degrees, options):
     assert far_apart(differences) == {}
 
 
+def test_fsdp_shards_a_model_without_blocks_as_one_unit(ranks):
+    """What tests/integration/test_bad_input.py's warning promises: one unit, the root, all of it sharded."""
+    for result in ranks.run(layer_checks.fsdp_units_of_a_model_without_blocks):
+        assert result == {"units": 1, "root_is_unit": True, "all_sharded": True}
+
+
 def test_role_meshes_on_four_gloo_ranks(ranks):
     views = ranks.run(layer_checks.role_mesh_groups, {"dp_replicate": 2, "tp": 2})
     # rank = dp_replicate * 2 + tp

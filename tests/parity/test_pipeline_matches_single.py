@@ -91,8 +91,13 @@ def test_export_consolidates_a_pipeline_checkpoint(runs, tmp_path):
 )
 def test_recorded_timeline_runs_the_schedule_table_order(runs, layout):
     """What ``paratrain pipeline show`` draws in theory is the order each rank really ran."""
-    for path in sorted((runs.get(layout) / "pipeline").glob("timeline-rank*.json")):
-        record = json.loads(path.read_text())
+    records = [
+        json.loads(path.read_text()) for path in sorted((runs.get(layout) / "pipeline").glob("timeline-rank*.json"))
+    ]
+    assert records, "the run wrote no pipeline timeline"
+    assert sorted(record["pp_rank"] for record in records) == list(range(records[0]["pp"]))  # every stage rank
+    for record in records:
+        assert record["steps"], f"rank {record['pp_rank']} recorded no step"
         shape = PipelineShape(record["schedule"], record["pp"], record["stages_per_rank"], record["microbatches"])
         expected = [
             (a.stage_index, LETTER[a.computation_type], a.microbatch_index)

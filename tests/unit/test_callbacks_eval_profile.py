@@ -114,7 +114,9 @@ def test_eval_loss_equals_the_loss_computed_by_hand_over_the_evaluated_samples(r
 def test_memory_and_throughput_fields_are_logged_at_every_log_step(run):
     output_dir, _, _ = run
     parameters = sum(p.numel() for p in build_mlp(**MODEL_ARGS).parameters())
-    for record in read_metrics(output_dir):
+    records = read_metrics(output_dir)
+    assert [record["step"] for record in records] == [1, 2, 3, 4]
+    for record in records:
         assert 0 < record["mem_rss_mb_min"] == record["mem_rss_mb_max"]  # one rank
         assert record["mem_peak_rss_mb_max"] >= record["mem_rss_mb_max"]
         # 6·N FLOPs per sample for a model that states none (its inputs are not tokens).
