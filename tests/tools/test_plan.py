@@ -166,16 +166,22 @@ def test_unparsable_gpu_memory_and_uneven_nodes_are_refused_on_the_command_line(
 
 
 def test_a_model_that_is_not_a_transformer_gets_activations_measured_on_meta():
-    config = load_config(
-        None,
-        [
-            "model.factory=paratrain.models.mlp:build_mlp",
-            "data.factory=paratrain.data.regression:build_regression_dataset",
-        ],
-    )
-    plan, facts, source = plan_layouts(config, gpus=2, gpu_memory="1GB")
+    def plan_mlp(hidden_features: int):
+        config = load_config(
+            None,
+            [
+                "model.factory=paratrain.models.mlp:build_mlp",
+                f"model.args.hidden_features={hidden_features}",
+                "data.factory=paratrain.data.regression:build_regression_dataset",
+            ],
+        )
+        return plan_layouts(config, gpus=2, gpu_memory="1GB")
+
+    (narrow, facts, source), (wide, _, _) = plan_mlp(64), plan_mlp(4096)
     assert facts.transformer is None and source.startswith("measured")
-    assert plan.recommended.peak.activations > 0
+    assert narrow.recommended.dims == wide.recommended.dims
+    # The hidden layers' outputs are what is measured: 64 times wider layers must show up.
+    assert 0 < narrow.recommended.peak.activations < wide.recommended.peak.activations
 
 
 @pytest.fixture(scope="module")
