@@ -85,6 +85,7 @@ def _jsonl_documents(path: Path, text_field: str) -> Iterator[str]:
 
 
 def _parquet_documents(path: Path, text_field: str) -> Iterator[str]:
+    # Lazy: an optional dependency, imported only where it is used.
     import pyarrow.parquet as pq  # comes with the data extra (datasets); only parquet corpora need it
 
     parquet = pq.ParquetFile(path)
@@ -94,6 +95,7 @@ def _parquet_documents(path: Path, text_field: str) -> Iterator[str]:
 
 
 def _saved_dataset_documents(path: Path, text_field: str) -> Iterator[str]:
+    # Lazy: an optional dependency, imported only where it is used.
     import datasets  # the data extra; imported only for saved datasets (it takes a second to import)
 
     dataset = datasets.load_from_disk(str(path))

@@ -34,6 +34,7 @@ def write_stdlib_corpus(path: Path, *, min_chars: int = 40) -> int:
 
 def train_tokenizer(corpus: Path, path: Path, *, vocab_size: int = 1024) -> None:
     """A byte-level BPE tokenizer (any text encodes, no unknown token) trained on the corpus' texts."""
+    # Lazy: an optional dependency, imported only where it is used.
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tokenizer = Tokenizer(models.BPE())

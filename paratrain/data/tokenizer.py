@@ -43,6 +43,7 @@ def load_tokenizer(
     Raises:
         ConfigError: the path is not a tokenizer, or no EOS token can be found in it.
     """
+    # Lazy: an optional dependency, imported only where it is used.
     from tokenizers import Tokenizer  # the data extra
 
     file = tokenizer_file(path, key=key)

@@ -20,6 +20,7 @@ INSTALL_HINT = "pip install 'paratrain[hf]'"
 def require_transformers() -> ModuleType:
     """transformers, or a ConfigError naming the command that installs it."""
     try:
+        # Lazy: an optional dependency, imported only where it is used.
         import transformers
     except ImportError:
         raise ConfigError(f"Hugging Face models need transformers, which is not installed: {INSTALL_HINT}") from None

@@ -126,10 +126,13 @@ def format_table(bench: CommBenchmark) -> str:
 
 
 def plot(bench: CommBenchmark, path: Path) -> Path:
+    # Lazy: a heavy import (start-up time) that only this path needs.
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+
+    # Lazy: a heavy import (start-up time) that only this path needs.
     from matplotlib.ticker import FuncFormatter
 
     figure, (times, bus) = plt.subplots(1, 2, figsize=(12.0, 4.2))

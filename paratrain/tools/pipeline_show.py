@@ -123,10 +123,13 @@ def measured_bars(timelines: list[dict]) -> list[list[Bar]]:
 
 def draw(ranks: list[list[Bar]], path: Path, *, title: str) -> None:
     """One row per rank, one coloured box per action, white where the rank is idle."""
+    # Lazy: a heavy import (start-up time) that only this path needs.
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+
+    # Lazy: a heavy import (start-up time) that only this path needs.
     from matplotlib.patches import Patch
 
     end = max(bar.end for bars in ranks for bar in bars)

@@ -127,10 +127,13 @@ def write_report(directories: list[Path], *, out: Path) -> Report:
 
 def _plot(runs: list[RunMetrics], panels: list[tuple[str, str]], path: Path, *, title: str) -> Path:
     """One row of panels (one per metric present in some run), every run a line in each."""
+    # Lazy: a heavy import (start-up time) that only this path needs.
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+
+    # Lazy: a heavy import (start-up time) that only this path needs.
     from matplotlib.ticker import MaxNLocator
 
     present = [(key, label) for key, label in panels if any(run.series(key)[0] for run in runs)] or panels[:1]

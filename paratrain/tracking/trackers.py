@@ -118,6 +118,7 @@ class TensorBoardTracker:
     """Event files in output_dir/tensorboard/, scalars under train/, the config as hparams text."""
 
     def __init__(self, run: RunInfo):
+        # Lazy: a heavy import (start-up time) that only this path needs.
         from torch.utils.tensorboard import SummaryWriter  # imported only when named: it loads TensorBoard
 
         self._writer = SummaryWriter(log_dir=str(run.output_dir / "tensorboard"))
@@ -135,6 +136,7 @@ class WandbTracker:
     """A W&B run named after run.name, its files under output_dir/wandb/; WANDB_MODE=offline keeps it local."""
 
     def __init__(self, run: RunInfo):
+        # Lazy: an optional dependency, imported only where it is used.
         import wandb
 
         self._run = wandb.init(
@@ -157,6 +159,7 @@ class MlflowTracker:
     """An MLflow run named after run.name with the flattened config as params and output_dir as a tag."""
 
     def __init__(self, run: RunInfo):
+        # Lazy: an optional dependency, imported only where it is used.
         from mlflow.entities import Param
         from mlflow.tracking import MlflowClient
 
@@ -173,6 +176,7 @@ class MlflowTracker:
             self._client.log_batch(self._run_id, params=[Param(k, v) for k, v in items[start : start + 100]])
 
     def log(self, metrics: dict[str, Any]) -> None:
+        # Lazy: an optional dependency, imported only where it is used.
         from mlflow.entities import Metric
 
         timestamp = int(time.time() * 1000)
