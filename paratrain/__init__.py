@@ -17,7 +17,7 @@ __all__ = ["CheckpointError", "Config", "ConfigError", "TrainResult", "Trainer",
 
 
 def __getattr__(name: str):
-    # The trainer pulls in DCP, DTensor and FSDP (a second or more of imports): load it on first
+    # Lazy: the trainer pulls in DCP, DTensor and FSDP (a second or more of imports): load it on first
     # use, so the CLI can reject a bad config, and torchrun start, without paying for it.
     if name in ("Trainer", "TrainResult"):
         from paratrain import trainer

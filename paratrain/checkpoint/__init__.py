@@ -11,6 +11,7 @@ __all__ = ["Checkpointer", "find_checkpoints", "verify_checkpoint"]
 
 def __getattr__(name: str):
     if name == "Checkpointer":
+        # Lazy: DCP is a second of start-up the CLI's pre-launch checks do not need (see above).
         from paratrain.checkpoint.checkpointer import Checkpointer
 
         return Checkpointer

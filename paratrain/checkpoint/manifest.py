@@ -83,7 +83,7 @@ def verify_checkpoint(directory: Path) -> dict[str, Any]:
     metadata_path = directory / METADATA_NAME
     if not metadata_path.is_file():
         raise CheckpointError(f"checkpoint file {metadata_path} is missing; use an earlier checkpoint")
-    # Imported here: it loads torch.distributed.checkpoint, a second at every CLI start otherwise.
+    # Lazy: it loads torch.distributed.checkpoint, a second at every CLI start otherwise.
     from paratrain.checkpoint.safe_reader import load_metadata_safely
 
     load_metadata_safely(metadata_path.read_bytes(), path=str(metadata_path))  # refuses planted pickles

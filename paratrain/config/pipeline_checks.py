@@ -22,7 +22,7 @@ def check_pipeline(config: Config, dims: ParallelDims, *, model: torch.nn.Module
         _check_model_parallel(config)
     if dims.pp == 1:
         return
-    # Only now: torch.distributed.pipelining loads torch._dynamo, a second at start-up for every run.
+    # Lazy: torch.distributed.pipelining loads torch._dynamo, a second at start-up for every run.
     from paratrain.parallel.pipeline.build import pipeline_shape
     from paratrain.parallel.pipeline.schedules import check_shape
 
