@@ -15,11 +15,19 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
+from torch.utils._pytree import tree_leaves
 
 from paratrain.parallel.fsdp import set_gradient_sync
 from paratrain.precision import MixedPrecision
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def output_device(outputs: Any, *, default: torch.device) -> torch.device:
+    """Where the model's outputs are (its first tensor's device): under model_parallel the last part's
+    GPU, where the targets must go for the loss."""
+    tensors = [leaf for leaf in tree_leaves(outputs) if isinstance(leaf, torch.Tensor)]
+    return tensors[0].device if tensors else default
 
 
 class Engine(Protocol):
@@ -77,7 +85,7 @@ class MicroBatchEngine:
             last = index == len(micro_batches) - 1
             with self._gradient_sync(enabled=last):
                 loss = self._forward_backward_one(inputs, targets, weight=1.0 / len(micro_batches))
-            total += loss
+            total += loss.to(total.device)  # model_parallel: the loss is on the last part's device
         return total / len(micro_batches)
 
     def flush(self) -> None:
@@ -86,7 +94,8 @@ class MicroBatchEngine:
     def _forward_backward_one(self, inputs: Any, targets: Any, *, weight: float) -> torch.Tensor:
         inputs, targets = move_to(inputs, self.device), move_to(targets, self.device)
         with self.precision.autocast():
-            loss = self.loss_fn(self.model(inputs), targets)
+            outputs = self.model(inputs)
+            loss = self.loss_fn(outputs, move_to(targets, output_device(outputs, default=self.device)))
         self.precision.scale(loss * weight).backward()
         return loss.detach()
 

@@ -185,9 +185,11 @@ class PipelineConfig(Section):
     devices: list[str] = []
     """strategy model_parallel: the device of each stage, in order (e.g. [cuda:0, cuda:1]). Empty:
     every visible GPU, or the CPU alone (then all stages run there, and the log says so)."""
-    record_timeline: bool = True
+    record_timeline: bool | None = None
     """Record when each forward and backward ran on each rank into
-    output_dir/pipeline/timeline-rank<R>.json, for the measured bubble in `paratrain pipeline show`."""
+    output_dir/pipeline/timeline-rank<R>.json, for the measured bubble in `paratrain pipeline show`.
+    null: on for CPU runs, off on GPUs (it synchronises the GPU after every action, which removes
+    the overlap of compute and communication)."""
 
 
 class CheckpointConfig(Section):

@@ -7,11 +7,13 @@ import os
 import torch
 
 from paratrain.checkpoint.checkpointer import staging_pins_memory
-from paratrain.config.schema import FSDPConfig, OptimConfig
+from paratrain.config.schema import FSDPConfig, OptimConfig, PipelineConfig
 from paratrain.cuda_settings import apply_kernel_settings
+from paratrain.engine import output_device
 from paratrain.launch.process_group import process_group_backend
 from paratrain.optim import build_optimizer, use_fused_kernel
 from paratrain.parallel.fsdp import _mixed_precision, resolved_reduce_dtype
+from paratrain.parallel.pipeline.runtime import records_timeline
 
 
 def test_cpu_offload_on_cuda_gets_gloo_beside_nccl_for_collectives_on_cpu_gradients():
@@ -72,3 +74,17 @@ def test_cuda_runs_get_tf32_and_deterministic_runs_get_deterministic_kernels(mon
         torch.backends.cuda.enable_flash_sdp(saved[2])
         torch.backends.cuda.enable_mem_efficient_sdp(saved[3])
         torch.backends.cuda.enable_cudnn_sdp(saved[4])
+
+
+def test_pipeline_timeline_is_recorded_by_default_only_off_the_gpu():
+    assert records_timeline(PipelineConfig(), torch.device("cpu")) is True
+    assert records_timeline(PipelineConfig(), torch.device("cuda", 0)) is False
+    assert records_timeline(PipelineConfig(record_timeline=True), torch.device("cuda", 0)) is True
+    assert records_timeline(PipelineConfig(record_timeline=False), torch.device("cpu")) is False
+
+
+def test_targets_follow_the_outputs_device_for_model_parallel_losses():
+    logits = torch.empty(2, 3, device="meta")
+    assert output_device({"logits": logits}, default=torch.device("cpu")) == torch.device("meta")
+    assert output_device((logits,), default=torch.device("cpu")) == torch.device("meta")
+    assert output_device(None, default=torch.device("cpu")) == torch.device("cpu")

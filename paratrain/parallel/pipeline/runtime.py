@@ -65,7 +65,7 @@ def build_pipeline_runtime(
     )
     recorder = (
         _timeline_recorder(shape, timeline_dir, dims=dims, rank=ctx.rank, device=ctx.device)
-        if pipeline.record_timeline
+        if records_timeline(pipeline, ctx.device)
         else None
     )
     engine = PipelineEngine(
@@ -102,6 +102,14 @@ def _measured_piece_costs(
             ", ".join(f"{cost:.4f}" for cost in costs),
         )
     return broadcast_object(costs)
+
+
+def records_timeline(options: PipelineConfig, device: torch.device) -> bool:
+    """pipeline.record_timeline, or by default only off the GPU: the recorder synchronises the
+    device after each action, which on a GPU would serialise compute and communication."""
+    if options.record_timeline is not None:
+        return options.record_timeline
+    return device.type != "cuda"
 
 
 def _timeline_recorder(
