@@ -14,6 +14,7 @@ from typing import Any
 import torch
 from torch import nn
 from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
     get_model_state_dict,
     get_optimizer_state_dict,
     set_model_state_dict,
@@ -35,6 +36,12 @@ class ModelState(Stateful):
 
 _IMPLEMENTATION_FLAGS = ("foreach", "fused")
 
+# Param-group settings saved once per parameter (``param_groups.<name>.lr``), like the moments
+# (``state.<name>.exp_avg``). torch's default keeps them as one list naming the saver's parameters,
+# written by one rank only: a pipeline rank holding other parameters then matched none of them and
+# lost its groups' lr (issue 18).
+_PER_PARAMETER = StateDictOptions(flatten_optimizer_state_dict=True)
+
 
 @dataclass
 class OptimizerState(Stateful):
@@ -42,17 +49,18 @@ class OptimizerState(Stateful):
     optimizer: torch.optim.Optimizer
 
     def state_dict(self) -> dict[str, Any]:
-        return get_optimizer_state_dict(self.model, self.optimizer)
+        return get_optimizer_state_dict(self.model, self.optimizer, options=_PER_PARAMETER)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         # Implementation flags (foreach) belong to this layout, not the one that saved: tensor
-        # parallel needs foreach off where fsdp had it on. Hyperparameters come from the checkpoint.
-        local_flags = [
-            {k: group[k] for k in _IMPLEMENTATION_FLAGS if k in group} for group in self.optimizer.param_groups
-        ]
-        set_optimizer_state_dict(self.model, self.optimizer, state_dict)
-        for group, flags in zip(self.optimizer.param_groups, local_flags, strict=True):
-            group.update(flags)
+        # parallel needs foreach off where fsdp had it on. Hyperparameters come from the checkpoint,
+        # except in a group this rank holds no parameter of (a pipeline stage without biases), whose
+        # settings nothing saved names: it keeps its own.
+        local = [{k: v for k, v in group.items() if k != "params"} for group in self.optimizer.param_groups]
+        set_optimizer_state_dict(self.model, self.optimizer, state_dict, options=_PER_PARAMETER)
+        for group, settings in zip(self.optimizer.param_groups, local, strict=True):
+            group.update({k: settings[k] for k in _IMPLEMENTATION_FLAGS if k in settings})
+            group.update({k: v for k, v in settings.items() if k not in group})
 
 
 @dataclass
