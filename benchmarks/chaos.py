@@ -50,12 +50,12 @@ RESUMED = re.compile(r"resumed from \S+ at step (\d+)")
 STEP_LOGGED = re.compile(r"paratrain: step (\d+)/\d+")
 
 
-def write_config(directory: Path, name: str, *, steps: int, every: int, strategy: str) -> Path:
+def write_config(directory: Path, name: str, *, steps: int, every: int, strategy: str, pp: int | None) -> Path:
     config = {
         "run": {"name": name, "output_dir": str(directory / name)},
         "train": {"max_steps": steps, "global_batch_size": 8, "micro_batch_size": 2, "seed": 0},
         "optim": {"lr": 1e-3, "warmup_steps": 2},
-        "parallel": {"strategy": strategy},
+        "parallel": {"strategy": strategy, "pp": pp},
         "log": {"every_steps": 1, "progress_bar": "off"},
         "checkpoint": {"every_steps": every, "keep_last": 2},
         "model": TINY_GPT,
@@ -202,6 +202,7 @@ def main() -> int:
     parser.add_argument("--steps", type=int, help="train.max_steps (default: (kills + 3) x every)")
     parser.add_argument("--strategy", default="ddp", help="parallel.strategy (ddp, fsdp, ...)")
     parser.add_argument("--nproc", type=int, default=2, help="processes")
+    parser.add_argument("--pp", type=int, help="parallel.pp: pipeline stages beside --strategy (e.g. fsdp x pp)")
     args = parser.parse_args()
     sys.stdout.reconfigure(line_buffering=True)  # progress shows as it comes, also into a file
     steps = args.steps or (args.kills + 3) * args.every
@@ -209,7 +210,9 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="paratrain-chaos-") as scratch:
         directory = Path(scratch)
         started = time.monotonic()
-        reference = write_config(directory, "uninterrupted", steps=steps, every=args.every, strategy=args.strategy)
+        reference = write_config(
+            directory, "uninterrupted", steps=steps, every=args.every, strategy=args.strategy, pp=args.pp
+        )
         subprocess.run(
             cli(reference, "--nproc-per-node", str(args.nproc)),
             check=True,
@@ -219,13 +222,15 @@ def main() -> int:
         )
         expected = final_weights(directory / "uninterrupted", steps)
         print(
-            f"{args.strategy} x {args.nproc}, tiny GPT, {steps} steps, checkpoint every {args.every}; "
+            f"{args.strategy} x {args.nproc}{f' (pp {args.pp})' if args.pp else ''}, tiny GPT, {steps} steps, checkpoint every {args.every}; "
             f"torch {torch.__version__}; uninterrupted run {time.monotonic() - started:.0f} s"
         )
         total_kills, failures, redone = 0, 0, 0
         for run in range(args.runs):
             seed = args.seed + run
-            config = write_config(directory, f"chaos-{seed}", steps=steps, every=args.every, strategy=args.strategy)
+            config = write_config(
+                directory, f"chaos-{seed}", steps=steps, every=args.every, strategy=args.strategy, pp=args.pp
+            )
             started = time.monotonic()
             code, kills, log = run_with_kills(
                 config, nproc=args.nproc, kills=args.kills, every=args.every, steps=steps, seed=seed
