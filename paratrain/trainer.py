@@ -453,9 +453,11 @@ class Trainer:
             samples = self.dataset.peek(self.micro_batch_size)
         else:
             samples = [self.dataset[i] for i in range(self.micro_batch_size)]
-        settle_buckets(
-            self.model, lambda: self.engine.forward_backward([default_collate(samples)]), device=self.ctx.device
-        )
+        # A pipeline's schedule needs a whole step's micro-batches; one does elsewhere.
+        step_micro_batches = self.config.train.global_batch_size // (self.micro_batch_size * self.dp_size)
+        count = step_micro_batches if self.dims.pp > 1 else 1
+        micro_batch = default_collate(samples)
+        settle_buckets(self.model, lambda: self.engine.forward_backward([micro_batch] * count), device=self.ctx.device)
 
     def _build_checkpointer(self) -> Checkpointer:
         return Checkpointer(

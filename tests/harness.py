@@ -22,7 +22,7 @@ from typing import Any
 import torch
 import yaml
 
-from paratrain.tools.export import read_tensor, tensor_names
+from paratrain.tools.export import read_tensors, tensor_names
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
@@ -175,7 +175,7 @@ def checkpoint_weights(checkpoint_dir: Path, prefix: str = "model.") -> dict[str
     """The full tensors of a checkpoint under prefix ("model." for weights, "optimizer.state." for
     AdamW's moments), by name."""
     names = tensor_names(checkpoint_dir, prefix)
-    return {name: read_tensor(checkpoint_dir, prefix + name, item) for name, item in names.items()}
+    return read_tensors(checkpoint_dir, {prefix + name: item for name, item in names.items()}, prefix=prefix)
 
 
 def max_relative_difference(a: dict[int, float], b: dict[int, float]) -> float:

@@ -21,6 +21,15 @@ def apply_activation_checkpointing(model: nn.Module, *, plan: ParallelPlan) -> N
 
 
 def apply_compile(model: nn.Module, *, plan: ParallelPlan) -> None:
-    """Compiles each block in place (``nn.Module.compile`` keeps parameter names unchanged)."""
+    """Compiles each block in place (``nn.Module.compile`` keeps parameter names unchanged).
+
+    A block under activation checkpointing is compiled inside its checkpoint wrapper, so the
+    checkpoint recomputes a compiled forward. Compiling the wrapper instead (dynamo tracing
+    ``torch.utils.checkpoint``) fails on tensor-parallel blocks in torch 2.13: the traced checkpoint
+    saves the DTensors' DeviceMesh among its tensors and the first step dies with ``expected all
+    tensors_saved_with_vc_check to be Tensors`` (issue 18). Compiled inside, tp, fsdp and single
+    with both options train.
+    """
     for path in plan.blocks:
-        model.get_submodule(path).compile()
+        block = model.get_submodule(path)
+        getattr(block, "_checkpoint_wrapped_module", block).compile()

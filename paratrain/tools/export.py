@@ -46,6 +46,17 @@ def read_tensor(checkpoint: Path, key: str, item: TensorStorageMetadata) -> torc
     return tensor
 
 
+def read_tensors(
+    checkpoint: Path, items: dict[str, TensorStorageMetadata], *, prefix: str = ""
+) -> dict[str, torch.Tensor]:
+    """Several whole tensors by full checkpoint key, in one read (one per tensor re-plans the whole
+    checkpoint each time); returned keyed without ``prefix``."""
+    tensors = {key: torch.empty(item.size, dtype=item.properties.dtype) for key, item in items.items()}
+    with quiet_single_process():
+        dcp.load(tensors, storage_reader=SafeFileSystemReader(checkpoint), planner=SafeLoadPlanner(), no_dist=True)
+    return {key.removeprefix(prefix): tensor for key, tensor in tensors.items()}
+
+
 def export_safetensors(checkpoint: Path, out: Path) -> int:
     """Verifies the checkpoint, then writes its model weights to ``out``; returns the tensor count."""
     manifest = verify_checkpoint(checkpoint)
