@@ -30,6 +30,7 @@ def preflight(config: Config, *, world_size: int, nproc_per_node: int) -> None:
     checks: list[Callable[[], None]] = [
         lambda: _check_layout(config, world_size, nproc_per_node),
         lambda: _check_precision(config, _dims(config, world_size, nproc_per_node)),
+        lambda: check_compile(config, _dims(config, world_size, nproc_per_node)),
         lambda: check_pipeline(config, _dims(config, world_size, nproc_per_node)),
         lambda: _check_devices(config, nproc_per_node),
         lambda: check_factory_args(config.model, key="model"),
@@ -123,6 +124,17 @@ def _check_evaluation(config: Config, dims: ParallelDims) -> None:
     check_evaluation(config.eval, dims)
     if config.eval.factory is not None:
         check_factory_args(config.eval, key="eval")
+
+
+def check_compile(config: Config, dims: ParallelDims) -> None:
+    """torch.compile binds the compiled forward to the original module, so nn.DataParallel's
+    replicas would run the first GPU's weights on their inputs: refused rather than wrong."""
+    if config.parallel.compile and dims.strategy == "dp":
+        raise ConfigError(
+            "parallel.compile=true is not supported with parallel.strategy=dp (nn.DataParallel's replicas "
+            "would run the compiled module of the first GPU); use strategy=ddp with one process per GPU, "
+            "or parallel.compile=false"
+        )
 
 
 def _check_devices(config: Config, nproc_per_node: int) -> None:

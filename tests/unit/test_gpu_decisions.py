@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import os
 
+import pytest
 import torch
 
 from paratrain.checkpoint.checkpointer import staging_pins_memory
-from paratrain.config.schema import FSDPConfig, OptimConfig, PipelineConfig
+from paratrain.config.preflight import _dims, check_compile
+from paratrain.config.schema import FSDPConfig, OptimConfig, PipelineConfig, load_config
 from paratrain.cuda_settings import apply_kernel_settings
 from paratrain.engine import output_device
+from paratrain.errors import ConfigError
 from paratrain.launch.process_group import process_group_backend
 from paratrain.optim import build_optimizer, use_fused_kernel
 from paratrain.parallel.fsdp import _mixed_precision, resolved_reduce_dtype
@@ -88,3 +91,11 @@ def test_targets_follow_the_outputs_device_for_model_parallel_losses():
     assert output_device({"logits": logits}, default=torch.device("cpu")) == torch.device("meta")
     assert output_device((logits,), default=torch.device("cpu")) == torch.device("meta")
     assert output_device(None, default=torch.device("cpu")) == torch.device("cpu")
+
+
+def test_compile_with_single_process_data_parallel_is_refused_naming_the_keys():
+    config = load_config(None, ["parallel.strategy=dp", "parallel.compile=true"])
+    with pytest.raises(ConfigError, match="parallel.compile=true .* parallel.strategy=dp"):
+        check_compile(config, _dims(config, 1, 1))
+    ddp = load_config(None, ["parallel.strategy=ddp", "parallel.compile=true"])
+    check_compile(ddp, _dims(ddp, 2, 2))
