@@ -63,7 +63,8 @@ def train_command(args: argparse.Namespace) -> int:
         return dry_run_command(args)
     options.validate()
     config = load_config(args.config, args.overrides)
-    from paratrain.config.preflight import preflight  # imported once the config parses: it loads torch.distributed
+    # Lazy, imported once the config parses: preflight loads torch.distributed.
+    from paratrain.config.preflight import PREFLIGHT_DONE_ENV, preflight
     from paratrain.parallel.dims import resolve_parallel_dims
 
     preflight(config, world_size=options.world_size, nproc_per_node=options.nproc_per_node)
@@ -79,7 +80,6 @@ def train_command(args: argparse.Namespace) -> int:
         run(config)
         return 0
     from paratrain.launch.launcher import launch
-    from paratrain.train import PREFLIGHT_DONE_ENV
 
     return launch(options, [args.config, *args.overrides], env={PREFLIGHT_DONE_ENV: "1"})
 

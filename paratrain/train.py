@@ -11,7 +11,7 @@ import logging
 import os
 import sys
 
-from paratrain.config.preflight import preflight
+from paratrain.config.preflight import PREFLIGHT_DONE_ENV, preflight
 from paratrain.config.schema import Config, load_config
 from paratrain.config.warnings import ineffective_options
 from paratrain.errors import (
@@ -27,9 +27,6 @@ from paratrain.errors import (
 from paratrain.launch.process_group import world_size_from_env
 from paratrain.parallel.dims import resolve_parallel_dims
 from paratrain.trainer import Trainer, TrainResult
-
-# Set by the CLI once it has run the checks, so workers it launches do not repeat them.
-PREFLIGHT_DONE_ENV = "PARATRAIN_PREFLIGHT_DONE"
 
 
 def run(config: Config) -> TrainResult:
