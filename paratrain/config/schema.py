@@ -154,6 +154,10 @@ class ParallelConfig(Section):
     """Recompute each block's activations in backward instead of storing them."""
     compile: bool = False
     """torch.compile each block (opt-in: compiling takes time up front)."""
+    compile_backend: Literal["inductor", "aot_eager", "eager"] = "inductor"
+    """torch.compile's backend with parallel.compile: inductor generates fused kernels (the fast one);
+    aot_eager traces forward and backward as inductor does but runs them with eager kernels: seconds
+    instead of minutes to start, for checking that a layout compiles and for debugging."""
     sequence_parallel: bool = False
     """With tp: also shard norms and residual activations along the sequence dimension."""
     ddp: DDPConfig = DDPConfig()

@@ -20,7 +20,7 @@ def apply_activation_checkpointing(model: nn.Module, *, plan: ParallelPlan) -> N
         parent.register_module(name, checkpoint_wrapper(parent.get_submodule(name), preserve_rng_state=True))
 
 
-def apply_compile(model: nn.Module, *, plan: ParallelPlan) -> None:
+def apply_compile(model: nn.Module, *, plan: ParallelPlan, backend: str = "inductor") -> None:
     """Compiles each block in place (``nn.Module.compile`` keeps parameter names unchanged).
 
     A block under activation checkpointing is compiled inside its checkpoint wrapper, so the
@@ -32,4 +32,4 @@ def apply_compile(model: nn.Module, *, plan: ParallelPlan) -> None:
     """
     for path in plan.blocks:
         block = model.get_submodule(path)
-        getattr(block, "_checkpoint_wrapped_module", block).compile()
+        getattr(block, "_checkpoint_wrapped_module", block).compile(backend=backend)

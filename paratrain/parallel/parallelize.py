@@ -62,7 +62,7 @@ def parallelize(
     if options.activation_checkpointing:
         apply_activation_checkpointing(model, plan=plan)
     if options.compile:
-        apply_compile(model, plan=plan)
+        apply_compile(model, plan=plan, backend=options.compile_backend)
     modules = roots(model) if roots is not None else [model]
     if dims.fsdp_enabled:
         apply_fsdp(model, dims.fsdp_mesh, plan=plan, options=options.fsdp, roots=modules)

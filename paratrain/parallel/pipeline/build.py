@@ -21,7 +21,7 @@ from paratrain.models.meta import on_meta
 from paratrain.models.plan import plan_of
 from paratrain.parallel.dims import ParallelDims
 from paratrain.parallel.parallelize import maybe_wrap_replicas, parallelize
-from paratrain.parallel.pipeline.schedules import PipelineShape, default_stages_per_rank
+from paratrain.parallel.pipeline.schedules import SPLIT_BACKWARD, PipelineShape, default_stages_per_rank
 from paratrain.parallel.pipeline.split import Stage, cut_stages, measured_costs, pipeline_sequence
 from paratrain.parallel.pipeline.stages import keep_only, stage_modules
 
@@ -93,6 +93,12 @@ def lay_out_stages(
     pretrained: Path | None = None,
 ) -> PipelineStages:
     """The model on meta, cut into stages, this rank's kept and parallelized (the dry run stops here)."""
+    if parallel.compile and shape.schedule in SPLIT_BACKWARD:
+        # A compiled backward donates its saved buffers and then refuses a second backward over the same
+        # graph ("compiled with non-empty donated buffers which requires ... retain_graph=False"), which
+        # is what the weight-gradient half of a split backward is. Keeping the buffers costs memory, not
+        # speed; torch's message names this setting as the fix.
+        torch._functorch.config.donated_buffer = False
     with on_meta():
         model = factory()
     plan = plan_of(model)

@@ -31,6 +31,9 @@ _COMPUTE = (
 
 # V-shaped schedules place stage r and stage 2p-1-r on rank r, so the first and last stages share a rank.
 _V_SHAPED = ("ZBVZeroBubble", "DualPipeV")
+# Schedules that run a stage's backward in two halves (input gradients, then weight gradients later),
+# keeping the autograd graph alive between them (retain_graph).
+SPLIT_BACKWARD = ("InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
 
 
 @dataclass(frozen=True)
