@@ -144,6 +144,16 @@ def launch_workers(nproc: int, module: str, *args: str, timeout: float = 240) ->
     )
 
 
+def train_many_in_one_launch(
+    runs: list[tuple[Path, list[str]]], nproc: int, runs_file: Path, timeout: float = 600
+) -> None:
+    """Trains each (config, overrides) one after the other in one launch of nproc processes
+    (tests/train_many.py): the processes start once for all of them."""
+    runs_file.write_text(json.dumps([[str(config), overrides] for config, overrides in runs]))
+    result = launch_workers(nproc, "tests.train_many", str(runs_file), timeout=timeout)
+    assert result.returncode == 0, f"{nproc}-process launch failed:\n{result.stderr[-4000:]}"
+
+
 def in_private_network(command: list[str]) -> list[str]:
     """command, run in a new network namespace that holds only loopback: a server that listens on every
     interface (plain torchrun's stores, pytorch#173909) can then be reached from nowhere else."""

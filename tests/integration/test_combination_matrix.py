@@ -16,7 +16,6 @@ Launches: one-process runs train in the test process; the 2- and 4-process runs 
 
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 
@@ -26,7 +25,7 @@ from paratrain.config.preflight import preflight
 from paratrain.config.schema import load_config
 from paratrain.errors import ConfigError
 from paratrain.train import run as train_in_this_process
-from tests.harness import launch_workers, read_metrics, tiny_config, write_config
+from tests.harness import read_metrics, tiny_config, train_many_in_one_launch, write_config
 from tests.parity.test_resume_matrix import LAYOUTS as RESUME_LAYOUTS
 
 STEPS = 3
@@ -92,11 +91,8 @@ class Matrix:
                 self._in_one_launch(combinations, nproc)
 
     def _in_one_launch(self, combinations: list[tuple[str, str]], nproc: int) -> None:
-        runs = [[str(self.config), self.overrides(layout, option)] for layout, option in combinations]
-        runs_file = self.root / f"launch-{nproc}.json"
-        runs_file.write_text(json.dumps(runs))
-        result = launch_workers(nproc, "tests.train_many", str(runs_file), timeout=800)
-        assert result.returncode == 0, f"{nproc}-process launch failed:\n{result.stderr[-4000:]}"
+        runs = [(self.config, self.overrides(layout, option)) for layout, option in combinations]
+        train_many_in_one_launch(runs, nproc, self.root / f"launch-{nproc}.json", timeout=800)
 
 
 @pytest.fixture(scope="module")

@@ -13,7 +13,6 @@ launch (tests/train_many.py), in the order 1, 4, 2, 1 processes so every resume 
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
@@ -23,11 +22,11 @@ from paratrain.config.schema import load_config
 from paratrain.train import run as train_in_this_process
 from tests.harness import (
     checkpoint_weights,
-    launch_workers,
     losses_by_step,
     max_relative_difference,
     tiny_config,
     train,
+    train_many_in_one_launch,
     write_config,
 )
 
@@ -125,10 +124,8 @@ class Matrix:
             train_in_this_process(load_config(self._config(name), overrides))
 
     def _in_one_launch(self, runs, nproc: int) -> None:
-        runs_file = self.root / f"launch-{nproc}.json"
-        runs_file.write_text(json.dumps([[str(self._config(name)), overrides] for name, overrides, *_ in runs]))
-        result = launch_workers(nproc, "tests.train_many", str(runs_file), timeout=600)
-        assert result.returncode == 0, f"{nproc}-process launch failed:\n{result.stderr[-4000:]}"
+        launch = [(self._config(name), overrides) for name, overrides, *_ in runs]
+        train_many_in_one_launch(launch, nproc, self.root / f"launch-{nproc}.json")
 
 
 @pytest.fixture(scope="module")
