@@ -59,13 +59,22 @@ def train_command(args: argparse.Namespace) -> int:
     )
     # Inside an srun step every node runs this same command: Slurm says which node this is.
     options = apply_slurm_environment(options, os.environ, nnodes_given=args.nnodes is not None)
+    if args.skip_memory_check:  # an override, so workers the launcher starts skip it too
+        args.overrides = [*args.overrides, "train.check_memory=false"]
     if args.dry_run:  # before options.validate(): planning a multi-node world needs no rendezvous endpoint
         return dry_run_command(args)
     options.validate()
     config = load_config(args.config, args.overrides)
-    from paratrain.config.preflight import preflight  # imported once the config parses: it loads torch.distributed
+    # Lazy: imported once the config parses; preflight loads torch.distributed and the planner loads torch.
+    from paratrain.config.preflight import preflight
     from paratrain.parallel.dims import resolve_parallel_dims
+    from paratrain.planner.layouts import layout_overrides
+    from paratrain.planner.memory_check import describe_auto_choice, maybe_resolve_auto
 
+    auto = config.parallel.strategy == "auto"
+    config = maybe_resolve_auto(config, world_size=options.world_size, nproc_per_node=options.nproc_per_node)
+    if auto:
+        print(f"paratrain: {describe_auto_choice(config)}", file=sys.stderr)
     preflight(config, world_size=options.world_size, nproc_per_node=options.nproc_per_node)
     dims = resolve_parallel_dims(
         config.parallel, world_size=options.world_size, local_world_size=options.nproc_per_node
@@ -76,19 +85,25 @@ def train_command(args: argparse.Namespace) -> int:
         from paratrain.train import configure_logging, run
 
         configure_logging(rank=0)
-        run(config)
+        run(config, config_path=args.config)
         return 0
     from paratrain.launch.launcher import launch
     from paratrain.train import PREFLIGHT_DONE_ENV
 
-    return launch(options, [args.config, *args.overrides], env={PREFLIGHT_DONE_ENV: "1"})
+    # The layout auto chose, given explicitly: workers train it without ranking layouts again.
+    chosen = layout_overrides(dims) if auto else []
+    return launch(options, [args.config, *args.overrides, *chosen], env={PREFLIGHT_DONE_ENV: "1"})
 
 
 def dry_run_command(args: argparse.Namespace) -> int:
     config = load_config(args.config, args.overrides)
     from paratrain.planner.dry_run import dry_run  # loads torch.distributed
+    from paratrain.planner.memory_check import maybe_resolve_auto  # Lazy: loads torch, as dry_run does
 
-    print(dry_run(config, nproc_per_node=args.nproc_per_node, nnodes=args.nnodes or 1))
+    nnodes = args.nnodes or 1
+    config = maybe_resolve_auto(config, world_size=args.nproc_per_node * nnodes, nproc_per_node=args.nproc_per_node)
+
+    print(dry_run(config, nproc_per_node=args.nproc_per_node, nnodes=nnodes))
     return 0
 
 
@@ -224,6 +239,12 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="build the mesh (fake process group), the model on meta and the layout for the whole world in "
         "this one process; print each rank's place and expected memory; train nothing",
+    )
+    train.add_argument(
+        "--skip-memory-check",
+        action="store_true",
+        help="start even when the planner estimates that a process needs more memory than is free "
+        "(train.check_memory=false)",
     )
     train.set_defaults(handler=train_command)
 
