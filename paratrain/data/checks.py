@@ -98,6 +98,11 @@ def check_sample_fits_model(
     inputs, targets = sample
     if not isinstance(inputs, torch.Tensor) or not isinstance(targets, torch.Tensor):
         return
+    if inputs.numel() == 0:
+        raise ConfigError(
+            f"{sources.data} gives an empty sample (inputs of shape {list(inputs.shape)}); check data.args "
+            f"(e.g. a block_size of at least 1)"
+        )
     if not inputs.is_floating_point() and inputs.dim() > 0:
         _check_sequence_length(inputs, model, sources)
         _check_token_ids(inputs, targets, model, sources, dataset_vocab=dataset_vocab)
