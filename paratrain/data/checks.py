@@ -14,7 +14,9 @@ import torch
 from torch import nn
 
 from paratrain.errors import ConfigError
-from paratrain.losses import LossFn
+
+# loss_fn(outputs, targets) -> mean loss, as paratrain.losses defines it (data/ imports no other package).
+LossFn = Callable[[Any, torch.Tensor], torch.Tensor]
 
 
 def model_positions(model: nn.Module) -> int | None:
