@@ -91,6 +91,14 @@ class OptimConfig(Section):
     """Scale lr by the data-parallel size (linear) or its square root. Changes the training math:
     a run scaled this way no longer matches a single-process run."""
 
+    @field_validator("betas", mode="before")
+    @classmethod
+    def _two_betas(cls, betas: Any) -> Any:
+        # pydantic alone reports a one-element list as "optim.betas.1: Field required", naming no fix.
+        if isinstance(betas, (list, tuple)) and len(betas) != 2:
+            raise ValueError(f"got {list(betas)}; give two numbers, beta1 and beta2, e.g. [0.9, 0.95]")
+        return betas
+
     @field_validator("betas")
     @classmethod
     def _betas_in_range(cls, betas: tuple[float, float]) -> tuple[float, float]:

@@ -91,7 +91,8 @@ CASES: dict[str, Case] = {
     "optim.lr NaN": train("optim.lr=.nan", expect="optim.lr:"),
     "optim.betas with 1": train("optim.betas=[0.9,1.0]", expect="optim.betas:"),
     "optim.betas negative": train("optim.betas=[-0.1,0.9]", expect="optim.betas:"),
-    "optim.betas one value": train("optim.betas=[0.9]", expect="optim.betas"),
+    "optim.betas one value": train("optim.betas=[0.9]", expect=("optim.betas: got [0.9]; give two numbers",)),
+    "optim.betas three values": train("optim.betas=[0.9,0.95,0.99]", expect="optim.betas: got [0.9, 0.95, 0.99]"),
     "optim.momentum 1": train("optim.name=sgd", "optim.momentum=1.0", expect="optim.momentum:"),
     "optim.eps zero": train("optim.eps=0", expect="optim.eps:"),
     "optim.weight_decay negative": train("optim.weight_decay=-0.1", expect="optim.weight_decay:"),
@@ -171,6 +172,12 @@ CASES: dict[str, Case] = {
         "--nproc-per-node",
         "8",
         expect=("pipeline.microbatches=4 over parallel.pp=8", "must be greater than or equal"),
+    ),
+    "evaluation under a pipeline": train(
+        "parallel.strategy=pp",
+        "eval.factory=paratrain.data.text:build_char_dataset",
+        *TWO,
+        expect=("eval.factory='paratrain.data.text:build_char_dataset'", "not supported with pipeline parallel"),
     ),
     "eval.batch_size zero": train("eval.batch_size=0", expect="eval.batch_size"),
     # --- precision ------------------------------------------------------------------------------
