@@ -6,8 +6,9 @@ import argparse
 import os
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from paratrain.config.schema import config_to_yaml, load_config
+from paratrain.config.schema import Config, config_to_yaml, load_config
 from paratrain.config.warnings import ineffective_options
 from paratrain.errors import (
     EXIT_NONFINITE,
@@ -20,6 +21,9 @@ from paratrain.errors import (
     UserCodeError,
 )
 from paratrain.launch.launcher import LaunchOptions
+
+if TYPE_CHECKING:
+    from paratrain.parallel.dims import ParallelDims
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -90,9 +94,26 @@ def train_command(args: argparse.Namespace) -> int:
     from paratrain.launch.launcher import launch
     from paratrain.train import PREFLIGHT_DONE_ENV
 
+    maybe_check_memory_before_launch(config, dims, options, config_path=args.config)
     # The layout auto chose, given explicitly: workers train it without ranking layouts again.
     chosen = layout_overrides(dims) if auto else []
     return launch(options, [args.config, *args.overrides, *chosen], env={PREFLIGHT_DONE_ENV: "1"})
+
+
+def maybe_check_memory_before_launch(
+    config: Config, dims: ParallelDims, options: LaunchOptions, *, config_path: str
+) -> None:
+    """On CPU the node's processes share its RAM, so the memory check runs here, once, before any worker
+    starts: a refusal costs no launch and is printed by one process. GPU runs check in each worker, whose
+    own device's free memory is what counts (train.run)."""
+    # Lazy: both load torch, which the CLI imports only once the config parses.
+    from paratrain.launch.process_group import pick_device
+    from paratrain.planner.memory_check import check_memory
+
+    if pick_device(config.train.device, 0).type == "cpu":
+        check_memory(
+            config, dims, rank=0, local_rank=0, local_world_size=options.nproc_per_node, config_path=config_path
+        )
 
 
 def dry_run_command(args: argparse.Namespace) -> int:

@@ -52,7 +52,12 @@ def check_memory_before_allocating(config: Config, *, config_path: str) -> None:
     local = local_world_size_from_env()
     dims = resolve_parallel_dims(config.parallel, world_size=world_size_from_env(), local_world_size=local)
     check_memory(
-        config, dims, local_rank=int(os.environ.get("LOCAL_RANK", 0)), local_world_size=local, config_path=config_path
+        config,
+        dims,
+        rank=int(os.environ.get("RANK", 0)),
+        local_rank=int(os.environ.get("LOCAL_RANK", 0)),
+        local_world_size=local,
+        config_path=config_path,
     )
 
 

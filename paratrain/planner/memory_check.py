@@ -31,6 +31,14 @@ _LARGEST_NODE_COUNT = 64
 _NOT_ESTIMATED = ("dp", "model_parallel")
 
 
+class MemoryRefused(ConfigError):
+    """The memory check's refusal; also carries the numbers, for the one-line note of a rank other than 0."""
+
+    def __init__(self, message: str, *, needed: int, free: FreeMemory):
+        super().__init__(message)
+        self.needed, self.free = needed, free
+
+
 @dataclass(frozen=True)
 class FreeMemory:
     """Memory one process may use, and where the number comes from (for the message)."""
@@ -84,7 +92,8 @@ def check_memory_fits(
         return None
     estimate = estimate_layout(facts, config, dims, gpus_per_node=dims.world_size // nnodes, measured_per_sample=None)
     if estimate.peak.total > free.bytes:
-        raise ConfigError(_refusal(facts, config, estimate, free, nnodes=nnodes, config_path=config_path))
+        message = _refusal(facts, config, estimate, free, nnodes=nnodes, config_path=config_path)
+        raise MemoryRefused(message, needed=estimate.peak.total, free=free)
     return estimate
 
 
@@ -177,15 +186,29 @@ def maybe_resolve_auto(config: Config, *, world_size: int, nproc_per_node: int) 
 
 
 def check_memory(
-    config: Config, dims: ParallelDims, *, local_rank: int, local_world_size: int, config_path: str
+    config: Config, dims: ParallelDims, *, rank: int, local_rank: int, local_world_size: int, config_path: str
 ) -> None:
-    """check_memory_fits for this process's device, unless train.check_memory=false; logs the verdict."""
+    """check_memory_fits for this process's device, unless train.check_memory=false; logs the verdict.
+
+    Only rank 0 prints a user error's message; another rank that refuses (its GPU has less free than rank
+    0's) says so in one line, so a refusal is never silent and never repeated in full.
+    """
     if not config.train.check_memory:
         logger.info("memory check skipped (train.check_memory=false)")
         return
     free = free_memory(pick_device(config.train.device, local_rank), local_world_size=local_world_size)
     nnodes = max(1, dims.world_size // local_world_size)
-    estimate = check_memory_fits(config, dims, free, nnodes=nnodes, config_path=config_path)
+    try:
+        estimate = check_memory_fits(config, dims, free, nnodes=nnodes, config_path=config_path)
+    except MemoryRefused as refused:
+        if rank != 0:
+            logger.warning(
+                "memory check refused: an estimated %s per process, %s free (%s)",
+                format_bytes(refused.needed),
+                format_bytes(refused.free.bytes),
+                refused.free.source,
+            )
+        raise
     if estimate is not None:
         logger.info(
             "memory check: %s per process estimated, %s free (%s)",

@@ -41,6 +41,15 @@ def test_a_gpt_too_large_for_this_machine_is_refused_from_its_estimate_before_al
     assert not (tmp_path / "run").exists()  # refused before the trainer made its output directory
 
 
+def test_on_cpu_several_processes_are_refused_once_before_the_launch(tmp_path):
+    # The node's processes share its RAM: the CLI checks for all of them before starting any.
+    config = gpt_too_large_for_this_machine(tmp_path)
+    code, stderr = run_cli_in_process(["train", str(config), "--nproc-per-node", "2"])
+    assert code == 2 and "Traceback" not in stderr, stderr
+    assert "the layout ddp dp_replicate=2 needs an estimated" in stderr
+    assert "/ 2 processes on this node" in stderr and "rank 0 failed" not in stderr
+
+
 def test_skip_memory_check_starts_without_the_check(tmp_path):
     config = write_config(tmp_path / "config.yaml", tiny_config(tmp_path / "run", train={"max_steps": 1}))
     code, stderr = run_cli_in_process(["train", str(config), "--skip-memory-check"])
