@@ -110,10 +110,13 @@ def maybe_check_memory_before_launch(
     from paratrain.launch.process_group import pick_device
     from paratrain.planner.memory_check import check_memory
 
-    if pick_device(config.train.device, 0).type == "cpu":
-        check_memory(
-            config, dims, rank=0, local_rank=0, local_world_size=options.nproc_per_node, config_path=config_path
-        )
+    if pick_device(config.train.device, 0).type != "cpu":
+        return
+    verdict = check_memory(
+        config, dims, rank=0, local_rank=0, local_world_size=options.nproc_per_node, config_path=config_path
+    )
+    if verdict:  # this process's logging is not configured: the workers' is
+        print(f"paratrain: {verdict}", file=sys.stderr)
 
 
 def dry_run_command(args: argparse.Namespace) -> int:

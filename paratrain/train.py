@@ -24,7 +24,7 @@ from paratrain.errors import (
     Preempted,
     UserCodeError,
 )
-from paratrain.launch.process_group import local_world_size_from_env, world_size_from_env
+from paratrain.launch.process_group import local_world_size_from_env, pick_device, world_size_from_env
 from paratrain.parallel.dims import resolve_parallel_dims
 from paratrain.planner.memory_check import check_memory, maybe_resolve_auto
 from paratrain.trainer import Trainer, TrainResult
@@ -48,14 +48,20 @@ def run(config: Config, *, config_path: str = "CONFIG") -> TrainResult:
 
 
 def check_memory_before_allocating(config: Config, *, config_path: str) -> None:
-    """Every rank compares the planner's estimate with its own device's free memory before the model exists."""
-    local = local_world_size_from_env()
+    """Every GPU rank compares the planner's estimate with its own device's free memory before the model
+    exists. On CPU the node's processes share the RAM: the CLI checked for all of them before launching,
+    and a rank reading MemAvailable after another rank allocated would refuse a layout that fits, so
+    only local rank 0 checks, and only when the CLI did not."""
+    local, local_rank = local_world_size_from_env(), int(os.environ.get("LOCAL_RANK", 0))
+    on_cpu = pick_device(config.train.device, local_rank).type == "cpu"
+    if on_cpu and (os.environ.get(PREFLIGHT_DONE_ENV) or local_rank != 0):
+        return
     dims = resolve_parallel_dims(config.parallel, world_size=world_size_from_env(), local_world_size=local)
     check_memory(
         config,
         dims,
         rank=int(os.environ.get("RANK", 0)),
-        local_rank=int(os.environ.get("LOCAL_RANK", 0)),
+        local_rank=local_rank,
         local_world_size=local,
         config_path=config_path,
     )

@@ -187,15 +187,16 @@ def maybe_resolve_auto(config: Config, *, world_size: int, nproc_per_node: int) 
 
 def check_memory(
     config: Config, dims: ParallelDims, *, rank: int, local_rank: int, local_world_size: int, config_path: str
-) -> None:
-    """check_memory_fits for this process's device, unless train.check_memory=false; logs the verdict.
+) -> str | None:
+    """check_memory_fits for this process's device, unless train.check_memory=false; logs the verdict and
+    returns it (None when this layout or model is not estimated).
 
     Only rank 0 prints a user error's message; another rank that refuses (its GPU has less free than rank
     0's) says so in one line, so a refusal is never silent and never repeated in full.
     """
     if not config.train.check_memory:
         logger.info("memory check skipped (train.check_memory=false)")
-        return
+        return "memory check skipped (train.check_memory=false)"
     free = free_memory(pick_device(config.train.device, local_rank), local_world_size=local_world_size)
     nnodes = max(1, dims.world_size // local_world_size)
     try:
@@ -209,13 +210,14 @@ def check_memory(
                 refused.free.source,
             )
         raise
-    if estimate is not None:
-        logger.info(
-            "memory check: %s per process estimated, %s free (%s)",
-            format_bytes(estimate.peak.total),
-            format_bytes(free.bytes),
-            free.source,
-        )
+    if estimate is None:
+        return None
+    verdict = (
+        f"memory check: {format_bytes(estimate.peak.total)} per process estimated, {format_bytes(free.bytes)} "
+        f"free ({free.source})"
+    )
+    logger.info("%s", verdict)
+    return verdict
 
 
 def describe_auto_choice(config: Config) -> str:
