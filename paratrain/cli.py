@@ -70,7 +70,7 @@ def train_command(args: argparse.Namespace) -> int:
     options.validate()
     config = load_config(args.config, args.overrides)
     # Lazy: imported once the config parses; preflight loads torch.distributed and the planner loads torch.
-    from paratrain.config.preflight import preflight
+    from paratrain.config.preflight import PREFLIGHT_DONE_ENV, preflight
     from paratrain.parallel.dims import resolve_parallel_dims
     from paratrain.planner.layouts import layout_overrides
     from paratrain.planner.memory_check import describe_auto_choice, maybe_resolve_auto
@@ -92,7 +92,6 @@ def train_command(args: argparse.Namespace) -> int:
         run(config, config_path=args.config)
         return 0
     from paratrain.launch.launcher import launch
-    from paratrain.train import PREFLIGHT_DONE_ENV
 
     maybe_check_memory_before_launch(config, dims, options, config_path=args.config)
     # The layout auto chose, given explicitly: workers train it without ranking layouts again.

@@ -11,7 +11,7 @@ import logging
 import os
 import sys
 
-from paratrain.config.preflight import preflight
+from paratrain.config.preflight import PREFLIGHT_DONE_ENV, preflight
 from paratrain.config.schema import Config, load_config
 from paratrain.config.warnings import ineffective_options
 from paratrain.errors import (
@@ -28,9 +28,6 @@ from paratrain.launch.process_group import local_world_size_from_env, pick_devic
 from paratrain.parallel.dims import resolve_parallel_dims
 from paratrain.planner.memory_check import check_memory, maybe_resolve_auto
 from paratrain.trainer import Trainer, TrainResult
-
-# Set by the CLI once it has run the checks, so workers it launches do not repeat them.
-PREFLIGHT_DONE_ENV = "PARATRAIN_PREFLIGHT_DONE"
 
 
 def run(config: Config, *, config_path: str = "CONFIG") -> TrainResult:

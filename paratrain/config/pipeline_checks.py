@@ -7,6 +7,7 @@ import torch
 from paratrain.config.factories import call_factory
 from paratrain.config.schema import Config
 from paratrain.errors import ConfigError
+from paratrain.models.meta import on_meta
 from paratrain.parallel.dims import ParallelDims
 from paratrain.parallel.pipeline.split import cut_stages
 
@@ -31,7 +32,7 @@ def check_pipeline(config: Config, dims: ParallelDims, *, model: torch.nn.Module
     shape = pipeline_shape(config.pipeline, dims=dims, train=config.train)
     check_shape(shape)
     if model is None:
-        with torch.device("meta"):
+        with on_meta():
             model = call_factory(config.model, key="model")
     cut_stages(model, config.pipeline, shape.num_stages)
 
@@ -81,6 +82,6 @@ def _check_model_parallel(config: Config) -> None:
             f"pipeline.split_points names {len(options.split_points)} part end(s) but pipeline.devices "
             f"lists {len(options.devices)} devices; name one split point fewer than the devices"
         )
-    with torch.device("meta"):
+    with on_meta():
         model = call_factory(config.model, key="model")
     cut_stages(model, options, part_count(options, devices))

@@ -20,9 +20,13 @@ from paratrain.config.schema import Config
 from paratrain.data.checks import check_data_fits_model
 from paratrain.errors import CheckpointError, ConfigError
 from paratrain.evaluation import check_evaluation
+from paratrain.models.meta import on_meta
 from paratrain.models.plan import plan_of
 from paratrain.parallel.dims import ParallelDims, resolve_parallel_dims
 from paratrain.tracking.trackers import check_trackers_installed
+
+# Set by the CLI once it has run the checks, so workers it launches do not repeat them.
+PREFLIGHT_DONE_ENV = "PARATRAIN_PREFLIGHT_DONE"
 
 
 def preflight(config: Config, *, world_size: int, nproc_per_node: int) -> None:
@@ -84,7 +88,7 @@ def _check_layout(config: Config, world_size: int, nproc_per_node: int) -> None:
 
 def _model_on_meta(config: Config) -> nn.Module:
     """The config's model, built without memory, to read its parallel plan."""
-    with torch.device("meta"):
+    with on_meta():
         return call_factory(config.model, key="model")
 
 

@@ -37,6 +37,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from paratrain.errors import ConfigError
+from paratrain.models.meta import on_meta
 
 logger = logging.getLogger("paratrain")
 
@@ -62,7 +63,7 @@ def build_on_meta(factory: Callable[[], nn.Module], *, seed: int) -> nn.Module:
     the same on every rank."""
     torch.manual_seed(seed)
     try:
-        with torch.device("meta"):
+        with on_meta():
             return factory()
     except Exception as error:  # a user factory may fail in any way on meta; built for real it fails loudly
         logger.info("model factory does not build on meta (%s: %s): building it for real", type(error).__name__, error)

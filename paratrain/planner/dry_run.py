@@ -19,6 +19,7 @@ from torch.distributed.tensor import DTensor
 from paratrain.config.factories import call_factory
 from paratrain.config.schema import Config
 from paratrain.errors import ConfigError
+from paratrain.models.meta import on_meta
 from paratrain.models.plan import plan_of
 from paratrain.parallel.dims import MESH_DIMS, ParallelDims
 from paratrain.parallel.parallelize import parallelize
@@ -89,7 +90,7 @@ def build_rank0_on_meta(config: Config, dims: ParallelDims) -> nn.Module:
 
         shape = pipeline_shape(config.pipeline, dims=dims, train=config.train)
         return lay_out_stages(factory, dims, parallel=config.parallel, pipeline=config.pipeline, shape=shape).model
-    with torch.device("meta"):
+    with on_meta():
         model = factory()
     parallelize(model, dims, plan=plan_of(model), options=config.parallel)
     return model

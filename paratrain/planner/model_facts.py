@@ -9,12 +9,12 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
-import torch
 from torch import nn
 
 from paratrain.config.factories import call_factory
 from paratrain.config.schema import ModelConfig
 from paratrain.errors import ConfigError
+from paratrain.models.meta import on_meta
 from paratrain.models.plan import ParallelPlan, TensorParallelStyle, plan_of
 
 
@@ -95,7 +95,7 @@ def read_model_facts(model_config: ModelConfig, *, seq_len: int | None = None) -
         ConfigError: the model does not build on the meta device, or has no parameters to count.
     """
     try:
-        with torch.device("meta"):
+        with on_meta():
             model = call_factory(model_config, key="model")
     except ConfigError:
         raise

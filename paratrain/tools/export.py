@@ -22,6 +22,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from paratrain.checkpoint.checkpointer import quiet_single_process
 from paratrain.checkpoint.manifest import verify_checkpoint
 from paratrain.checkpoint.safe_reader import SafeFileSystemReader, SafeLoadPlanner
+from paratrain.models.meta import on_meta
 
 MODEL_PREFIX = "model."
 
@@ -95,7 +96,7 @@ def _model_on_meta(model_section: dict):
     from paratrain.config.schema import ModelConfig
     from paratrain.errors import ConfigError
 
-    with torch.device("meta"):
+    with on_meta():
         model = call_factory(ModelConfig(**model_section), key="model")
     if not hasattr(getattr(model, "config", None), "save_pretrained"):
         raise ConfigError(

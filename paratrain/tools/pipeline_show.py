@@ -6,11 +6,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
-
 from paratrain.config.factories import call_factory
 from paratrain.config.schema import Config
 from paratrain.errors import ConfigError
+from paratrain.models.meta import on_meta
 from paratrain.parallel.dims import resolve_parallel_dims
 from paratrain.parallel.pipeline.build import pipeline_shape
 from paratrain.parallel.pipeline.recorder import measured_bubble, read_timelines
@@ -59,7 +58,7 @@ def show_pipeline(config: Config, *, world_size: int, nproc_per_node: int, out: 
 
 
 def _stage_lines(config: Config, shape: PipelineShape) -> list[str]:
-    with torch.device("meta"):
+    with on_meta():
         model = call_factory(config.model, key="model")
     stages = cut_stages(model, config.pipeline, shape.num_stages)
     owner = shape.stage_to_rank()

@@ -158,7 +158,6 @@ NOT_YET_EXPLAINED = {
     "paratrain/cli.py: from paratrain.tools.pipeline_show import show_pipeline",
     "paratrain/cli.py: from paratrain.tools.report import NO_MEMORY, write_report",
     "paratrain/cli.py: from paratrain.tools.verify import verify",
-    "paratrain/cli.py: from paratrain.train import PREFLIGHT_DONE_ENV",
     "paratrain/cli.py: from paratrain.train import configure_logging, run",
     "paratrain/cli.py: import shutil",
     "paratrain/cli.py: import subprocess",

@@ -17,6 +17,7 @@ from torch import nn
 
 from paratrain.config.schema import ParallelConfig, PipelineConfig, TrainConfig
 from paratrain.models.init import materialize
+from paratrain.models.meta import on_meta
 from paratrain.models.plan import plan_of
 from paratrain.parallel.dims import ParallelDims
 from paratrain.parallel.parallelize import maybe_wrap_replicas, parallelize
@@ -92,7 +93,7 @@ def lay_out_stages(
     pretrained: Path | None = None,
 ) -> PipelineStages:
     """The model on meta, cut into stages, this rank's kept and parallelized (the dry run stops here)."""
-    with torch.device("meta"):
+    with on_meta():
         model = factory()
     plan = plan_of(model)
     stages = cut_stages(model, pipeline, shape.num_stages, costs)
@@ -121,7 +122,7 @@ def measure_piece_costs(
 ) -> list[float]:
     """pipeline.balance=time: each piece's forward + backward time on one micro-batch, measured on a
     whole copy of the model (so the measuring rank briefly holds all of it)."""
-    with torch.device("meta"):
+    with on_meta():
         model = factory()
     materialize(model, factory=factory, device=device, seed=seed)
     return measured_costs(model, pipeline_sequence(model), sample.to(device))
