@@ -47,6 +47,7 @@ from paratrain.launch.process_group import (
     world_size_from_env,
 )
 from paratrain.launch.watchdog import StepWatchdog
+from paratrain.models.meta import maybe_build_on_meta
 from paratrain.nonfinite import NonFiniteGuard, grads_are_finite, weights_are_finite
 from paratrain.optim import build_lr_scheduler, build_optimizer
 from paratrain.parallel.collectives import all_reduce_sum
@@ -141,7 +142,7 @@ class Trainer:
         loss_fn = loss_fn or call_factory(config.loss, key="loss")
         model_factory = model_factory or (lambda: call_factory(config.model, key="model"))
         if not self.streaming:  # one sample through the model on meta: shapes and token ids, before allocating
-            check_dataset_fits_model(self.dataset, model_factory, loss_fn, sources=sources)
+            check_dataset_fits_model(self.dataset, maybe_build_on_meta(model_factory), loss_fn, sources=sources)
         layout = build_layout(
             model_factory,
             loss_fn,
