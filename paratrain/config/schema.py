@@ -137,6 +137,17 @@ class FSDPConfig(Section):
     """Under gradient accumulation: reduce-scatter gradients after every micro-batch (least memory) or
     only after the last one (least communication; unsharded gradients are kept in between)."""
 
+    def resolved_reduce_dtype(self) -> str | None:
+        """The dtype gradients are reduced in: as set, else fp32 when parameters compute in bf16/fp16.
+
+        Left unset, FSDP reduces in param_dtype, so a bf16 run would sum and accumulate gradients in
+        bf16 across ranks and micro-batches; fp32 reduction is the standard mixed-precision recipe.
+        (Here, not in parallel/fsdp.py, so the planner reads it without loading torch.distributed.fsdp.)
+        """
+        if self.reduce_dtype:
+            return self.reduce_dtype
+        return "fp32" if self.param_dtype in ("bf16", "fp16") else None
+
 
 class ParallelConfig(Section):
     strategy: Literal["auto", "single", "dp", "model_parallel", "ddp", "fsdp", "hsdp", "tp", "pp"] | None = None
