@@ -4,6 +4,7 @@ allocated), and auto trains the layout the planner recommends for the world size
 
 from __future__ import annotations
 
+import resource
 from pathlib import Path
 
 import pytest
@@ -23,7 +24,7 @@ BYTES_PER_BLOCK = 16 * 12 * 2560**2
 def gpt_too_large_for_this_machine(tmp_path: Path) -> Path:
     """A GPT of a few billion parameters, with enough blocks that it cannot fit the RAM this machine has free."""
     free = free_memory(torch.device("cpu"), local_world_size=1).bytes
-    n_layer = max(16, free // BYTES_PER_BLOCK + 4)
+    n_layer = max(32, free // BYTES_PER_BLOCK + 4)  # 32 blocks: 2.8B parameters
     model = {"factory": "paratrain.models.gpt:build_gpt", "args": {**WIDE, "n_layer": n_layer}}
     data = {"args": {"block_size": 64, "max_chars": 40_000}}
     config = tiny_config(tmp_path / "run", model=model, data=data, train={"device": "cpu"})
@@ -32,7 +33,10 @@ def gpt_too_large_for_this_machine(tmp_path: Path) -> Path:
 
 def test_a_gpt_too_large_for_this_machine_is_refused_from_its_estimate_before_allocating(tmp_path):
     config = gpt_too_large_for_this_machine(tmp_path)
+    peak_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux
     code, stderr = run_cli_in_process(["train", str(config)])
+    # Built on meta or not at all: its parameters alone would be over 10 GiB of this process's memory.
+    assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - peak_before < 2 * 2**20
     assert code == 2 and "Traceback" not in stderr, stderr
     assert "does not fit: the layout single needs an estimated" in stderr
     assert "is free (MemAvailable in /proc/meminfo)" in stderr
