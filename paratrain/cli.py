@@ -6,8 +6,9 @@ import argparse
 import os
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from paratrain.config.schema import config_to_yaml, load_config
+from paratrain.config.schema import Config, config_to_yaml, load_config
 from paratrain.config.warnings import ineffective_options
 from paratrain.errors import (
     EXIT_NONFINITE,
@@ -20,6 +21,9 @@ from paratrain.errors import (
     UserCodeError,
 )
 from paratrain.launch.launcher import LaunchOptions
+
+if TYPE_CHECKING:
+    from paratrain.parallel.dims import ParallelDims
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -59,14 +63,22 @@ def train_command(args: argparse.Namespace) -> int:
     )
     # Inside an srun step every node runs this same command: Slurm says which node this is.
     options = apply_slurm_environment(options, os.environ, nnodes_given=args.nnodes is not None)
+    if args.skip_memory_check:  # an override, so workers the launcher starts skip it too
+        args.overrides = [*args.overrides, "train.check_memory=false"]
     if args.dry_run:  # before options.validate(): planning a multi-node world needs no rendezvous endpoint
         return dry_run_command(args)
     options.validate()
     config = load_config(args.config, args.overrides)
-    # Lazy, imported once the config parses: preflight loads torch.distributed.
+    # Lazy: imported once the config parses; preflight loads torch.distributed and the planner loads torch.
     from paratrain.config.preflight import PREFLIGHT_DONE_ENV, preflight
     from paratrain.parallel.dims import resolve_parallel_dims
+    from paratrain.planner.layouts import layout_overrides
+    from paratrain.planner.memory_check import describe_auto_choice, maybe_resolve_auto
 
+    auto = config.parallel.strategy == "auto"
+    config = maybe_resolve_auto(config, world_size=options.world_size, nproc_per_node=options.nproc_per_node)
+    if auto:
+        print(f"paratrain: {describe_auto_choice(config)}", file=sys.stderr)
     preflight(config, world_size=options.world_size, nproc_per_node=options.nproc_per_node)
     dims = resolve_parallel_dims(
         config.parallel, world_size=options.world_size, local_world_size=options.nproc_per_node
@@ -77,18 +89,44 @@ def train_command(args: argparse.Namespace) -> int:
         from paratrain.train import configure_logging, run
 
         configure_logging(rank=0)
-        run(config)
+        run(config, config_path=args.config)
         return 0
     from paratrain.launch.launcher import launch
 
-    return launch(options, [args.config, *args.overrides], env={PREFLIGHT_DONE_ENV: "1"})
+    maybe_check_memory_before_launch(config, dims, options, config_path=args.config)
+    # The layout auto chose, given explicitly: workers train it without ranking layouts again.
+    chosen = layout_overrides(dims) if auto else []
+    return launch(options, [args.config, *args.overrides, *chosen], env={PREFLIGHT_DONE_ENV: "1"})
+
+
+def maybe_check_memory_before_launch(
+    config: Config, dims: ParallelDims, options: LaunchOptions, *, config_path: str
+) -> None:
+    """On CPU the node's processes share its RAM, so the memory check runs here, once, before any worker
+    starts: a refusal costs no launch and is printed by one process. GPU runs check in each worker, whose
+    own device's free memory is what counts (train.run)."""
+    # Lazy: both load torch, which the CLI imports only once the config parses.
+    from paratrain.launch.process_group import pick_device
+    from paratrain.planner.memory_check import check_memory
+
+    if pick_device(config.train.device, 0).type != "cpu":
+        return
+    verdict = check_memory(
+        config, dims, rank=0, local_rank=0, local_world_size=options.nproc_per_node, config_path=config_path
+    )
+    if verdict:  # this process's logging is not configured: the workers' is
+        print(f"paratrain: {verdict}", file=sys.stderr)
 
 
 def dry_run_command(args: argparse.Namespace) -> int:
     config = load_config(args.config, args.overrides)
     from paratrain.planner.dry_run import dry_run  # loads torch.distributed
+    from paratrain.planner.memory_check import maybe_resolve_auto  # Lazy: loads torch, as dry_run does
 
-    print(dry_run(config, nproc_per_node=args.nproc_per_node, nnodes=args.nnodes or 1))
+    nnodes = args.nnodes or 1
+    config = maybe_resolve_auto(config, world_size=args.nproc_per_node * nnodes, nproc_per_node=args.nproc_per_node)
+
+    print(dry_run(config, nproc_per_node=args.nproc_per_node, nnodes=nnodes))
     return 0
 
 
@@ -224,6 +262,12 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="build the mesh (fake process group), the model on meta and the layout for the whole world in "
         "this one process; print each rank's place and expected memory; train nothing",
+    )
+    train.add_argument(
+        "--skip-memory-check",
+        action="store_true",
+        help="start even when the planner estimates that a process needs more memory than is free "
+        "(train.check_memory=false)",
     )
     train.set_defaults(handler=train_command)
 

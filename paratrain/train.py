@@ -24,18 +24,44 @@ from paratrain.errors import (
     Preempted,
     UserCodeError,
 )
-from paratrain.launch.process_group import world_size_from_env
+from paratrain.launch.process_group import local_world_size_from_env, pick_device, world_size_from_env
 from paratrain.parallel.dims import resolve_parallel_dims
+from paratrain.planner.memory_check import check_memory, maybe_resolve_auto
 from paratrain.trainer import Trainer, TrainResult
 
 
-def run(config: Config) -> TrainResult:
-    """Trains the config's model, data and loss in this process (one rank of the job)."""
+def run(config: Config, *, config_path: str = "CONFIG") -> TrainResult:
+    """Trains the config's model, data and loss in this process (one rank of the job).
+
+    Args:
+        config_path: How the user named the config, for the command a refused memory check suggests.
+    """
+    check_memory_before_allocating(config, config_path=config_path)
     trainer = Trainer(config)
     try:
         return trainer.train()
     finally:
         trainer.close()
+
+
+def check_memory_before_allocating(config: Config, *, config_path: str) -> None:
+    """Every GPU rank compares the planner's estimate with its own device's free memory before the model
+    exists. On CPU the node's processes share the RAM: the CLI checked for all of them before launching,
+    and a rank reading MemAvailable after another rank allocated would refuse a layout that fits, so
+    only local rank 0 checks, and only when the CLI did not."""
+    local, local_rank = local_world_size_from_env(), int(os.environ.get("LOCAL_RANK", 0))
+    on_cpu = pick_device(config.train.device, local_rank).type == "cpu"
+    if on_cpu and (os.environ.get(PREFLIGHT_DONE_ENV) or local_rank != 0):
+        return
+    dims = resolve_parallel_dims(config.parallel, world_size=world_size_from_env(), local_world_size=local)
+    check_memory(
+        config,
+        dims,
+        rank=int(os.environ.get("RANK", 0)),
+        local_rank=local_rank,
+        local_world_size=local,
+        config_path=config_path,
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -44,13 +70,17 @@ def main(argv: list[str] | None = None) -> int:
     configure_logging(rank)
     try:
         config = load_config(args.config, args.overrides)
+        # Deterministic on every rank (ranked against total memory): under the CLI the layout is already explicit.
+        config = maybe_resolve_auto(
+            config, world_size=world_size_from_env(), nproc_per_node=int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+        )
         if rank == 0 and not os.environ.get(PREFLIGHT_DONE_ENV):
             local = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
             preflight(config, world_size=world_size_from_env(), nproc_per_node=local)
             dims = resolve_parallel_dims(config.parallel, world_size=world_size_from_env(), local_world_size=local)
             for warning in ineffective_options(config, dims):
                 logging.getLogger("paratrain").warning("warning: %s", warning)
-        run(config)
+        run(config, config_path=args.config)
     except (ConfigError, CheckpointError, UserCodeError) as error:
         report_user_error(error, rank=rank)
         return EXIT_USER_ERROR

@@ -28,6 +28,7 @@ from paratrain.checkpoint.state import ModelState, OptimizerState, Progress, RNG
 from paratrain.config.factories import call_factory
 from paratrain.config.schema import Config, config_to_yaml
 from paratrain.cuda_settings import apply_kernel_settings
+from paratrain.data.checks import SampleSources, check_dataset_fits_model
 from paratrain.data.loader import StepBatches
 from paratrain.data.sampler import DataPosition, GlobalBatchSampler, build_sampler
 from paratrain.data.stream import StreamBatches, StreamedTokens, check_streaming
@@ -46,6 +47,7 @@ from paratrain.launch.process_group import (
     world_size_from_env,
 )
 from paratrain.launch.watchdog import StepWatchdog
+from paratrain.models.meta import maybe_build_on_meta
 from paratrain.nonfinite import NonFiniteGuard, grads_are_finite, weights_are_finite
 from paratrain.optim import build_lr_scheduler, build_optimizer
 from paratrain.parallel.collectives import all_reduce_sum
@@ -132,9 +134,17 @@ class Trainer:
         self.streaming = isinstance(self.dataset, StreamedTokens)
         if self.streaming:
             check_streaming(config.data, self.dims)
+        sources = SampleSources(
+            "the dataset given to Trainer" if dataset is not None else f"data.factory={config.data.factory!r}",
+            "the model_factory given to Trainer" if model_factory else f"model.factory={config.model.factory!r}",
+            "the loss_fn given to Trainer" if loss_fn else f"loss.factory={config.loss.factory!r}",
+        )
         loss_fn = loss_fn or call_factory(config.loss, key="loss")
+        model_factory = model_factory or (lambda: call_factory(config.model, key="model"))
+        if not self.streaming:  # one sample through the model on meta: shapes and token ids, before allocating
+            check_dataset_fits_model(self.dataset, maybe_build_on_meta(model_factory), loss_fn, sources=sources)
         layout = build_layout(
-            model_factory or (lambda: call_factory(config.model, key="model")),
+            model_factory,
             loss_fn,
             dims=self.dims,
             ctx=self.ctx,

@@ -61,6 +61,11 @@ class TrainConfig(Section):
     loss scaler handles its own overflows and is not counted)."""
     nonfinite_max_skips: int = Field(5, gt=0)
     """With nonfinite=skip, this many non-finite steps in a row stop the run as nonfinite=stop would."""
+    check_memory: bool = True
+    """Before any parameter is allocated, compare the planner's estimate of a process's memory (parameters,
+    gradients, optimizer state, activations) with its GPU's free memory, or its share of the available RAM
+    on CPU, and refuse a layout that cannot fit, naming a layout that does. false (or `paratrain train
+    --skip-memory-check`): start anyway. Models that are not GPT-like are counted without activations."""
 
 
 class OptimConfig(Section):
@@ -85,6 +90,14 @@ class OptimConfig(Section):
     lr_scaling: Literal["none", "linear", "sqrt"] = "none"
     """Scale lr by the data-parallel size (linear) or its square root. Changes the training math:
     a run scaled this way no longer matches a single-process run."""
+
+    @field_validator("betas", mode="before")
+    @classmethod
+    def _two_betas(cls, betas: Any) -> Any:
+        # pydantic alone reports a one-element list as "optim.betas.1: Field required", naming no fix.
+        if isinstance(betas, (list, tuple)) and len(betas) != 2:
+            raise ValueError(f"got {list(betas)}; give two numbers, beta1 and beta2, e.g. [0.9, 0.95]")
+        return betas
 
     @field_validator("betas")
     @classmethod
@@ -124,9 +137,20 @@ class FSDPConfig(Section):
     """Under gradient accumulation: reduce-scatter gradients after every micro-batch (least memory) or
     only after the last one (least communication; unsharded gradients are kept in between)."""
 
+    def resolved_reduce_dtype(self) -> str | None:
+        """The dtype gradients are reduced in: as set, else fp32 when parameters compute in bf16/fp16.
+
+        Left unset, FSDP reduces in param_dtype, so a bf16 run would sum and accumulate gradients in
+        bf16 across ranks and micro-batches; fp32 reduction is the standard mixed-precision recipe.
+        (Here, not in parallel/fsdp.py, so the planner reads it without loading torch.distributed.fsdp.)
+        """
+        if self.reduce_dtype:
+            return self.reduce_dtype
+        return "fp32" if self.param_dtype in ("bf16", "fp16") else None
+
 
 class ParallelConfig(Section):
-    strategy: Literal["single", "dp", "model_parallel", "ddp", "fsdp", "hsdp", "tp", "pp"] | None = None
+    strategy: Literal["auto", "single", "dp", "model_parallel", "ddp", "fsdp", "hsdp", "tp", "pp"] | None = None
     """Optional shorthand; the degrees below decide the layout and this only fills those left unset
     (explicit degrees win). null: one process trains alone, several run DDP over all of them unless
     degrees say otherwise. single: one process. dp: torch.nn.DataParallel over the local GPUs of one
@@ -134,7 +158,9 @@ class ParallelConfig(Section):
     pipeline.devices. ddp: replicate over the ranks left (dp_replicate=-1). fsdp: shard over the ranks
     left (dp_shard=-1). hsdp: shard within a node, replicate across nodes. tp: tensor parallel over the
     ranks left. pp: pipeline parallel over the ranks left. A name whose own degree is set to 1
-    (tp with parallel.tp=1) is refused."""
+    (tp with parallel.tp=1) is refused. auto: `paratrain train` trains the layout `paratrain plan`
+    recommends for its world size (ranked against each process's total GPU memory, or its share of
+    the machine's RAM on CPU) and logs it at start; no degree may be set beside it."""
     dp_replicate: int | None = None
     """Data-parallel replicas: copies of the model (or of each shard group) that read different data.
     null: the strategy's default (DDP over all ranks when nothing else is set); -1: fill the world size."""

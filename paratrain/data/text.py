@@ -86,6 +86,8 @@ class CharDataset(Dataset):
     """Non-overlapping windows of block_size + 1 characters: inputs are the first block_size, targets
     the same shifted by one."""
 
+    vocab_size = VOCAB_SIZE  # what the shape check before training compares with the model's embedding
+
     def __init__(self, tokens: torch.Tensor, block_size: int):
         if len(tokens) <= block_size:
             raise ValueError(f"data.args: corpus of {len(tokens)} characters is shorter than block_size={block_size}")

@@ -11,9 +11,10 @@ its initialisation draws nothing from the random generators.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
+from torch import nn
 from torch.overrides import TorchFunctionMode
 
 
@@ -32,3 +33,13 @@ def on_meta() -> Iterator[None]:
     """``torch.device("meta")`` for building a model, without running initialisers on its meta tensors."""
     with torch.device("meta"), _SkipInitOfMetaTensors():
         yield
+
+
+def maybe_build_on_meta(factory: Callable[[], nn.Module]) -> nn.Module | None:
+    """The factory's model on meta for a check that only reads shapes, or None when the factory cannot
+    build there (its real build, which comes next, reports its own errors)."""
+    try:
+        with on_meta():
+            return factory()
+    except Exception:  # noqa: BLE001 - a user factory may fail in any way on meta tensors
+        return None

@@ -53,11 +53,17 @@ _OWN_DEGREE = {"tp": "tp", "fsdp": "dp_shard", "pp": "pp"}
 def resolve_parallel_dims(options: ParallelConfig, *, world_size: int, local_world_size: int = 1) -> ParallelDims:
     """The one place a ``parallel`` section becomes degrees: every command and the trainer call this.
 
-    A future ``strategy: auto`` plugs in here (choose the degrees, then resolve them as if set).
+    ``strategy: auto`` is chosen before this by ``paratrain train`` (planner/memory_check.py), which
+    replaces it with the recommended layout's strategy and degrees.
 
     Raises:
         ConfigError: naming the keys, the resolved degrees and the fix.
     """
+    if options.strategy == "auto":
+        raise ConfigError(
+            "parallel.strategy=auto is chosen by `paratrain train` (and `paratrain train --dry-run`) for its "
+            "world size; this command needs a layout: name a strategy, or run `paratrain plan` to choose one"
+        )
     return ParallelDims.resolve(
         options.strategy, world_size=world_size, local_world_size=local_world_size, degrees=options.degrees()
     )

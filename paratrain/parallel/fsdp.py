@@ -55,14 +55,8 @@ def set_gradient_sync(model: nn.Module, enabled: bool) -> None:
 
 
 def resolved_reduce_dtype(options: FSDPConfig) -> str | None:
-    """The dtype gradients are reduced in: as set, else fp32 when parameters compute in bf16/fp16.
-
-    Left unset, FSDP reduces in param_dtype, so a bf16 run would sum and accumulate gradients in
-    bf16 across ranks and micro-batches; fp32 reduction is the standard mixed-precision recipe.
-    """
-    if options.reduce_dtype:
-        return options.reduce_dtype
-    return "fp32" if options.param_dtype in ("bf16", "fp16") else None
+    """The dtype gradients are reduced in (FSDPConfig.resolved_reduce_dtype)."""
+    return options.resolved_reduce_dtype()
 
 
 def _mixed_precision(options: FSDPConfig) -> MixedPrecisionPolicy:

@@ -12,7 +12,6 @@ from dataclasses import dataclass
 
 from paratrain.config.schema import Config, FSDPConfig, OptimConfig
 from paratrain.parallel.dims import ParallelDims, micro_batch_size
-from paratrain.parallel.fsdp import resolved_reduce_dtype
 from paratrain.planner.activations import ActivationShape, head_bytes, layer_bytes, recompute_bytes
 from paratrain.planner.model_facts import ModelFacts, ParamFacts
 
@@ -146,7 +145,7 @@ def _fsdp_working_bytes(
     facts: ModelFacts, share: StageShare, fsdp: FSDPConfig, *, dims: ParallelDims, accumulating: bool
 ) -> int:
     gathered = DTYPE_BYTES[fsdp.param_dtype] if fsdp.param_dtype else FP32
-    reduced = DTYPE_BYTES[resolved_reduce_dtype(fsdp) or "fp32"]
+    reduced = DTYPE_BYTES[fsdp.resolved_reduce_dtype() or "fp32"]
     block_names = [block for block in facts.plan.blocks if block in share.pieces]
     block_sizes = sorted((_tp_numel(facts.params_in([block]), dims.tp) for block in block_names), reverse=True)
     everything = _tp_numel(share.params, dims.tp)

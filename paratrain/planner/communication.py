@@ -15,7 +15,6 @@ from dataclasses import dataclass
 
 from paratrain.config.schema import Config
 from paratrain.parallel.dims import ParallelDims, micro_batch_size
-from paratrain.parallel.fsdp import resolved_reduce_dtype
 from paratrain.planner.accounting import DTYPE_BYTES, FP32, StageShare, activation_shape
 from paratrain.planner.model_facts import ModelFacts
 
@@ -108,7 +107,7 @@ def _data_parallel_traffic(
         return Traffic()
     fsdp = config.parallel.fsdp
     gathered = DTYPE_BYTES[fsdp.param_dtype] if fsdp.param_dtype else FP32
-    reduced = DTYPE_BYTES[resolved_reduce_dtype(fsdp) or "fp32"]
+    reduced = DTYPE_BYTES[fsdp.resolved_reduce_dtype() or "fp32"]
     accumulation = micro_batches if dims.pp == 1 else 1  # a pipeline's stages gather once per step
     gathers = accumulation * (2 if fsdp.reshard_after_forward else 1)
     reductions = accumulation if fsdp.grad_sync == "every_micro_batch" else 1

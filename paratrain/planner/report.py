@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 from paratrain.config.schema import Config
-from paratrain.parallel.dims import MESH_DIMS
-from paratrain.planner.layouts import describe_layout, layout_overrides
+from paratrain.parallel.dims import MESH_DIMS, ParallelDims
+from paratrain.planner.layouts import Cluster, describe_layout, layout_overrides
 from paratrain.planner.model_facts import ModelFacts
 from paratrain.planner.ranking import USABLE_FRACTION, LayoutEstimate, Plan, recommendation_reason
 from paratrain.planner.units import format_bytes, format_seconds
@@ -82,6 +82,14 @@ def _shorten(text: str, limit: int = 160) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
+def run_command(config_path: str, cluster: Cluster, dims: ParallelDims) -> str:
+    """The ``paratrain train`` command line that runs this layout on the cluster."""
+    return (
+        f"paratrain train {config_path} --nproc-per-node {cluster.gpus_per_node} --nnodes {cluster.nodes} "
+        + " ".join(layout_overrides(dims))
+    )
+
+
 def _verdict(plan: Plan, config_path: str) -> list[str]:
     best = plan.recommended
     if best is None:
@@ -95,11 +103,7 @@ def _verdict(plan: Plan, config_path: str) -> list[str]:
             f"no layout fits in {format_bytes(USABLE_FRACTION * plan.cluster.gpu_memory)} per GPU;{hint}. Try "
             f"parallel.activation_checkpointing=true, a smaller train.micro_batch_size, or more GPUs."
         ]
-    cluster = plan.cluster
-    command = (
-        f"paratrain train {config_path} --nproc-per-node {cluster.gpus_per_node} --nnodes {cluster.nodes} "
-        + " ".join(layout_overrides(best.dims))
-    )
+    command = run_command(config_path, plan.cluster, best.dims)
     degrees = " x ".join(f"{name}={getattr(best.dims, name)}" for name in MESH_DIMS)
     return [
         f"recommended: {describe_layout(best.dims)} ({degrees}), {format_bytes(best.peak.total)} per rank",

@@ -8,6 +8,7 @@ from pathlib import Path
 
 from paratrain.config.factories import call_factory
 from paratrain.config.schema import Config
+from paratrain.errors import ConfigError
 from paratrain.models.meta import on_meta
 from paratrain.parallel.dims import resolve_parallel_dims
 from paratrain.parallel.pipeline.build import pipeline_shape
@@ -32,8 +33,11 @@ class Bar:
 def show_pipeline(config: Config, *, world_size: int, nproc_per_node: int, out: Path, run_dir: Path | None) -> str:
     """The report as text; writes the theoretical timeline (and the measured one, if any) as PNGs."""
     dims = resolve_parallel_dims(config.parallel, world_size=world_size, local_world_size=nproc_per_node)
-    if dims.pp == 1:
-        return f"{dims.describe()}: no pipeline at world size {world_size}; set parallel.pp (and --nproc-per-node)"
+    if dims.pp == 1:  # nothing to show: a request the config cannot answer, so bad input (exit 2), not success
+        raise ConfigError(
+            f"{dims.describe()}: no pipeline at world size {world_size} to show; set parallel.pp (or "
+            f"parallel.strategy=pp) and --nproc-per-node"
+        )
     shape = pipeline_shape(config.pipeline, dims=dims, train=config.train)
     check_shape(shape)
     timeline = simulate(shape)

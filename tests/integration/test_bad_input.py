@@ -1,8 +1,9 @@
 """Bad input fails before training: on stderr, naming the key and the fix, exit code 2, no torch
 traceback, and nothing already in output_dir lost.
 
-The cases run the CLI's main() in the test's process: they stop before any training, so a process of
-their own would only add its start-up. One test runs the real command line as a user would."""
+The table of bad inputs, every section and command, is test_bad_input_table.py; these are the cases that
+need more than one command line (an earlier run, a corrupt checkpoint). One test runs the real command line
+as a user would."""
 
 from __future__ import annotations
 
@@ -42,80 +43,6 @@ def fails_cleanly(args: list[str], *expected: str, output_dir: Path | None = Non
 
 def config_file(tmp_path: Path, output_dir: Path, **sections) -> str:
     return str(write_config(tmp_path / "config.yaml", tiny_config(output_dir, **sections)))
-
-
-CASES = {
-    "unknown key": (["train.max_stepz=5"], ["train.max_stepz", "unknown key"]),
-    "wrong type": (["train.max_steps=many"], ["train.max_steps", "valid integer", "'many'"]),
-    "batch not divisible by micro batch x data-parallel size": (
-        ["parallel.strategy=ddp", "train.global_batch_size=6", "--nproc-per-node", "2"],
-        ["train.global_batch_size=6", "micro_batch_size=2 x data-parallel size 2", "multiple of 4"],
-    ),
-    "cuda asked for on a machine without": (["train.device=cuda"], ["train.device=cuda", "train.device=cpu"]),
-    "one-process strategy on two processes": (
-        ["parallel.strategy=single", "--nproc-per-node", "2"],
-        ["parallel.strategy=single", "remove parallel.strategy"],
-    ),
-    "model factory that does not import": (
-        ["model.factory=no_such_package.models:build"],
-        ["model.factory", "no_such_package", "does not import"],
-    ),
-    "factory argument it does not take": (
-        ["model.args.n_layers=3"],
-        ["model.args", "n_layers", "it accepts: vocab_size"],
-    ),
-    "resume path that does not exist": (
-        ["checkpoint.resume=/nonexistent/step-5"],
-        ["checkpoint.resume=/nonexistent/step-5", "no such checkpoint"],
-    ),
-    "degrees whose product is not the world size": (
-        ["parallel.strategy=fsdp", "parallel.dp_shard=3", "--nproc-per-node", "2"],
-        ["parallel.dp_shard=3", "does not fit the world size 2", "product is 3"],
-    ),
-    "two degrees left to fill": (
-        ["parallel.dp_shard=-1", "parallel.tp=-1", "--nproc-per-node", "2"],
-        ["only one degree may be -1", "parallel.dp_shard, parallel.tp"],
-    ),
-    "tp degree that does not divide the attention heads": (
-        ["parallel.strategy=tp", "model.args.n_head=3", "model.args.n_embd=33", "--nproc-per-node", "2"],
-        ["parallel.tp=2 does not divide model.args.n_head=3"],
-    ),
-    "tp on a model that declares no plan": (
-        [
-            "parallel.strategy=tp",
-            "model.factory=paratrain.models.mlp:build_mlp",
-            "model.args={}",
-            "data.factory=paratrain.data.regression:build_regression_dataset",
-            "data.args={}",
-            "loss.factory=paratrain.losses:mse",
-            "--nproc-per-node",
-            "2",
-        ],
-        ["parallel.tp=2: the model declares no tensor-parallel plan", "block_tp_plan"],
-    ),
-    "a strategy contradicting its own degree": (
-        ["parallel.strategy=tp", "parallel.tp=1", "--nproc-per-node", "2"],
-        [
-            "parallel.strategy=tp contradicts parallel.tp=1",
-            "without the name the degrees resolve to ddp: dp_replicate=2",
-            "Remove parallel.strategy",
-        ],
-    ),
-    "fp16 with tensor parallel alone": (
-        ["parallel.strategy=tp", "precision=fp16", "--nproc-per-node", "2"],
-        ["precision=fp16 with tensor parallel alone", "parallel.dp_shard"],
-    ),
-    "fp16 with fsdp cpu offload": (
-        ["parallel.strategy=fsdp", "precision=fp16", "parallel.fsdp.cpu_offload=true", "--nproc-per-node", "2"],
-        ["precision=fp16 with parallel.fsdp.cpu_offload=true"],
-    ),
-}
-
-
-@pytest.mark.parametrize("case", CASES)
-def test_bad_input_fails_before_training_with_a_message_naming_the_key(tmp_path, output_dir, case):
-    extra, expected = CASES[case]
-    fails_cleanly(["train", config_file(tmp_path, output_dir), *extra], *expected, output_dir=output_dir)
 
 
 def test_every_config_error_is_reported_at_once(tmp_path, output_dir):

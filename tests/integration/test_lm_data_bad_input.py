@@ -27,12 +27,6 @@ def fails_before_training(tmp_path, config, *expected):
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
 
 
-def test_a_block_size_longer_than_the_model_positions_is_refused_before_training(tmp_path):
-    # Before this check the char dataset's 32-token windows met a 16-position model as an IndexError in a worker.
-    config = tiny_config(tmp_path / "run", data={"args": {"block_size": 32, "max_chars": 40_000}})
-    fails_before_training(tmp_path, config, "data.args.block_size=32 is longer than the model's 16 positions")
-
-
 def test_a_tokenizer_larger_than_the_model_embedding_is_refused_before_training(tmp_path, packed):
     config = tiny_config(tmp_path / "run", data=packed, model={"args": {"vocab_size": 16, "block_size": 16}})
     fails_before_training(tmp_path, config, "has 42 tokens but the model embeds 16", "model.args.vocab_size")

@@ -143,28 +143,6 @@ def test_plan_exits_1_when_no_layout_fits(tmp_path, capsys):
     assert "no layout fits in" in capsys.readouterr().out
 
 
-@pytest.mark.parametrize(
-    "factory, message",
-    [
-        ("tests.tools.planner_models:build_lazy_mlp", "lazy parameters whose size is unknown"),
-        ("tests.tools.planner_models:build_parameterless", "no size information"),
-    ],
-)
-def test_a_model_without_size_information_is_refused(tmp_path, capsys, factory, message):
-    config = write_config(tmp_path / "c.yaml", tiny_config(tmp_path / "run", model={"factory": factory, "args": {}}))
-    assert main(["plan", str(config), "--gpus", "2", "--gpu-memory", "80GB"]) == 2
-    err = capsys.readouterr().err
-    assert message in err and f"model.factory='{factory}'" in err
-
-
-def test_unparsable_gpu_memory_and_uneven_nodes_are_refused_on_the_command_line(tmp_path, capsys):
-    config = write_config(tmp_path / "c.yaml", tiny_config(tmp_path / "run"))
-    assert main(["plan", str(config), "--gpus", "8", "--gpu-memory", "lots"]) == 2
-    assert "--gpu-memory='lots' is not a memory size" in capsys.readouterr().err
-    assert main(["plan", str(config), "--gpus", "6", "--nodes", "4", "--gpu-memory", "80GB"]) == 2
-    assert "--gpus=6 does not split evenly over --nodes=4" in capsys.readouterr().err
-
-
 def test_a_model_that_is_not_a_transformer_gets_activations_measured_on_meta():
     def plan_mlp(hidden_features: int):
         config = load_config(

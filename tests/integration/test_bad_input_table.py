@@ -1,0 +1,502 @@
+"""One table of bad inputs, every config section and every command, run through the real CLI in this process
+(``cli.main``: they all stop before training, so a process of their own would only add its start-up).
+
+Each case asserts exit code 2, no traceback on stderr, and the texts its message must hold: the key or
+argument named, and what to do. Commands given a config read ``{config}``, a tiny GPT run whose
+output directory holds an earlier run's files; a refused ``train`` must leave them untouched.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from tests.harness import run_cli_in_process, tiny_config, write_config
+
+SENTINEL = "earlier results\n"
+MLP = [
+    "model.factory=paratrain.models.mlp:build_mlp",
+    "model.args={}",
+    "data.factory=paratrain.data.regression:build_regression_dataset",
+    "data.args={in_features: 20}",
+    "loss.factory=paratrain.losses:mse",
+]
+TWO = ["--nproc-per-node", "2"]
+
+
+@dataclass(frozen=True)
+class Case:
+    argv: tuple[str, ...]  # formatted with the files of ``files`` ({config}, {tmp}, ...)
+    expected: tuple[str, ...]  # each must appear in stderr
+
+
+def case(*argv: str, expect: str | tuple[str, ...]) -> Case:
+    return Case(argv, (expect,) if isinstance(expect, str) else expect)
+
+
+def train(*extra: str, expect: str | tuple[str, ...]) -> Case:
+    return case("train", "{config}", *extra, expect=expect)
+
+
+CASES: dict[str, Case] = {
+    # --- the config file and overrides -------------------------------------------------------------
+    "config file missing": case("train", "{tmp}/nope.yaml", expect="nope.yaml does not exist"),
+    "config file is a directory": case("train", "{tmp}", expect="is a directory"),
+    "config file not UTF-8": case("config", "show", "{latin1}", expect="is not UTF-8 text (byte 16 is 0xe9)"),
+    "duplicate keys": case("config", "show", "{twice}", expect="duplicate key 'max_steps' on lines 2 and 4"),
+    "duplicate sections": case("config", "show", "{sections}", expect="duplicate key 'optim' on lines 1 and 5"),
+    "config not YAML": case("train", "{not_yaml}", expect=("not_yaml.yaml is not valid YAML",)),
+    "config a list": case("train", "{a_list}", expect="must hold a mapping of sections, not list"),
+    "config with NaN in the file": case("train", "{nan_file}", expect=("train.grad_clip", "finite")),
+    "override without =": train("train.max_steps", expect="must look like section.key=value"),
+    "override into a value": train("train.max_steps.x=1", expect="train.max_steps is a value, not a section"),
+    "override of an empty key part": train("train..max_steps=1", expect="must look like section.key=value"),
+    "unknown section": train("trainer.max_steps=5", expect=("trainer", "unknown key")),
+    # --- run ------------------------------------------------------------------------------------
+    "run.output_dir empty": case("config", "show", "{config}", "run.output_dir=", expect="run.output_dir: is empty"),
+    "run.output_dir blank": case("config", "show", "{config}", "run.output_dir=' '", expect="run.output_dir: is empty"),
+    "run.output_dir under a file": train("run.output_dir={blocker}/run", expect=("run.output_dir", "is a file")),
+    "run.name a list": train("run.name=[1,2]", expect="run.name"),
+    "run unknown key": train("run.nmae=x", expect=("run.nmae", "unknown key")),
+    # --- train ----------------------------------------------------------------------------------
+    "train unknown key": train("train.max_stepz=5", expect=("train.max_stepz", "unknown key")),
+    "train.max_steps wrong type": train("train.max_steps=many", expect=("train.max_steps", "valid integer", "'many'")),
+    "train.max_steps zero": train("train.max_steps=0", expect=("train.max_steps", "greater than 0")),
+    "train.global_batch_size zero": train("train.global_batch_size=0", expect="train.global_batch_size"),
+    "train.micro_batch_size negative": train("train.micro_batch_size=-1", expect="train.micro_batch_size"),
+    "global batch not divisible by micro batch": train(
+        "train.global_batch_size=10", "train.micro_batch_size=4", expect=("train.global_batch_size=10", "not divisible")
+    ),
+    "batch not divisible by micro batch x data-parallel size": train(
+        "parallel.strategy=ddp",
+        "train.global_batch_size=6",
+        *TWO,
+        expect=("train.global_batch_size=6", "micro_batch_size=2 x data-parallel size 2", "multiple of 4"),
+    ),
+    "train.grad_clip zero": train("train.grad_clip=0", expect="train.grad_clip"),
+    "train.grad_clip infinite": train("train.grad_clip=.inf", expect="train.grad_clip:"),
+    "train.seed not a number": train("train.seed=abc", expect="train.seed"),
+    "train.device unknown": train("train.device=tpu", expect=("train.device", "'auto', 'cpu' or 'cuda'")),
+    "train.device cuda without a GPU": train("train.device=cuda", expect=("train.device=cuda", "train.device=cpu")),
+    "train.deterministic not a bool": train("train.deterministic=maybe", expect="train.deterministic"),
+    "train.nonfinite unknown": train("train.nonfinite=ignore", expect="train.nonfinite:"),
+    "train.nonfinite_max_skips zero": train("train.nonfinite_max_skips=0", expect="train.nonfinite_max_skips:"),
+    "train.check_memory not a bool": train("train.check_memory=perhaps", expect="train.check_memory"),
+    # --- optim ----------------------------------------------------------------------------------
+    "optim.name unknown": train("optim.name=adam", expect=("optim.name", "'adamw' or 'sgd'")),
+    "optim.lr negative": train("optim.lr=-1", expect="optim.lr"),
+    "optim.lr infinite": train("optim.lr=.inf", expect="optim.lr:"),
+    "optim.lr NaN": train("optim.lr=.nan", expect="optim.lr:"),
+    "optim.betas with 1": train("optim.betas=[0.9,1.0]", expect="optim.betas:"),
+    "optim.betas negative": train("optim.betas=[-0.1,0.9]", expect="optim.betas:"),
+    "optim.betas one value": train("optim.betas=[0.9]", expect=("optim.betas: got [0.9]; give two numbers",)),
+    "optim.betas three values": train("optim.betas=[0.9,0.95,0.99]", expect="optim.betas: got [0.9, 0.95, 0.99]"),
+    "optim.momentum 1": train("optim.name=sgd", "optim.momentum=1.0", expect="optim.momentum:"),
+    "optim.eps zero": train("optim.eps=0", expect="optim.eps:"),
+    "optim.weight_decay negative": train("optim.weight_decay=-0.1", expect="optim.weight_decay:"),
+    "optim.warmup_steps negative": train("optim.warmup_steps=-1", expect="optim.warmup_steps"),
+    "optim.schedule unknown": train("optim.schedule=linear", expect=("optim.schedule", "'cosine' or 'constant'")),
+    "optim.min_lr_ratio above 1": train("optim.min_lr_ratio=2", expect="optim.min_lr_ratio"),
+    "optim.lr_scaling unknown": train("optim.lr_scaling=cubic", expect="optim.lr_scaling"),
+    # --- parallel -------------------------------------------------------------------------------
+    "parallel.strategy unknown": train("parallel.strategy=zero3", expect="parallel.strategy"),
+    "one-process strategy on two processes": train(
+        "parallel.strategy=single", *TWO, expect=("parallel.strategy=single", "remove parallel.strategy")
+    ),
+    "degrees whose product is not the world size": train(
+        "parallel.strategy=fsdp",
+        "parallel.dp_shard=3",
+        *TWO,
+        expect=("parallel.dp_shard=3", "does not fit the world size 2", "product is 3"),
+    ),
+    "two degrees left to fill": train(
+        "parallel.dp_shard=-1", "parallel.tp=-1", *TWO, expect=("only one degree may be -1", "parallel.dp_shard")
+    ),
+    "a degree of zero": train("parallel.tp=0", expect=("parallel.tp=0", "a degree is a positive number")),
+    "tp degree that does not divide the attention heads": train(
+        "parallel.strategy=tp",
+        "model.args.n_head=3",
+        "model.args.n_embd=33",
+        *TWO,
+        expect="parallel.tp=2 does not divide model.args.n_head=3",
+    ),
+    "tp on a model that declares no plan": train(
+        "parallel.strategy=tp",
+        *MLP,
+        *TWO,
+        expect=("parallel.tp=2: the model declares no tensor-parallel plan", "block_tp_plan"),
+    ),
+    "a strategy contradicting its own degree": train(
+        "parallel.strategy=tp",
+        "parallel.tp=1",
+        *TWO,
+        expect=("parallel.strategy=tp contradicts parallel.tp=1", "Remove parallel.strategy"),
+    ),
+    "fp16 with tensor parallel alone": train(
+        "parallel.strategy=tp", "precision=fp16", *TWO, expect=("precision=fp16 with tensor parallel alone",)
+    ),
+    "fp16 with fsdp cpu offload": train(
+        "parallel.strategy=fsdp",
+        "precision=fp16",
+        "parallel.fsdp.cpu_offload=true",
+        *TWO,
+        expect="precision=fp16 with parallel.fsdp.cpu_offload=true",
+    ),
+    "compile with DataParallel": train("parallel.strategy=dp", "parallel.compile=true", expect="parallel.compile=true"),
+    "auto beside a degree": train(
+        "parallel.strategy=auto", "parallel.tp=2", *TWO, expect=("parallel.strategy=auto", "parallel.tp=2")
+    ),
+    "parallel.collective_timeout_s zero": train(
+        "parallel.collective_timeout_s=0", expect="parallel.collective_timeout_s"
+    ),
+    "parallel.ddp.bucket_cap_mb negative": train("parallel.ddp.bucket_cap_mb=-1", expect="parallel.ddp.bucket_cap_mb"),
+    "parallel.ddp unknown key": train("parallel.ddp.buckets=2", expect=("parallel.ddp.buckets", "unknown key")),
+    "parallel.fsdp.param_dtype unknown": train("parallel.fsdp.param_dtype=fp8", expect="parallel.fsdp.param_dtype"),
+    "parallel.fsdp.grad_sync unknown": train("parallel.fsdp.grad_sync=never", expect="parallel.fsdp.grad_sync"),
+    "parallel.fsdp.prefetch_blocks negative": train(
+        "parallel.fsdp.prefetch_blocks=-1", expect="parallel.fsdp.prefetch_blocks"
+    ),
+    # --- pipeline -------------------------------------------------------------------------------
+    "pipeline.schedule unknown": train("pipeline.schedule=Zigzag", expect="pipeline.schedule"),
+    "pipeline.balance unknown": train("pipeline.balance=flops", expect="pipeline.balance"),
+    "pipeline.microbatches zero": train("pipeline.microbatches=0", expect="pipeline.microbatches"),
+    "pipeline.stages_per_rank zero": train("pipeline.stages_per_rank=0", expect="pipeline.stages_per_rank"),
+    "pipeline split point that is not a piece": train(
+        "parallel.strategy=pp", "pipeline.split_points=[nope]", *TWO, expect="pipeline.split_points"
+    ),
+    "fewer micro-batches than pipeline stages": train(
+        "--dry-run",  # a dry run: eight processes are not started even if the check ever let this through
+        "parallel.strategy=pp",
+        "--nproc-per-node",
+        "8",
+        expect=("pipeline.microbatches=4 over parallel.pp=8", "must be greater than or equal"),
+    ),
+    "evaluation under a pipeline": train(
+        "parallel.strategy=pp",
+        "eval.factory=paratrain.data.text:build_char_dataset",
+        *TWO,
+        expect=("eval.factory='paratrain.data.text:build_char_dataset'", "not supported with pipeline parallel"),
+    ),
+    "eval.batch_size zero": train("eval.batch_size=0", expect="eval.batch_size"),
+    # --- precision ------------------------------------------------------------------------------
+    "precision unknown": train("precision=fp8", expect=("precision", "'fp32', 'bf16' or 'fp16'")),
+    # --- checkpoint -----------------------------------------------------------------------------
+    "resume path that does not exist": train(
+        "checkpoint.resume=/nonexistent/step-5", expect=("checkpoint.resume=/nonexistent/step-5", "no such checkpoint")
+    ),
+    "resume never beside checkpoints": train(
+        "run.output_dir={with_checkpoints}",
+        "checkpoint.resume=never",
+        expect=("checkpoint.resume=never", "use checkpoint.resume=auto"),
+    ),
+    "resume path that is not a checkpoint": train("checkpoint.resume={tmp}", expect="checkpoint.resume="),
+    "checkpoint.every_steps negative": train("checkpoint.every_steps=-1", expect="checkpoint.every_steps"),
+    "checkpoint.keep_last zero": train("checkpoint.keep_last=0", expect="checkpoint.keep_last"),
+    "checkpoint.async_save not a bool": train("checkpoint.async_save=sometimes", expect="checkpoint.async_save"),
+    # --- log ------------------------------------------------------------------------------------
+    "log.every_steps zero": train("log.every_steps=0", expect="log.every_steps"),
+    "log.trackers unknown": train("log.trackers=[csv]", expect="log.trackers"),
+    "log.progress_bar unknown": train("log.progress_bar=maybe", expect="log.progress_bar"),
+    # --- model ----------------------------------------------------------------------------------
+    "model factory that does not import": train(
+        "model.factory=no_such_package.models:build", expect=("model.factory", "no_such_package", "does not import")
+    ),
+    "model factory without a colon": train(
+        "model.factory=paratrain.models.gpt", expect=("model.factory=", "must look like 'package.module:callable'")
+    ),
+    "model factory name missing from its module": train(
+        "model.factory=paratrain.models.gpt:nope", expect="model.factory"
+    ),
+    "model factory argument it does not take": train(
+        "model.args.n_layers=3", expect=("model.args", "n_layers", "it accepts: vocab_size")
+    ),
+    "model factory refusing its arguments": train(
+        "model.args.n_embd=30", "model.args.n_head=4", expect=("model.args.n_embd=30", "model.args.n_head=4")
+    ),
+    "model.pretrained that does not exist": train("model.pretrained=/nonexistent/model", expect="model.pretrained"),
+    "model.args a list": train("model.args=[1]", expect="model.args"),
+    # --- data, and data against the model (shape checks) -----------------------------------------
+    "data factory that does not import": train("data.factory=nope.data:build", expect=("data.factory", "nope.data")),
+    "data factory argument it does not take": train("data.args.nope=1", expect=("data.args", "nope")),
+    "data.num_workers negative": train("data.num_workers=-1", expect="data.num_workers"),
+    "data.prefetch_factor zero": train("data.prefetch_factor=0", expect="data.prefetch_factor"),
+    "data block longer than the model's positions": train(
+        "data.args.block_size=32", expect="data.args.block_size=32 is longer than the model's 16 positions"
+    ),
+    "token ids beyond the model's embedding": train(
+        "model.args.vocab_size=64", expect=("has token ids up to 127 (128 tokens)", "model.args.vocab_size")
+    ),
+    "targets the loss cannot compare with the output": train(
+        "loss.factory=paratrain.losses:mse", expect=("do not fit loss.factory='paratrain.losses:mse'", "[1, 16, 128]")
+    ),
+    "samples the model cannot take": train(
+        *MLP, "data.args={in_features: 3}", expect=("does not go through the model", "inputs of shape [3]", "data.args")
+    ),
+    "regression targets of another width": train(
+        *MLP, "data.args={out_features: 3}", expect=("do not fit loss.factory", "shape [1, 3]")
+    ),
+    "data samples that are empty": train(
+        "data.args.block_size=0", expect=("gives an empty sample (inputs of shape [0])", "data.args")
+    ),
+    # --- loss -----------------------------------------------------------------------------------
+    "loss factory missing": train("loss.factory=paratrain.losses:nope", expect="loss.factory"),
+    "loss factory argument it does not take": train("loss.args.reduction=sum", expect=("loss.args", "reduction")),
+    # --- eval -----------------------------------------------------------------------------------
+    "eval every N steps without a dataset": train(
+        "eval.every_steps=5", expect=("eval.every_steps=5", "eval.factory is null")
+    ),
+    "eval factory that does not import": train("eval.factory=nope:x", "eval.every_steps=5", expect="eval.factory"),
+    "eval block longer than the model's positions": train(
+        "eval.factory=paratrain.data.text:build_char_dataset",
+        "eval.args={block_size: 32}",
+        "eval.every_steps=5",
+        expect="eval.args.block_size=32",
+    ),
+    "eval.max_batches zero": train("eval.max_batches=0", expect="eval.max_batches"),
+    # --- callbacks ------------------------------------------------------------------------------
+    "callback that does not import": train("callbacks=[{factory: 'nope:x'}]", expect=("callbacks", "nope")),
+    "callback argument it does not take": train(
+        "callbacks=[{factory: 'paratrain.callbacks.memory:MemoryMonitor', args: {bad: 1}}]", expect=("callbacks", "bad")
+    ),
+    "callback without hooks": train(
+        "callbacks=[{factory: 'paratrain.losses:mse'}]", expect=("callbacks[0].factory=", "is not a callback")
+    ),
+    "callbacks a mapping": train("callbacks={factory: x}", expect="callbacks"),
+    # --- profile and debug ----------------------------------------------------------------------
+    "profiler window longer than the run": train(
+        "profile.enabled=true", "profile.active=50", expect=("profile.active=50", "train.max_steps=20")
+    ),
+    "profile.wait negative": train("profile.wait=-1", expect="profile.wait"),
+    "debug.step_timeout_s zero": train("debug.step_timeout_s=0", expect="debug.step_timeout_s"),
+    "debug.dump_gradients_at_steps not steps": train(
+        "debug.dump_gradients_at_steps=[a]", expect="debug.dump_gradients_at_steps"
+    ),
+    # --- train's command-line options ------------------------------------------------------------
+    "--nproc-per-node 0": train("--nproc-per-node", "0", expect="--nproc-per-node and --nnodes must be >= 1"),
+    "--nnodes 2 without an endpoint": train("--nnodes", "2", expect=("--nnodes 2 needs --rdzv-endpoint",)),
+    "--node-rank outside the nodes": train(
+        "--nnodes", "2", "--node-rank", "3", "--rdzv-endpoint", "127.0.0.1:1", expect="--node-rank 3"
+    ),
+    "--max-restarts negative": train("--max-restarts", "-1", expect="--max-restarts >= 0"),
+    "an option train does not have": train("--bogus", expect="unrecognized arguments: --bogus"),
+    "--nproc-per-node not a number": train("--nproc-per-node", "two", expect="--nproc-per-node: invalid int value"),
+    "dry run of a layout that cannot run": train(
+        "--dry-run",
+        "parallel.strategy=tp",
+        "model.args.n_head=3",
+        "model.args.n_embd=33",
+        *TWO,
+        expect="parallel.tp=2 does not divide model.args.n_head=3",
+    ),
+    "dry run with an unknown key": train("--dry-run", "train.max_stepz=5", expect="train.max_stepz"),
+    # --- config show ----------------------------------------------------------------------------
+    "config show of an unknown key": case("config", "show", "{config}", "optim.lrr=1", expect="optim.lrr"),
+    "config show of a missing file": case("config", "show", "{tmp}/nope.yaml", expect="does not exist"),
+    # --- plan -----------------------------------------------------------------------------------
+    "plan with an unparsable GPU memory": case(
+        "plan", "{config}", "--gpus", "8", "--gpu-memory", "lots", expect="--gpu-memory='lots' is not a memory size"
+    ),
+    "plan with a GPU memory without unit": case(
+        "plan", "{config}", "--gpus", "8", "--gpu-memory", "80", expect="e.g. --gpu-memory 80GB"
+    ),
+    "plan with uneven nodes": case(
+        "plan",
+        "{config}",
+        "--gpus",
+        "6",
+        "--nodes",
+        "4",
+        "--gpu-memory",
+        "80GB",
+        expect="--gpus=6 does not split evenly over --nodes=4",
+    ),
+    "plan with no GPUs": case("plan", "{config}", "--gpus", "0", "--gpu-memory", "80GB", expect="--gpus=0"),
+    "plan without --gpus": case("plan", "{config}", "--gpu-memory", "80GB", expect="--gpus"),
+    "plan of a lazy model": case(
+        "plan",
+        "{config}",
+        "model.factory=tests.tools.planner_models:build_lazy_mlp",
+        "model.args={}",
+        "--gpus",
+        "2",
+        "--gpu-memory",
+        "80GB",
+        expect=("lazy parameters whose size is unknown", "model.factory='tests.tools.planner_models:build_lazy_mlp'"),
+    ),
+    "plan of a model without parameters": case(
+        "plan",
+        "{config}",
+        "model.factory=tests.tools.planner_models:build_parameterless",
+        "model.args={}",
+        "--gpus",
+        "2",
+        "--gpu-memory",
+        "80GB",
+        expect=("no size information", "model.factory='tests.tools.planner_models:build_parameterless'"),
+    ),
+    "plan with an unknown key": case(
+        "plan", "{config}", "train.max_stepz=1", "--gpus", "2", "--gpu-memory", "80GB", expect="train.max_stepz"
+    ),
+    # --- export ---------------------------------------------------------------------------------
+    "export of a missing checkpoint": case(
+        "export", "{tmp}/none/step-1", "--out", "{tmp}/w.safetensors", expect="step-1"
+    ),
+    "export of a directory that is no checkpoint": case(
+        "export",
+        "{with_checkpoints}/checkpoints/step-10",
+        "--out",
+        "{tmp}/w.safetensors",
+        expect="paratrain-manifest.json is missing",
+    ),
+    "export without a target": case("export", "{tmp}", expect="one of the arguments --out --hf is required"),
+    # --- report ---------------------------------------------------------------------------------
+    "report of a missing run": case("report", "{tmp}/no-run", expect="no-run"),
+    "report of a run without metrics": case("report", "{with_checkpoints}", expect="metrics.jsonl"),
+    # --- pipeline show --------------------------------------------------------------------------
+    "pipeline show without a pipeline": case(
+        "pipeline", "show", "{config}", expect=("no pipeline at world size 1 to show", "parallel.pp")
+    ),
+    "pipeline show with auto": case(
+        "pipeline", "show", "{config}", "parallel.strategy=auto", expect=("parallel.strategy=auto", "paratrain plan")
+    ),
+    "pipeline show with an unknown key": case(
+        "pipeline", "show", "{config}", "pipeline.schedul=GPipe", expect="pipeline.schedul"
+    ),
+    # --- verify ---------------------------------------------------------------------------------
+    "verify with an unknown key": case("verify", "{config}", "optim.lrr=1", expect="optim.lrr"),
+    "verify of a layout preflight refuses": case(
+        "verify",
+        "{config}",
+        "parallel.strategy=fsdp",
+        "parallel.dp_shard=3",
+        "--nproc-per-node",
+        "2",
+        expect="parallel.dp_shard=3",
+    ),
+    "verify with cuda on a machine without": case(
+        "verify", "{config}", "train.device=cuda", expect="train.device=cuda"
+    ),
+    # --- slurm ----------------------------------------------------------------------------------
+    "slurm with no nodes": case(
+        "slurm",
+        "{config}",
+        "--nodes",
+        "0",
+        "--gpus-per-node",
+        "8",
+        "--out",
+        "{tmp}/job.sbatch",
+        expect="--nodes 0 --gpus-per-node 8: both must be >= 1",
+    ),
+    "slurm with no GPUs per node": case(
+        "slurm",
+        "{config}",
+        "--nodes",
+        "2",
+        "--gpus-per-node",
+        "0",
+        "--out",
+        "{tmp}/job.sbatch",
+        expect="--nodes 2 --gpus-per-node 0: both must be >= 1",
+    ),
+    "slurm submit without sbatch": case(
+        "slurm",
+        "{config}",
+        "--nodes",
+        "1",
+        "--gpus-per-node",
+        "1",
+        "--submit",
+        "--out",
+        "{tmp}/job.sbatch",
+        expect="--submit needs Slurm's sbatch on PATH",
+    ),
+    "slurm with an unknown tracker": case(
+        "slurm",
+        "{config}",
+        "--nodes",
+        "1",
+        "--gpus-per-node",
+        "1",
+        "log.trackers=[comet]",
+        "--out",
+        "{tmp}/job.sbatch",
+        expect="log.trackers",
+    ),
+    "slurm without --nodes": case("slurm", "{config}", "--gpus-per-node", "1", expect="--nodes"),
+    # --- bench comm -----------------------------------------------------------------------------
+    "bench comm with a size it cannot read": case(
+        "bench", "comm", "--out", "{tmp}/bench", "--sizes", "12XB", expect="--sizes '12XB': not a size"
+    ),
+    "bench comm on one process": case(
+        "bench", "comm", "--out", "{tmp}/bench", "--nproc-per-node", "1", expect="collectives need at least 2 processes"
+    ),
+    "bench comm without timed iterations": case(
+        "bench", "comm", "--out", "{tmp}/bench", "--iters", "0", expect="need at least 1 timed iteration"
+    ),
+    "bench comm on a device it does not know": case("bench", "comm", "--device", "tpu", expect="--device"),
+    # --- commands -------------------------------------------------------------------------------
+    "a command paratrain does not have": case("trian", "{config}", expect="invalid choice: 'trian'"),
+}
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory) -> dict[str, str]:
+    """The files the cases name, written once: a good config and bad ones, and an earlier run's files."""
+    tmp = tmp_path_factory.mktemp("bad-input")
+    run = tmp / "run"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text(SENTINEL)
+    with_checkpoints = tmp / "with-checkpoints"
+    (with_checkpoints / "checkpoints/step-10").mkdir(parents=True)
+    (tmp / "latin1.yaml").write_bytes("run:\n  name: caf\xe9\n".encode("latin-1"))
+    (tmp / "twice.yaml").write_text("train:\n  max_steps: 10\n  seed: 1\n  max_steps: 20\n")
+    (tmp / "sections.yaml").write_text("optim:\n  lr: 0.1\ntrain:\n  seed: 1\noptim:\n  lr: 0.2\n")
+    (tmp / "not_yaml.yaml").write_text("train: [unclosed\n")
+    (tmp / "a_list.yaml").write_text("- train\n- optim\n")
+    (tmp / "blocker").write_text("a file, not a directory")
+    nan = tiny_config(run, train={"grad_clip": float("nan")})
+    return {
+        "tmp": str(tmp),
+        "run": str(run),
+        "config": str(write_config(tmp / "config.yaml", tiny_config(run))),
+        "nan_file": str(write_config(tmp / "nan.yaml", nan)),
+        "with_checkpoints": str(with_checkpoints),
+        "blocker": str(tmp / "blocker"),
+        **{name: str(tmp / f"{name}.yaml") for name in ("latin1", "twice", "sections", "not_yaml", "a_list")},
+    }
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_bad_input_exits_2_without_a_traceback_naming_the_key(files, monkeypatch, name):
+    monkeypatch.setenv("PATH", files["tmp"])  # no sbatch, whether or not this machine has Slurm
+    argv = [fill(part, files) for part in CASES[name].argv]
+    code, stderr = run_cli_in_process(argv)
+    assert code == 2, f"exit {code}; stderr:\n{stderr}"
+    assert "Traceback" not in stderr, stderr
+    for text in CASES[name].expected:
+        assert fill(text, files) in stderr, f"{text!r} not in:\n{stderr}"
+    run = Path(files["run"])  # nothing of the earlier run lost, nothing of a new one started
+    assert (run / "metrics.jsonl").read_text() == SENTINEL and not (run / "config.yaml").exists()
+
+
+def fill(text: str, files: dict[str, str]) -> str:
+    """The {name} placeholders replaced (not str.format: YAML flow mappings in overrides hold braces too)."""
+    for name, path in files.items():
+        text = text.replace(f"{{{name}}}", path)
+    return text
+
+
+def test_the_table_covers_every_command_and_config_section():
+    from paratrain.cli import build_parser
+    from paratrain.config.schema import Config
+
+    used = {CASES[name].argv[0] for name in CASES}
+    commands = set(build_parser()._subparsers._group_actions[0].choices)  # noqa: SLF001 - argparse keeps them here
+    assert commands <= used, f"no case for: {commands - used}"
+    keys = " ".join(" ".join(case.argv) for case in CASES.values())
+    sections = set(Config.model_fields)
+    assert {section for section in sections if f"{section}." in keys or f"{section}=" in keys} == sections
+    assert len(CASES) >= 100
