@@ -84,13 +84,9 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, CheckpointError, UserCodeError) as error:
         report_user_error(error, rank=rank)
         return EXIT_USER_ERROR
-    except Preempted as stopped:
-        if rank == 0:
-            print(f"paratrain: {stopped}", file=sys.stderr, flush=True)
+    except Preempted:  # the Trainer said where it stopped before the launcher could end the group
         return EXIT_REQUEUE
-    except NonFiniteStop as stopped:
-        if rank == 0:
-            print(f"paratrain: error: {stopped}", file=sys.stderr, flush=True)
+    except NonFiniteStop:  # the Trainer said why and where before any rank could exit
         return EXIT_NONFINITE
     return 0
 

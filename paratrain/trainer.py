@@ -50,7 +50,7 @@ from paratrain.launch.watchdog import StepWatchdog
 from paratrain.models.meta import maybe_build_on_meta
 from paratrain.nonfinite import NonFiniteGuard, grads_are_finite, weights_are_finite
 from paratrain.optim import build_lr_scheduler, build_optimizer
-from paratrain.parallel.collectives import all_reduce_sum
+from paratrain.parallel.collectives import all_reduce_sum, barrier
 from paratrain.parallel.ddp import settle_buckets
 from paratrain.parallel.dims import micro_batch_size, resolve_parallel_dims
 from paratrain.precision import build_mixed_precision
@@ -505,13 +505,22 @@ class Trainer:
         """Announces an agreed stop (its checkpoint is complete) and returns the exception to end with."""
         if received:
             logger.warning("rank %d received %s", self.ctx.rank, received)
-        announce_stop(local_rank=self.ctx.local_rank)
         logger.info("stopping at step %d on %s: checkpoint %s is complete", self.progress.step, signal_name, checkpoint)
-        return Preempted(step=self.progress.step, checkpoint=checkpoint, signal_name=signal_name)
+        stopped = Preempted(step=self.progress.step, checkpoint=checkpoint, signal_name=signal_name)
+        # Said before announcing: once the launcher knows, it may stop this process with the group, and
+        # a message left for after the exception had reached the caller was lost in about 1 run in 6.
+        logger.info("%s", stopped)
+        announce_stop(local_rank=self.ctx.local_rank)
+        return stopped
 
     def _diverged(self, reason: str) -> NonFiniteStop:
         """The exception every rank ends with when gradients or weights are not finite (the verdict is the
         same on every rank). An asynchronous save still in flight is finished first: its weights were
         checked before it began."""
         self.checkpointer.wait()
-        return NonFiniteStop(step=self.progress.step, reason=reason, checkpoint=self.last_healthy_checkpoint)
+        stopped = NonFiniteStop(step=self.progress.step, reason=reason, checkpoint=self.last_healthy_checkpoint)
+        # Said here, and every rank waits for it: the first rank to exit makes the launcher stop the others,
+        # and rank 0 could be stopped before printing a message left for after the exception.
+        logger.info("error: %s", stopped)
+        barrier()
+        return stopped
