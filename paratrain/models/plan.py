@@ -44,10 +44,24 @@ class ParallelPlan:
 
 def plan_of(model: nn.Module) -> ParallelPlan:
     """The plan a model declares through a ``parallel_plan()`` method; for an ``nn.Sequential`` without
-    one, its children as the pipeline sequence; otherwise an empty plan."""
+    one, its children as the pipeline sequence; for a Hugging Face model, its blocks from
+    ``_no_split_modules``; otherwise an empty plan."""
     declare = getattr(model, "parallel_plan", None)
     if callable(declare):
         return declare()
     if isinstance(model, nn.Sequential):
         return ParallelPlan(pipeline_sequence=tuple(name for name, _ in model.named_children()))
-    return ParallelPlan()
+    return ParallelPlan(blocks=no_split_blocks(model))
+
+
+def no_split_blocks(model: nn.Module) -> tuple[str, ...]:
+    """Paths of the outermost submodules whose class a transformers model names in ``_no_split_modules``
+    (its decoder layers: what Accelerate and transformers' own FSDP wrapping take as units), in
+    registration order, which is forward order for transformers' decoders."""
+    names = set(getattr(model, "_no_split_modules", None) or ())
+    blocks: list[str] = []
+    for path, module in model.named_modules():
+        inside_a_block = any(path.startswith(block + ".") for block in blocks)
+        if path and not inside_a_block and type(module).__name__ in names:
+            blocks.append(path)
+    return tuple(blocks)

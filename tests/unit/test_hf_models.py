@@ -11,6 +11,8 @@ from paratrain.config.schema import HF_CAUSAL_LM, ModelConfig
 from paratrain.errors import ConfigError
 from paratrain.models.hf import causal_lm
 from paratrain.models.init import build_on_meta, materialize
+from paratrain.models.meta import on_meta
+from paratrain.models.plan import plan_of
 from paratrain.models.pretrained import check_pretrained_dir
 
 LLAMA = dict(
@@ -93,3 +95,14 @@ def test_causal_lm_needs_exactly_one_of_model_type_and_config_dir():
         causal_lm()
     with pytest.raises(ConfigError, match="model.args.model_type='no-such-model'"):
         causal_lm(model_type="no-such-model")
+
+
+def test_fsdp_units_of_a_transformers_model_are_its_no_split_decoder_layers():
+    """Without a parallel_plan, a transformers model's blocks (FSDP units, activation checkpointing and
+    compile targets) are the outermost modules of the classes it names in _no_split_modules."""
+    with on_meta():
+        llama = causal_lm(**{**LLAMA, "num_hidden_layers": 3})
+        gpt2 = causal_lm(model_type="gpt2", vocab_size=64, n_embd=16, n_layer=2, n_head=2, n_positions=8)
+    assert plan_of(llama).blocks == ("model.layers.0", "model.layers.1", "model.layers.2")
+    assert plan_of(gpt2).blocks == ("transformer.h.0", "transformer.h.1")
+    assert plan_of(torch.nn.Linear(2, 2)).blocks == ()  # a plain module declares nothing
