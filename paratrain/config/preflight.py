@@ -142,6 +142,13 @@ def check_compile(config: Config, dims: ParallelDims) -> None:
 
 
 def _check_devices(config: Config, nproc_per_node: int) -> None:
+    on_cpu = config.train.device == "cpu" or (config.train.device == "auto" and not torch.cuda.is_available())
+    if on_cpu and config.parallel.fsdp.cpu_offload:
+        # FSDP would move each unit's parameters to the accelerator for compute and fail mid-build.
+        raise ConfigError(
+            "parallel.fsdp.cpu_offload=true offloads from a GPU to host memory, but this run trains on the CPU, "
+            "where parameters already live in host memory; remove parallel.fsdp.cpu_offload or use train.device=cuda"
+        )
     if config.train.device != "cuda":
         return
     available = torch.cuda.device_count()

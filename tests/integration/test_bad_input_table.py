@@ -144,6 +144,13 @@ CASES: dict[str, Case] = {
         *TWO,
         expect="precision=fp16 with parallel.fsdp.cpu_offload=true",
     ),
+    "fsdp cpu offload on a CPU run": train(
+        "parallel.strategy=fsdp",
+        "parallel.fsdp.cpu_offload=true",
+        "train.device=cpu",
+        *TWO,
+        expect=("parallel.fsdp.cpu_offload=true", "this run trains on the CPU"),
+    ),
     "compile with DataParallel": train("parallel.strategy=dp", "parallel.compile=true", expect="parallel.compile=true"),
     "auto beside a degree": train(
         "parallel.strategy=auto", "parallel.tp=2", *TWO, expect=("parallel.strategy=auto", "parallel.tp=2")
