@@ -96,7 +96,12 @@ def build_layout(
             pretrained=pretrained,
         )
     built = build_model(
-        model_factory, dims, options=parallel, device=ctx.device, seed=train.seed, pretrained=pretrained
+        model_factory,
+        dims,
+        options=parallel,
+        device=build_device(dims, ctx.device),
+        seed=train.seed,
+        pretrained=pretrained,
     )
     runnable, device = built.runnable, ctx.device
     if dims.model_parallel_enabled:
@@ -113,3 +118,9 @@ def tokens_per_sample(dataset: Dataset) -> int | None:
     inputs = dataset[0][0]
     is_tokens = isinstance(inputs, torch.Tensor) and not inputs.is_floating_point()
     return inputs.numel() if is_tokens else None
+
+
+def build_device(dims: ParallelDims, device: torch.device) -> torch.device:
+    """Where the model is first materialised. model_parallel builds it in host memory and then moves each
+    part to its own device, so a model that only fits split never lands whole on the first GPU."""
+    return torch.device("cpu") if dims.model_parallel_enabled else device

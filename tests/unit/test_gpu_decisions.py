@@ -15,6 +15,7 @@ from paratrain.engine import output_device
 from paratrain.errors import ConfigError
 from paratrain.launch.process_group import process_group_backend
 from paratrain.optim import build_optimizer, use_fused_kernel
+from paratrain.parallel.dims import ParallelDims
 from paratrain.parallel.fsdp import _mixed_precision, resolved_reduce_dtype
 from paratrain.parallel.pipeline.runtime import records_timeline
 
@@ -99,3 +100,11 @@ def test_compile_with_single_process_data_parallel_is_refused_naming_the_keys():
         check_compile(config, _dims(config, 1, 1))
     ddp = load_config(None, ["parallel.strategy=ddp", "parallel.compile=true"])
     check_compile(ddp, _dims(ddp, 2, 2))
+
+
+def test_model_parallel_is_built_in_host_memory_before_its_parts_move_to_their_devices():
+    from paratrain.builders import build_device
+
+    gpu = torch.device("cuda", 0)
+    assert build_device(ParallelDims.resolve("model_parallel", world_size=1), gpu) == torch.device("cpu")
+    assert build_device(ParallelDims.resolve("single", world_size=1), gpu) == gpu

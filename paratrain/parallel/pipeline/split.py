@@ -161,10 +161,18 @@ def measured_costs(model: nn.Module, sequence: Sequence[str], sample: torch.Tens
         x = sample
         for index, path in enumerate(sequence):
             x_in = x.detach().requires_grad_() if x.is_floating_point() else x
+            _wait_for_device(sample.device)
             start = time.perf_counter()
             y = model.get_submodule(path)(x_in)
             y.backward(torch.ones_like(y))
+            # CUDA kernels run asynchronously: without waiting, the clock would time their launch only.
+            _wait_for_device(sample.device)
             if attempt:
                 timings[index].append(time.perf_counter() - start)
             x = y
     return [statistics.median(values) for values in timings]
+
+
+def _wait_for_device(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
