@@ -50,6 +50,7 @@ from paratrain.launch.watchdog import StepWatchdog
 from paratrain.models.meta import maybe_build_on_meta
 from paratrain.nonfinite import NonFiniteGuard, grads_are_finite, weights_are_finite
 from paratrain.optim import build_lr_scheduler, build_optimizer
+from paratrain.parallel.activation import compile_loss
 from paratrain.parallel.collectives import all_reduce_sum, barrier
 from paratrain.parallel.ddp import settle_buckets
 from paratrain.parallel.dims import micro_batch_size, resolve_parallel_dims
@@ -143,6 +144,7 @@ class Trainer:
         model_factory = model_factory or (lambda: call_factory(config.model, key="model"))
         if not self.streaming:  # one sample through the model on meta: shapes and token ids, before allocating
             check_dataset_fits_model(self.dataset, maybe_build_on_meta(model_factory), loss_fn, sources=sources)
+        loss_fn = compile_loss(loss_fn, compile=config.parallel.compile, backend=config.parallel.compile_backend)
         layout = build_layout(
             model_factory,
             loss_fn,

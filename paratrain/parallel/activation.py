@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
+import torch
 from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
@@ -33,3 +36,9 @@ def apply_compile(model: nn.Module, *, plan: ParallelPlan, backend: str = "induc
     for path in plan.blocks:
         block = model.get_submodule(path)
         getattr(block, "_checkpoint_wrapped_module", block).compile(backend=backend)
+
+
+def compile_loss(loss_fn: Callable, *, compile: bool, backend: str = "inductor") -> Callable:
+    """The loss compiled beside the blocks when ``parallel.compile`` is on: a language model's loss is a
+    full-vocabulary cross-entropy, eager a separate pass over the largest activation of the step."""
+    return torch.compile(loss_fn, backend=backend) if compile else loss_fn

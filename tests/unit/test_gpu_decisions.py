@@ -108,3 +108,15 @@ def test_model_parallel_is_built_in_host_memory_before_its_parts_move_to_their_d
     gpu = torch.device("cuda", 0)
     assert build_device(ParallelDims.resolve("model_parallel", world_size=1), gpu) == torch.device("cpu")
     assert build_device(ParallelDims.resolve("single", world_size=1), gpu) == gpu
+
+
+def test_the_loss_is_compiled_with_the_blocks_and_computes_the_same_value():
+    from paratrain.losses import cross_entropy
+    from paratrain.parallel.activation import compile_loss
+
+    loss = cross_entropy()
+    assert compile_loss(loss, compile=False) is loss
+    compiled = compile_loss(loss, compile=True, backend="aot_eager")
+    assert compiled is not loss and compiled._torchdynamo_orig_callable is loss
+    logits, targets = torch.randn(2, 5, 7), torch.randint(0, 7, (2, 5))
+    torch.testing.assert_close(compiled(logits, targets), loss(logits, targets))
