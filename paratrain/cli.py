@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
+import subprocess
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -56,6 +58,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def train_command(args: argparse.Namespace) -> int:
+    # lazy: each command loads only what it runs, so every `paratrain` call starts fast
     from paratrain.launch.slurm import apply_slurm_environment
 
     options = LaunchOptions(
@@ -86,11 +89,13 @@ def train_command(args: argparse.Namespace) -> int:
     for warning in ineffective_options(config, dims):
         print(f"paratrain: warning: {warning}", file=sys.stderr)
     if options.world_size == 1 and options.max_restarts == 0:
+        # lazy: each command loads only what it runs, so every `paratrain` call starts fast
         from paratrain.train import configure_logging, run
 
         configure_logging(rank=0)
         run(config, config_path=args.config)
         return 0
+    # lazy: each command loads only what it runs, so every `paratrain` call starts fast
     from paratrain.launch.launcher import launch
 
     maybe_check_memory_before_launch(config, dims, options, config_path=args.config)
@@ -120,6 +125,7 @@ def maybe_check_memory_before_launch(
 
 def dry_run_command(args: argparse.Namespace) -> int:
     config = load_config(args.config, args.overrides)
+    # lazy: each command loads only what it runs, so every `paratrain` call starts fast
     from paratrain.planner.dry_run import dry_run  # loads torch.distributed
     from paratrain.planner.memory_check import maybe_resolve_auto  # Lazy: loads torch, as dry_run does
 
@@ -136,6 +142,7 @@ def config_show_command(args: argparse.Namespace) -> int:
 
 
 def export_command(args: argparse.Namespace) -> int:
+    # lazy: each command loads only what it runs, so every `paratrain` call starts fast
     from paratrain.tools.export import export_hf, export_safetensors  # keeps safetensors off the training path
 
     if args.hf:
@@ -149,6 +156,7 @@ def export_command(args: argparse.Namespace) -> int:
 
 def pipeline_show_command(args: argparse.Namespace) -> int:
     config = load_config(args.config, args.overrides)
+    # lazy: each command loads only what it runs, so every `paratrain` call starts fast
     from paratrain.tools.pipeline_show import show_pipeline  # loads torch.distributed.pipelining and matplotlib
 
     out = Path(args.out) if args.out else config.run.output_dir / "pipeline" / "schedule.png"
@@ -165,6 +173,7 @@ def pipeline_show_command(args: argparse.Namespace) -> int:
 
 
 def report_command(args: argparse.Namespace) -> int:
+    # lazy: each command loads only what it runs, so every `paratrain` call starts fast
     from paratrain.tools.report import NO_MEMORY, write_report  # loads matplotlib
 
     runs = [Path(run) for run in args.runs]
@@ -178,6 +187,7 @@ def report_command(args: argparse.Namespace) -> int:
 
 
 def bench_comm_command(args: argparse.Namespace) -> int:
+    # lazy: each command loads only what it runs, so every `paratrain` call starts fast
     from paratrain.tools.bench_comm import run_benchmark  # loads torch.distributed and matplotlib
 
     bench = run_benchmark(
@@ -192,15 +202,15 @@ def bench_comm_command(args: argparse.Namespace) -> int:
 
 
 def verify_command(args: argparse.Namespace) -> int:
+    # lazy: each command loads only what it runs, so every `paratrain` call starts fast
     from paratrain.tools.verify import verify
 
     return verify(args.config, args.overrides, nproc_per_node=args.nproc_per_node, steps=args.steps)
 
 
 def slurm_command(args: argparse.Namespace) -> int:
-    import shutil
-    import subprocess
 
+    # lazy: each command loads only what it runs, so every `paratrain` call starts fast
     from paratrain.launch.slurm import SlurmJob, render_sbatch
 
     config = load_config(args.config, args.overrides)  # bad overrides are refused here, not on the cluster
@@ -234,6 +244,7 @@ def slurm_command(args: argparse.Namespace) -> int:
 
 def plan_command(args: argparse.Namespace) -> int:
     config = load_config(args.config, args.overrides)
+    # lazy: each command loads only what it runs, so every `paratrain` call starts fast
     from paratrain.planner.plan import plan_command_text  # loads torch
 
     text, code = plan_command_text(

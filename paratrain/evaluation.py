@@ -107,7 +107,7 @@ class Evaluator:
     @torch.no_grad()
     def evaluate(self) -> float:
         """The mean loss over the validation samples of every rank (the same value on every rank)."""
-        from paratrain.engine import move_to  # the engine loads FSDP: preflight imports this module without it
+        from paratrain.engine import move_to  # lazy: the engine loads FSDP; preflight imports this module without it
 
         was_training = self.model.training
         self.model.eval()

@@ -42,6 +42,7 @@ class StepProfiler(Callback):
         return self.directory / f"memory-rank{self.rank}.pickle"
 
     def on_train_start(self, context: CallbackContext) -> None:
+        # lazy: torch.profiler loads only when profiling is on
         from torch.profiler import ProfilerActivity, profile, schedule  # imported only when profiling
 
         remaining = context.trainer.config.train.max_steps - context.step

@@ -73,6 +73,7 @@ def _check_combinations(config: Config, dims: ParallelDims) -> None:
 
 
 def _check_model_parallel(config: Config) -> None:
+    # lazy: model_parallel loads torch.distributed.pipelining (torch._dynamo, ~1 s) only for pipelines
     from paratrain.parallel.model_parallel import model_parallel_devices, part_count
 
     devices = model_parallel_devices(config.pipeline)

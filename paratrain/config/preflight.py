@@ -62,6 +62,7 @@ def preflight(config: Config, *, world_size: int, nproc_per_node: int) -> None:
 
 def _check_pretrained(pretrained: str | None) -> None:
     if pretrained:
+        # lazy: loaded only for the runs that use it (safetensors, DTensor) to keep the launcher's checks fast
         from paratrain.models.pretrained import check_pretrained_dir  # safetensors: only when used
 
         check_pretrained_dir(Path(pretrained))
@@ -81,6 +82,7 @@ def _check_layout(config: Config, world_size: int, nproc_per_node: int) -> None:
             f"use a multiple of {step_unit}"
         )
     if dims.tp > 1:
+        # lazy: loaded only for the runs that use it (safetensors, DTensor) to keep the launcher's checks fast
         from paratrain.parallel.tensor import check_tensor_parallel_plan  # loads DTensor: only when used
 
         check_tensor_parallel_plan(plan_of(_model_on_meta(config)), dims.tp)

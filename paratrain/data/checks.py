@@ -50,6 +50,7 @@ def check_data_fits_model(args: dict[str, Any], model: nn.Module, *, key: str = 
     vocab_size = model_vocab_size(model)
     if args.get("tokenizer") is None or vocab_size is None:
         return
+    # lazy: tokenizers (the data extra) load only for tokenizer-based data
     from paratrain.data.tokenizer import load_tokenizer
 
     tokenizer = load_tokenizer(args["tokenizer"], eos_token=args.get("eos_token"), key=f"{key}.args.tokenizer")

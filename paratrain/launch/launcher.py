@@ -45,6 +45,7 @@ def torchrun_argv(
     options: LaunchOptions, worker_args: list[str], *, worker_module: str = "paratrain.train"
 ) -> list[str]:
     """torchrun's arguments for running ``python -m WORKER_MODULE WORKER_ARGS`` on this node."""
+    # lazy: torchrun's modules load only once the launch is decided (not for a one-process run)
     from paratrain.launch.rendezvous import BACKEND_NAME, LOOPBACK_ADDR  # loads torch.distributed.elastic
 
     argv = [
@@ -86,10 +87,12 @@ def launch(
 ) -> int:
     """Runs the workers (``python -m WORKER_MODULE WORKER_ARGS``) under torchrun in this process; returns
     an exit code for the CLI. Other worker modules get the same loopback-only stores (tests use them)."""
+    # lazy: torchrun's modules load only once the launch is decided (not for a one-process run)
     from torch.distributed.elastic.multiprocessing import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import get_args_parser, run
 
+    # lazy: torchrun's modules load only once the launch is decided (not for a one-process run)
     from paratrain.launch.preemption import LAUNCHER_PID_ENV
     from paratrain.launch.rendezvous import LOOPBACK_ENV, register_loopback_rendezvous
 
@@ -135,6 +138,7 @@ class _StopRequests:
 
     @classmethod
     def install(cls) -> _StopRequests:
+        # lazy: torchrun's modules load only once the launch is decided (not for a one-process run)
         from paratrain.launch.preemption import STOP_SIGNALS, STOPPED_NOTICE
 
         requests = cls()
@@ -144,7 +148,7 @@ class _StopRequests:
         return requests
 
     def _on_stop_signal(self, signum: int, frame: FrameType | None) -> None:
-        from torch.distributed.elastic.multiprocessing import SignalException
+        from torch.distributed.elastic.multiprocessing import SignalException  # lazy: as in launch()
 
         if self.signal_name is None:  # a repeat must not cut short torchrun's wait for the workers' checkpoint
             self.signal_name = signal.Signals(signum).name

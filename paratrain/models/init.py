@@ -129,6 +129,7 @@ def _weight_source(
     model: nn.Module, *, factory: Callable[[], nn.Module], seed: int, pretrained: Path | None
 ) -> WeightSource:
     if pretrained is not None:
+        # lazy: models.pretrained imports this module (canonical_name); safetensors only for model.pretrained
         from paratrain.models.pretrained import pretrained_source  # safetensors: only when loading
 
         return pretrained_source(model, pretrained, buffers=_buffers_of_parameterless_build(factory))

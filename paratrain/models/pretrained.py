@@ -74,6 +74,7 @@ def pretrained_source(model: nn.Module, directory: Path, *, buffers: dict[str, t
     Raises:
         ConfigError: naming the first few parameters the files lack or hold in another shape.
     """
+    # lazy: models.init imports this module for pretrained weights
     from paratrain.models.init import canonical_name
 
     located = weight_files(directory)

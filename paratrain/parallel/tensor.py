@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     PrepareModuleInput,
@@ -70,7 +70,6 @@ def _shard_sequence_at_block_edges(model: nn.Module, mesh: DeviceMesh, plan: Par
 
 
 def _gather_sequence(mesh: DeviceMesh):
-    from torch.distributed.tensor import DTensor
 
     def hook(module, inputs, output):
         return DTensor.from_local(output, mesh, (Shard(1),)).full_tensor()

@@ -76,6 +76,7 @@ def stage_shares(facts: ModelFacts, config: Config, dims: ParallelDims) -> list[
     sequence = facts.plan.pipeline_sequence
     if dims.pp == 1:
         return [StageShare(0, sequence, facts.params, len(facts.plan.blocks), True)]
+    # lazy: pipeline building loads torch.distributed.pipelining (torch._dynamo) only for pp layouts
     from paratrain.parallel.pipeline.build import pipeline_shape  # loads torch.distributed.pipelining: pp only
     from paratrain.parallel.pipeline.split import cut_stages
 

@@ -35,6 +35,7 @@ def fake_process_group(world_size: int, *, rank: int = 0) -> Iterator[None]:
     """This process as ``rank`` of a ``world_size`` group whose collectives do nothing."""
     if dist.is_initialized():
         raise ConfigError("--dry-run runs in a process of its own; a process group already exists here")
+    # lazy: pipeline building and torch's fake store load only for the dry run's layouts that use them
     from torch.testing._internal.distributed.fake_pg import FakeStore  # registers the "fake" backend
 
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
@@ -86,6 +87,7 @@ def build_rank0_on_meta(config: Config, dims: ParallelDims) -> nn.Module:
         return call_factory(config.model, key="model")
 
     if dims.pp > 1:
+        # lazy: pipeline building and torch's fake store load only for the dry run's layouts that use them
         from paratrain.parallel.pipeline.build import lay_out_stages, pipeline_shape
 
         shape = pipeline_shape(config.pipeline, dims=dims, train=config.train)

@@ -111,10 +111,12 @@ def check_layout(config: Config, facts: ModelFacts, *, world_size: int, gpus_per
             f"{config.train.micro_batch_size} x data-parallel size {resolved.dp}; use a multiple of {step_unit}"
         )
     if resolved.tp > 1:
+        # lazy: pipeline and tensor-parallel checks load their torch modules only for layouts that use them
         from paratrain.parallel.tensor import check_tensor_parallel_plan  # loads DTensor: only when used
 
         check_tensor_parallel_plan(facts.plan, resolved.tp)
     if resolved.pp > 1:
+        # lazy: pipeline and tensor-parallel checks load their torch modules only for layouts that use them
         from paratrain.config.pipeline_checks import check_pipeline
 
         check_pipeline(config, resolved, model=facts.model)

@@ -94,6 +94,7 @@ def bubble_fraction(config: Config, dims: ParallelDims) -> float:
     """Idle share of a pipeline step: (p-1)/(v·m + p-1), REFERENCE.md's GPipe/1F1B/interleaved formula."""
     if dims.pp == 1:
         return 0.0
+    # lazy: pipeline building loads torch.distributed.pipelining (torch._dynamo) only for pp layouts
     from paratrain.parallel.pipeline.build import pipeline_shape  # loads torch.distributed.pipelining: pp only
 
     shape = pipeline_shape(config.pipeline, dims=dims, train=config.train)

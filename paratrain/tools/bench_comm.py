@@ -31,7 +31,11 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Literal
 
+import torch
+import torch.distributed as dist
+
 from paratrain.errors import ConfigError
+from paratrain.launch.launcher import LaunchOptions, launch
 
 Operation = Literal["all_reduce", "all_gather", "reduce_scatter", "broadcast"]
 OPERATIONS: tuple[Operation, ...] = ("all_reduce", "all_gather", "reduce_scatter", "broadcast")
@@ -188,8 +192,6 @@ def run_benchmark(
     for size in sizes:
         parse_size(size)
     if device == "cuda":
-        import torch
-
         if torch.cuda.device_count() < nproc_per_node:
             raise ConfigError(
                 f"--device cuda with --nproc-per-node {nproc_per_node} needs {nproc_per_node} GPUs, this "
@@ -221,7 +223,6 @@ def run_benchmark(
 
 def _launch(nproc_per_node: int, worker_args: list[str]) -> int:
     """torchrun in this process, on the loopback-only rendezvous ``paratrain train`` uses."""
-    from paratrain.launch.launcher import LaunchOptions, launch
 
     return launch(LaunchOptions(nproc_per_node=nproc_per_node), worker_args, env={}, worker_module=__name__)
 
@@ -231,8 +232,6 @@ def _launch(nproc_per_node: int, worker_args: list[str]) -> int:
 
 def _operation(name: Operation, size_bytes: int, world_size: int, device) -> Callable[[], None]:
     """One call of the collective on freshly allocated float32 buffers of nccl-tests' shapes."""
-    import torch
-    import torch.distributed as dist
 
     total, chunk = size_bytes // ELEMENT_BYTES, size_bytes // ELEMENT_BYTES // world_size
     if name == "all_reduce":
@@ -249,8 +248,6 @@ def _operation(name: Operation, size_bytes: int, world_size: int, device) -> Cal
 
 
 def _time(call: Callable[[], None], *, iters: int, warmup: int, device) -> float:
-    import torch
-    import torch.distributed as dist
 
     synchronize = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     for _ in range(warmup):
@@ -265,8 +262,6 @@ def _time(call: Callable[[], None], *, iters: int, warmup: int, device) -> float
 
 
 def worker(args: argparse.Namespace) -> None:
-    import torch
-    import torch.distributed as dist
 
     use_cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if use_cuda else torch.device("cpu")

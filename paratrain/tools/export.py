@@ -22,6 +22,9 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from paratrain.checkpoint.checkpointer import quiet_single_process
 from paratrain.checkpoint.manifest import verify_checkpoint
 from paratrain.checkpoint.safe_reader import SafeFileSystemReader, SafeLoadPlanner
+from paratrain.config.factories import call_factory
+from paratrain.config.schema import ModelConfig
+from paratrain.errors import ConfigError
 from paratrain.models.meta import on_meta
 
 MODEL_PREFIX = "model."
@@ -92,9 +95,6 @@ def export_hf(checkpoint: Path, out_dir: Path, *, max_shard_bytes: int = 2 << 30
 
 
 def _model_on_meta(model_section: dict):
-    from paratrain.config.factories import call_factory
-    from paratrain.config.schema import ModelConfig
-    from paratrain.errors import ConfigError
 
     with on_meta():
         model = call_factory(ModelConfig(**model_section), key="model")

@@ -9,12 +9,15 @@ parity tests hold every layout to.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+
+import torch
 
 from paratrain.config.schema import Config, load_config
 from paratrain.errors import EXIT_USER_ERROR, ConfigError
@@ -120,7 +123,6 @@ def check_machine_can_run(config: Config, *, nproc_per_node: int, steps: int) ->
             f"optim.lr_scaling={config.optim.lr_scaling} scales the learning rate by the data-parallel size, "
             f"so no layout can match one process; verify with optim.lr_scaling=none"
         )
-    import torch
 
     gpus = torch.cuda.device_count()
     device = config.train.device
@@ -147,7 +149,7 @@ def check_machine_can_run(config: Config, *, nproc_per_node: int, steps: int) ->
 
 
 def _preflight(config: Config, nproc: int, *, part: str) -> None:
-    from paratrain.config.preflight import preflight  # loads torch.distributed
+    from paratrain.config.preflight import preflight  # lazy: loads torch.distributed
 
     try:
         preflight(config, world_size=nproc, nproc_per_node=nproc)
@@ -165,7 +167,6 @@ def _train(config_path: str, overrides: list[str], nproc: int) -> int:
 
 
 def _losses(output_dir: Path) -> dict[int, float]:
-    import json
 
     lines = (output_dir / "metrics.jsonl").read_text().splitlines()
     return {record["step"]: record["loss"] for record in map(json.loads, lines)}

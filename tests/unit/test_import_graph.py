@@ -143,59 +143,6 @@ def says_lazy(lines: list[str], node: ast.stmt) -> bool:
     return "#" in nearby and "lazy" in nearby
 
 
-# Function-level imports found without a "lazy" comment when this test was written (path: statement).
-# The list may only shrink: explain each (a comment naming start-up time or an optional dependency)
-# or move it to the top of its module, then delete its line here. A new unexplained import fails.
-NOT_YET_EXPLAINED = {
-    "paratrain/callbacks/profiling.py: from torch.profiler import ProfilerActivity, profile, schedule",
-    "paratrain/cli.py: from paratrain.launch.launcher import launch",
-    "paratrain/cli.py: from paratrain.launch.slurm import SlurmJob, render_sbatch",
-    "paratrain/cli.py: from paratrain.launch.slurm import apply_slurm_environment",
-    "paratrain/cli.py: from paratrain.planner.dry_run import dry_run",
-    "paratrain/cli.py: from paratrain.planner.plan import plan_command_text",
-    "paratrain/cli.py: from paratrain.tools.bench_comm import run_benchmark",
-    "paratrain/cli.py: from paratrain.tools.export import export_hf, export_safetensors",
-    "paratrain/cli.py: from paratrain.tools.pipeline_show import show_pipeline",
-    "paratrain/cli.py: from paratrain.tools.report import NO_MEMORY, write_report",
-    "paratrain/cli.py: from paratrain.tools.verify import verify",
-    "paratrain/cli.py: from paratrain.train import configure_logging, run",
-    "paratrain/cli.py: import shutil",
-    "paratrain/cli.py: import subprocess",
-    "paratrain/config/pipeline_checks.py: from paratrain.parallel.model_parallel import model_parallel_devices, part_count",
-    "paratrain/config/preflight.py: from paratrain.models.pretrained import check_pretrained_dir",
-    "paratrain/config/preflight.py: from paratrain.parallel.tensor import check_tensor_parallel_plan",
-    "paratrain/data/checks.py: from paratrain.data.tokenizer import load_tokenizer",
-    "paratrain/evaluation.py: from paratrain.engine import move_to",
-    "paratrain/launch/launcher.py: from paratrain.launch.preemption import LAUNCHER_PID_ENV",
-    "paratrain/launch/launcher.py: from paratrain.launch.preemption import STOP_SIGNALS, STOPPED_NOTICE",
-    "paratrain/launch/launcher.py: from paratrain.launch.rendezvous import BACKEND_NAME, LOOPBACK_ADDR",
-    "paratrain/launch/launcher.py: from paratrain.launch.rendezvous import LOOPBACK_ENV, register_loopback_rendezvous",
-    "paratrain/launch/launcher.py: from torch.distributed.elastic.multiprocessing import SignalException",
-    "paratrain/launch/launcher.py: from torch.distributed.elastic.multiprocessing.errors import ChildFailedError",
-    "paratrain/launch/launcher.py: from torch.distributed.run import get_args_parser, run",
-    "paratrain/models/init.py: from paratrain.models.pretrained import pretrained_source",
-    "paratrain/models/pretrained.py: from paratrain.models.init import canonical_name",
-    "paratrain/parallel/pipeline/schedules.py: from torch.distributed.pipelining._schedule_visualizer import get_schedule_ops",
-    "paratrain/parallel/tensor.py: from torch.distributed.tensor import DTensor",
-    "paratrain/planner/accounting.py: from paratrain.parallel.pipeline.build import pipeline_shape",
-    "paratrain/planner/accounting.py: from paratrain.parallel.pipeline.split import cut_stages",
-    "paratrain/planner/dry_run.py: from paratrain.parallel.pipeline.build import lay_out_stages, pipeline_shape",
-    "paratrain/planner/dry_run.py: from torch.testing._internal.distributed.fake_pg import FakeStore",
-    "paratrain/planner/layouts.py: from paratrain.config.pipeline_checks import check_pipeline",
-    "paratrain/planner/layouts.py: from paratrain.parallel.tensor import check_tensor_parallel_plan",
-    "paratrain/planner/ranking.py: from paratrain.parallel.pipeline.build import pipeline_shape",
-    "paratrain/tools/bench_comm.py: from paratrain.launch.launcher import LaunchOptions, launch",
-    "paratrain/tools/bench_comm.py: import torch",
-    "paratrain/tools/bench_comm.py: import torch.distributed as dist",
-    "paratrain/tools/export.py: from paratrain.config.factories import call_factory",
-    "paratrain/tools/export.py: from paratrain.config.schema import ModelConfig",
-    "paratrain/tools/export.py: from paratrain.errors import ConfigError",
-    "paratrain/tools/verify.py: from paratrain.config.preflight import preflight",
-    "paratrain/tools/verify.py: import json",
-    "paratrain/tools/verify.py: import torch",
-}
-
-
 def unexplained_function_level_imports() -> set[str]:
     found = set()
     for name, tree in TREES.items():
@@ -209,9 +156,7 @@ def unexplained_function_level_imports() -> set[str]:
 
 
 def test_function_level_imports_say_why_they_are_lazy():
-    found = unexplained_function_level_imports()
-    assert sorted(found - NOT_YET_EXPLAINED) == [], "import at module level, or comment why it is lazy"
-    assert sorted(NOT_YET_EXPLAINED - found) == [], "explained or moved: delete these from NOT_YET_EXPLAINED"
+    assert sorted(unexplained_function_level_imports()) == [], "import at module level, or comment why it is lazy"
 
 
 def test_the_rules_see_what_they_check():

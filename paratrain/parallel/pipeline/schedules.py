@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from torch.distributed.pipelining import schedules as torch_schedules
+from torch.distributed.pipelining._schedule_visualizer import get_schedule_ops
 from torch.distributed.pipelining._utils import generate_stage_to_rank_mapping
 from torch.distributed.pipelining.schedules import _Action, _ComputationType
 
@@ -115,7 +116,6 @@ def action_table(shape: PipelineShape) -> list[list[_Action]]:
         _instantiate_for_validation(shape)
         order = _gpipe_order if shape.schedule == "GPipe" else _one_f_one_b_order
         return [order(rank, shape.pp, shape.microbatches) for rank in range(shape.pp)]
-    from torch.distributed.pipelining._schedule_visualizer import get_schedule_ops
 
     table = get_schedule_ops(shape.schedule, shape.pp, shape.microbatches, num_stages_per_rank=shape.stages_per_rank)
     return [[action for action in rank if action is not None and action.computation_type in _COMPUTE] for rank in table]
@@ -140,6 +140,5 @@ def _one_f_one_b_order(rank: int, pp: int, microbatches: int) -> list[_Action]:
 
 def _instantiate_for_validation(shape: PipelineShape) -> None:
     """Lets torch's constructor refuse shapes it cannot run (e.g. 1F1B with fewer micro-batches than stages)."""
-    from torch.distributed.pipelining._schedule_visualizer import get_schedule_ops
 
     get_schedule_ops(shape.schedule, shape.pp, shape.microbatches, num_stages_per_rank=shape.stages_per_rank)
