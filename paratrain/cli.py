@@ -123,6 +123,22 @@ def maybe_check_memory_before_launch(
         print(f"paratrain: {verdict}", file=sys.stderr)
 
 
+def checkpoint_check_command(args: argparse.Namespace) -> int:
+    options = LaunchOptions(args.nproc_per_node, 1, 0, None, 0)
+    options.validate()
+    if args.nproc_per_node == 1:
+        from paratrain.tools.checkpoint_check import check_checkpoint  # lazy: loads the trainer
+        from paratrain.train import configure_logging
+
+        configure_logging(rank=0)
+        print(check_checkpoint(Path(args.checkpoint), args.overrides))
+        return 0
+    from paratrain.launch.launcher import launch  # lazy: torchrun's modules
+
+    worker = "paratrain.tools.checkpoint_check"
+    return launch(options, [args.checkpoint, *args.overrides], env={}, worker_module=worker)
+
+
 def dry_run_command(args: argparse.Namespace) -> int:
     config = load_config(args.config, args.overrides)
     # lazy: each command loads only what it runs, so every `paratrain` call starts fast
@@ -358,6 +374,17 @@ def build_parser() -> argparse.ArgumentParser:
     slurm.add_argument("--out", help="script path (default: OUTPUT_DIR/slurm.sbatch)")
     slurm.add_argument("--submit", action="store_true", help="submit the script with sbatch")
     slurm.set_defaults(handler=slurm_command)
+
+    checkpoint = commands.add_parser("checkpoint", help="inspect checkpoints")
+    checkpoint_commands = checkpoint.add_subparsers(dest="checkpoint_command", required=True)
+    check = checkpoint_commands.add_parser(
+        "check",
+        help="load a checkpoint under a layout (its own config plus overrides) without training, and say what moved",
+    )
+    check.add_argument("checkpoint", help="a step-<N> checkpoint directory")
+    check.add_argument("overrides", nargs="*", metavar="key=value", help="the layout to try, e.g. parallel.dp_shard=2")
+    check.add_argument("--nproc-per-node", type=int, default=1, help="processes of the layout to try")
+    check.set_defaults(handler=checkpoint_check_command)
 
     plan = commands.add_parser(
         "plan", help="memory per GPU of every layout a cluster allows, ranked, with a recommendation"

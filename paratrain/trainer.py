@@ -455,9 +455,14 @@ class Trainer:
             log_resume_changes(changes, path)
         return path
 
+    def load_checkpoint(self, path: Path) -> None:
+        """Loads a checkpoint's model and optimizer state into this layout, as a resume does, without
+        training or writing anything (``paratrain checkpoint check``)."""
+        self.checkpointer.load(path, self.checkpoint_state(), optional=("rng", "grad_scaler"))
+
     def _resume(self, path: Path) -> None:
         # A run switched to fp16 resumes a checkpoint without a gradient scaler: its scaler starts fresh.
-        self.checkpointer.load(path, self.checkpoint_state(), optional=("rng", "grad_scaler"))
+        self.load_checkpoint(path)
         logger.info("resumed from %s at step %d (epoch %d)", path, self.progress.step, self.position.epoch)
         self.last_healthy_checkpoint = path
         # Any samples do: only the order in which gradients become ready matters (see settle_buckets).

@@ -358,6 +358,14 @@ CASES: dict[str, Case] = {
         expect="paratrain-manifest.json is missing",
     ),
     "export without a target": case("export", "{tmp}", expect="one of the arguments --out --hf is required"),
+    # --- checkpoint check -----------------------------------------------------------------------
+    "checkpoint check of a missing checkpoint": case("checkpoint", "check", "{tmp}/none/step-1", expect="step-1"),
+    "checkpoint check of a directory that is no checkpoint": case(
+        "checkpoint", "check", "{with_checkpoints}/checkpoints/step-10", expect="paratrain-manifest.json is missing"
+    ),
+    "checkpoint check on no processes": case(
+        "checkpoint", "check", "{with_checkpoints}/checkpoints/step-10", "--nproc-per-node", "0", expect="nproc"
+    ),
     # --- report ---------------------------------------------------------------------------------
     "report of a missing run": case("report", "{tmp}/no-run", expect="no-run"),
     "report of a run without metrics": case("report", "{with_checkpoints}", expect="metrics.jsonl"),
