@@ -25,7 +25,7 @@ from paratrain.checkpoint import Checkpointer
 from paratrain.checkpoint.config_changes import check_resume_config, log_resume_changes
 from paratrain.checkpoint.manifest import read_manifest
 from paratrain.checkpoint.state import ModelState, OptimizerState, Progress, RNGState
-from paratrain.config.factories import call_factory
+from paratrain.config.factories import call_factory, describe_user_error
 from paratrain.config.schema import Config, config_to_yaml
 from paratrain.cuda_settings import apply_kernel_settings
 from paratrain.data.checks import SampleSources, check_dataset_fits_model
@@ -34,7 +34,7 @@ from paratrain.data.sampler import DataPosition, GlobalBatchSampler, build_sampl
 from paratrain.data.stream import StreamBatches, StreamedTokens, check_streaming
 from paratrain.debug import dump_gradients, dump_weights
 from paratrain.engine import LossFn
-from paratrain.errors import NonFiniteStop, Preempted
+from paratrain.errors import CheckpointError, ConfigError, NonFiniteStop, Preempted, UserCodeError
 from paratrain.evaluation import build_evaluator, check_evaluation
 from paratrain.gradients import clip_grad_norm
 from paratrain.launch import faults
@@ -203,6 +203,7 @@ class Trainer:
         # Chosen and checked now, so a changed config is refused before anything runs; loaded by train().
         self._resume_from = self._choose_resume()
         self._started = False
+        self._stepped = False  # whether this run has taken a step (see _first_step_or_next)
 
     def train(self) -> TrainResult:
         """Runs from the current step to ``train.max_steps`` (or until a callback stops it), evaluating,
@@ -222,7 +223,7 @@ class Trainer:
         outcome: Outcome = "failed"  # what the trackers record unless the loop ends otherwise
         try:
             while self.progress.step < self.config.train.max_steps:
-                step = self.train_step(self._next_batch(batches, window))
+                step = self._first_step_or_next(self._next_batch(batches, window))
                 self._advance(window, step)
                 if self.nonfinite.should_stop(self.progress.step, finite=step.applied):
                     raise self._diverged(self.nonfinite.reason())
@@ -454,6 +455,23 @@ class Trainer:
         if self.ctx.is_main:
             log_resume_changes(changes, path)
         return path
+
+    def _first_step_or_next(self, batch: Any) -> Any:
+        """A step; the run's first is where the user's forward and loss meet real data first, so what it
+        raises is reported as their code's error (the user's frames, exit code 2), not a traceback."""
+        if self._stepped:
+            return self.train_step(batch)
+        try:
+            step = self.train_step(batch)
+        except (ConfigError, CheckpointError, UserCodeError, NonFiniteStop):
+            raise
+        except Exception as error:
+            where = (
+                f"the first training step (the model's forward, the loss or backward) at step {self.progress.step + 1}"
+            )
+            raise UserCodeError(describe_user_error(where, error)) from error
+        self._stepped = True
+        return step
 
     def load_checkpoint(self, path: Path) -> None:
         """Loads a checkpoint's model and optimizer state into this layout, as a resume does, without

@@ -5,9 +5,9 @@ from __future__ import annotations
 from typing import Any
 
 from paratrain.callbacks.base import HOOKS, Callback
-from paratrain.config.factories import check_factory_args
+from paratrain.config.factories import check_factory_args, describe_user_error
 from paratrain.config.schema import CallbackConfig
-from paratrain.errors import ConfigError
+from paratrain.errors import ConfigError, UserCodeError
 
 
 def build_callbacks(configs: list[CallbackConfig], given: list[Any] = ()) -> list[Callback]:
@@ -25,6 +25,8 @@ def build_callbacks(configs: list[CallbackConfig], given: list[Any] = ()) -> lis
             callback = factory(**section.args)
         except (TypeError, ValueError) as error:  # the constructor refusing its args names them
             raise ConfigError(f"{key}.args: {section.factory} refused {section.args}: {error}") from None
+        except Exception as error:  # a bug in the user's callback: its frames, not a traceback through paratrain
+            raise UserCodeError(describe_user_error(f"{key}.factory={section.factory!r}", error)) from error
         built.append(check_callback(callback, key=f"{key}.factory", origin=section.factory))
     for index, callback in enumerate(given):
         built.append(check_callback(callback, key=f"Trainer(callbacks=[...])[{index}]", origin=type(callback).__name__))

@@ -27,6 +27,14 @@ FACTORIES = "tests.integration.user_factories"
             f"loss.factory={FACTORIES}:broken_loss",
             ["loss.factory=", "raised KeyError: 'cross_entropy'", "in broken_loss"],
         ),
+        (
+            f"model.factory={FACTORIES}:model_with_a_forward_bug",
+            ["the first training step", "raised RuntimeError: normalising by the wrong axis", "in _norm"],
+        ),
+        (
+            f"callbacks=[{{factory: {FACTORIES}:broken_callback}}]",
+            ["callbacks[0].factory=", "raised LookupError: no callback registry configured", "in _callbacks_registry"],
+        ),
     ],
 )
 def test_an_exception_in_a_user_factory_is_one_block_with_the_users_frames(tmp_path, override, expected):
