@@ -20,7 +20,7 @@ from paratrain.config.factories import call_factory
 from paratrain.config.schema import Config
 from paratrain.errors import ConfigError
 from paratrain.models.meta import on_meta
-from paratrain.models.plan import plan_of
+from paratrain.models.plan import ParallelPlan, plan_of
 from paratrain.parallel.dims import MESH_DIMS, ParallelDims
 from paratrain.parallel.parallelize import parallelize
 from paratrain.planner.accounting import FP32, StageShare, rank_memory, stage_shares
@@ -61,7 +61,8 @@ def dry_run(config: Config, *, nproc_per_node: int, nnodes: int) -> str:
     memory = [rank_memory(facts, share, config, dims, measured_per_sample=measured) for share in shares]
     lines = [
         f"dry run: {world_size} ranks ({nnodes} node(s) x {nproc_per_node}), layout "
-        f"{dims.strategy}: {dims.describe()}; nothing trained (no data read, nothing written)"
+        f"{dims.strategy}: {dims.describe()}; nothing trained (no data read, nothing written)",
+        *plan_lines(facts.plan, facts.model),
     ]
     if not dims.needs_process_group:
         return "\n".join([*lines, "one process, no process group", *_memory_lines(shares, memory, source)])
@@ -78,6 +79,26 @@ def dry_run(config: Config, *, nproc_per_node: int, nnodes: int) -> str:
     lines += _group_lines(ranks, dims)
     lines += _rank_lines(ranks, shares, memory, nproc_per_node=nproc_per_node)
     return "\n".join(lines)
+
+
+def plan_lines(plan: ParallelPlan, model: nn.Module) -> list[str]:
+    """The parallel plan the layouts read, and where it came from (declared, or derived from a transformers
+    model's ``_no_split_modules``)."""
+    if callable(getattr(model, "parallel_plan", None)):
+        source = "declared by the model"
+    elif isinstance(model, nn.Sequential):
+        source = "an nn.Sequential's children as the pipeline sequence"
+    else:
+        source = "derived from _no_split_modules" if plan.blocks else "none declared"
+    blocks = (
+        f"{len(plan.blocks)} ({plan.blocks[0]} ... {plan.blocks[-1]})" if len(plan.blocks) > 1 else str(plan.blocks)
+    )
+    tensor = ", ".join(f"{path}: {style}" for path, style in plan.block_tp_plan.items()) or "none (tp refused)"
+    pipeline = f"{len(plan.pipeline_sequence)} pieces" if plan.pipeline_sequence else "none (pp refused)"
+    return [
+        f"parallel plan ({source}): blocks (FSDP units, activation checkpointing, compile): {blocks}",
+        f"  tensor parallel per block: {tensor}; pipeline sequence: {pipeline}",
+    ]
 
 
 def build_rank0_on_meta(config: Config, dims: ParallelDims) -> nn.Module:

@@ -98,3 +98,26 @@ def test_fsdp_8_by_tensor_parallel_8_shards_every_block_linear_64_ways(capsys, c
 def test_a_layout_that_cannot_run_is_refused_before_anything_is_built(capsys, config_path, overrides, nproc, message):
     code, out, err = dry_run(capsys, config_path, *overrides, nproc=nproc)
     assert code == 2 and message in err and out == ""
+
+
+def test_the_dry_run_prints_the_parallel_plan_and_where_it_came_from(capsys, config_path):
+    code, out, err = dry_run(capsys, config_path, "parallel.strategy=fsdp", nproc=2, nnodes=1)
+    assert code == 0, err
+    assert "parallel plan (declared by the model): blocks (FSDP units, activation checkpointing, compile): 4" in out
+    assert "attn.q_proj: colwise" in out and "pipeline sequence: 7 pieces" in out
+    llama = "model.args={model_type: llama, vocab_size: 128, hidden_size: 32, intermediate_size: 64, num_hidden_layers: 3, num_attention_heads: 4, num_key_value_heads: 2, max_position_embeddings: 16}"
+    code, out, err = dry_run(
+        capsys,
+        config_path,
+        "parallel.strategy=fsdp",
+        "model.factory=paratrain.models.hf:causal_lm",
+        llama,
+        nproc=2,
+        nnodes=1,
+    )
+    assert code == 0, err
+    assert (
+        "parallel plan (derived from _no_split_modules): blocks" in out
+        and "3 (model.layers.0 ... model.layers.2)" in out
+    )
+    assert "tensor parallel per block: none (tp refused); pipeline sequence: none (pp refused)" in out
