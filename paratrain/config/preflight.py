@@ -85,7 +85,8 @@ def _check_layout(config: Config, world_size: int, nproc_per_node: int) -> None:
         # lazy: loaded only for the runs that use it (safetensors, DTensor) to keep the launcher's checks fast
         from paratrain.parallel.tensor import check_tensor_parallel_plan  # loads DTensor: only when used
 
-        check_tensor_parallel_plan(plan_of(_model_on_meta(config)), dims.tp)
+        plan = plan_of(_model_on_meta(config))
+        check_tensor_parallel_plan(plan, dims.tp, sequence_parallel=config.parallel.sequence_parallel)
 
 
 def _model_on_meta(config: Config) -> nn.Module:

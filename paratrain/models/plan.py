@@ -7,6 +7,7 @@ between). Layouts read the plan; they never guess at a model's structure.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Literal
@@ -33,6 +34,8 @@ class ParallelPlan:
             exactly what the model's forward computes. Pipeline stages and model-parallel parts are cut
             between them, so together they must hold every parameter. ``nn.Sequential`` models get
             their children by default.
+        tp_unsupported: Entries of a transformers model's own tensor-parallel plan inside its blocks
+            whose style paratrain does not apply (``path: style``); tensor parallel is refused naming them.
     """
 
     blocks: tuple[str, ...] = ()
@@ -40,6 +43,7 @@ class ParallelPlan:
     block_norms: tuple[str, ...] = ()
     tp_divisible: Mapping[str, int] = field(default_factory=dict)
     pipeline_sequence: tuple[str, ...] = ()
+    tp_unsupported: tuple[str, ...] = ()
 
 
 def plan_of(model: nn.Module) -> ParallelPlan:
@@ -51,7 +55,32 @@ def plan_of(model: nn.Module) -> ParallelPlan:
         return declare()
     if isinstance(model, nn.Sequential):
         return ParallelPlan(pipeline_sequence=tuple(name for name, _ in model.named_children()))
-    return ParallelPlan(blocks=no_split_blocks(model))
+    blocks = no_split_blocks(model)
+    return ParallelPlan(blocks=blocks, **transformers_tensor_parallel(model, blocks))
+
+
+# Styles of transformers' tp_plan that are Megatron's column and row splits of an nn.Linear.
+_TRANSFORMERS_STYLES: dict[str, TensorParallelStyle] = {"colwise": "colwise", "rowwise": "rowwise"}
+
+
+def transformers_tensor_parallel(model: nn.Module, blocks: tuple[str, ...]) -> dict:
+    """The block-level part of a transformers model's own ``tp_plan`` (e.g. ``model.layers.*.self_attn.q_proj:
+    colwise``) as ParallelPlan fields, and the head counts tensor parallel must divide. Entries outside the
+    blocks (embeddings, head) are left out: those stay whole on every rank, as in paratrain's own GPT."""
+    tp_plan = getattr(model, "tp_plan", None) or {}
+    if not blocks or not tp_plan:
+        return {}
+    prefix = re.sub(r"\.\d+$", ".*", blocks[0]) + "."
+    inside = {key.removeprefix(prefix): style for key, style in tp_plan.items() if key.startswith(prefix)}
+    supported = {path: _TRANSFORMERS_STYLES[style] for path, style in inside.items() if style in _TRANSFORMERS_STYLES}
+    unsupported = tuple(f"{path}: {style}" for path, style in inside.items() if style not in _TRANSFORMERS_STYLES)
+    config = getattr(model, "config", None)
+    heads = {
+        f"model.args.{name}": getattr(config, name)
+        for name in ("num_attention_heads", "num_key_value_heads")
+        if isinstance(getattr(config, name, None), int)
+    }
+    return {"block_tp_plan": {} if unsupported else supported, "tp_unsupported": unsupported, "tp_divisible": heads}
 
 
 def no_split_blocks(model: nn.Module) -> tuple[str, ...]:

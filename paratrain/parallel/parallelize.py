@@ -57,7 +57,7 @@ def parallelize(
         The roots: what runs forward (``[model]`` unless ``roots`` was given).
     """
     if dims.tp_enabled:
-        check_tensor_parallel_plan(plan, dims.tp)
+        check_tensor_parallel_plan(plan, dims.tp, sequence_parallel=options.sequence_parallel)
         apply_tensor_parallel(model, dims.tp_mesh, plan=plan, sequence_parallel=options.sequence_parallel)
     if options.activation_checkpointing:
         apply_activation_checkpointing(model, plan=plan)

@@ -18,8 +18,18 @@ from paratrain.errors import ConfigError
 from paratrain.models.plan import ParallelPlan
 
 
-def check_tensor_parallel_plan(plan: ParallelPlan, tp: int) -> None:
+def check_tensor_parallel_plan(plan: ParallelPlan, tp: int, *, sequence_parallel: bool = False) -> None:
     """Raises ConfigError when the model declares no plan, or tp does not divide its sizes."""
+    if plan.tp_unsupported:
+        raise ConfigError(
+            f"parallel.tp={tp}: the model's tensor-parallel plan uses styles paratrain does not apply "
+            f"({', '.join(plan.tp_unsupported)}); paratrain applies colwise and rowwise; use fsdp/ddp"
+        )
+    if sequence_parallel and plan.block_tp_plan and not plan.block_norms:
+        raise ConfigError(
+            "parallel.sequence_parallel=true: the model's plan names no norm layers to shard along the sequence "
+            "(ParallelPlan.block_norms; a transformers model's derived plan has none); set it to false"
+        )
     if not plan.block_tp_plan:
         raise ConfigError(
             f"parallel.tp={tp}: the model declares no tensor-parallel plan; give it a parallel_plan() method "

@@ -90,6 +90,9 @@ LAYOUTS = {
         for layout, (overrides, nproc) in LAYOUT_OVERRIDES.items()
         if layout != "ddp x2"
     },
+    # Tensor parallel from Llama's own tp_plan (q/k/v, gate/up colwise; o, down rowwise).
+    "llama tp x2": (_model_overrides(TINY_LLAMA) + ["parallel.tp=2"], 2),
+    "llama fsdp+tp 2x2": (_model_overrides(TINY_LLAMA) + ["parallel.dp_shard=2", "parallel.tp=2"], 4),
     "pretrained single": (FROM_PRETRAINED, 1),
     "pretrained fsdp x2": ([*FROM_PRETRAINED, "parallel.strategy=fsdp"], 2),
     "qwen2 fsdp x2": ([*_model_overrides(TINY_QWEN2_TIED), "parallel.strategy=fsdp", "train.max_steps=3"], 2),

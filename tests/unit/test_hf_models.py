@@ -14,6 +14,7 @@ from paratrain.models.init import build_on_meta, materialize
 from paratrain.models.meta import on_meta
 from paratrain.models.plan import plan_of
 from paratrain.models.pretrained import check_pretrained_dir
+from paratrain.parallel.tensor import check_tensor_parallel_plan
 
 LLAMA = dict(
     model_type="llama",
@@ -106,3 +107,21 @@ def test_fsdp_units_of_a_transformers_model_are_its_no_split_decoder_layers():
     assert plan_of(llama).blocks == ("model.layers.0", "model.layers.1", "model.layers.2")
     assert plan_of(gpt2).blocks == ("transformer.h.0", "transformer.h.1")
     assert plan_of(torch.nn.Linear(2, 2)).blocks == ()  # a plain module declares nothing
+
+
+def test_tensor_parallel_plan_of_a_transformers_model_is_its_own_tp_plan_inside_its_layers():
+    with on_meta():
+        llama = causal_lm(**{**LLAMA, "num_attention_heads": 4, "num_key_value_heads": 2})
+        gpt2 = causal_lm(model_type="gpt2", vocab_size=64, n_embd=16, n_layer=2, n_head=2, n_positions=8)
+    plan = plan_of(llama)
+    assert plan.block_tp_plan["self_attn.q_proj"] == "colwise" and plan.block_tp_plan["mlp.down_proj"] == "rowwise"
+    assert plan.tp_divisible == {"model.args.num_attention_heads": 4, "model.args.num_key_value_heads": 2}
+    with pytest.raises(ConfigError, match="parallel.tp=4 does not divide model.args.num_key_value_heads=2"):
+        check_tensor_parallel_plan(plan, 4)
+    with pytest.raises(ConfigError, match="parallel.sequence_parallel=true"):
+        check_tensor_parallel_plan(plan, 2, sequence_parallel=True)
+    with pytest.raises(ConfigError, match="declares no tensor-parallel plan"):  # GPT-2's Conv1D: no tp_plan
+        check_tensor_parallel_plan(plan_of(gpt2), 2)
+    llama.tp_plan = {**llama.tp_plan, "model.layers.*.mlp.up_proj": "packed_colwise"}
+    with pytest.raises(ConfigError, match="styles paratrain does not apply .*mlp.up_proj: packed_colwise"):
+        check_tensor_parallel_plan(plan_of(llama), 2)
