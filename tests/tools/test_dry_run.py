@@ -120,4 +120,6 @@ def test_the_dry_run_prints_the_parallel_plan_and_where_it_came_from(capsys, con
         "parallel plan (derived from _no_split_modules): blocks" in out
         and "3 (model.layers.0 ... model.layers.2)" in out
     )
-    assert "tensor parallel per block: none (tp refused); pipeline sequence: none (pp refused)" in out
+    assert (
+        "tensor parallel per block: self_attn.q_proj: colwise" in out and "pipeline sequence: none (pp refused)" in out
+    )
