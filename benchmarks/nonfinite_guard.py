@@ -1,14 +1,15 @@
-"""What the non-finite guard costs per step: Trainer.train_step (which reads the global gradient norm on
-the host and decides whether to step) against the same step without the guard (the step as it was
-before: zero_grad, forward/backward, unscale, clip, optimizer step, schedule step), alternating in one
-run of the quickstart under ddp x 2.
+"""What the non-finite guard costs per step: the loop's step with the guard (Trainer.train_step, which
+skips a step whose global gradient norm is not finite, then the window's accounting and the verdict read
+one step late) against the same step without it (zero_grad, forward/backward, unscale, clip, optimizer
+step, schedule step, the same accounting), alternating in one run of the quickstart under ddp x 2.
 
 One Trainer per rank; after a warm-up, each round times ``--steps`` steps of each variant (the order
-alternates from round to round) between barriers, on the same model and data stream. Prints the median
-step time of each variant and the median over rounds of guarded / unguarded. It never asserts; results
-belong in docs/benchmarks.md.
+alternates from round to round) between barriers, on the same model and data stream. ``--fused on`` uses
+fused AdamW, which skips on the device (the path CUDA takes by default); ``auto`` is CPU's foreach, where
+the verdict is read on the host before stepping. Prints the median step time of each variant and the
+median over rounds of guarded / unguarded. It never asserts; results belong in docs/benchmarks.md.
 
-    .venv/bin/python benchmarks/nonfinite_guard.py --rounds 10 --steps 10
+    .venv/bin/python benchmarks/nonfinite_guard.py --rounds 10 --steps 10 --fused on
 """
 
 from __future__ import annotations
@@ -22,33 +23,49 @@ import time
 NPROC = 2
 
 
-def unguarded_step(trainer, micro_batches) -> None:
-    """Trainer.train_step as it was before the guard: every step applied."""
+def guarded_step(trainer, window, micro_batches) -> None:
+    """What the training loop runs per step with the guard."""
+    step = trainer.train_step(micro_batches)
+    trainer._advance(window, step)
+    trainer._settle_verdicts(keep_newest=True)
+
+
+def unguarded_step(trainer, window, micro_batches) -> None:
+    """The same step and accounting without the guard: every step applied, no verdict."""
     from paratrain.launch import faults
 
     faults.maybe_stall("stall_in_step", step=trainer.progress.step + 1, rank=trainer.ctx.rank)
     trainer.optimizer.zero_grad(set_to_none=True)
-    trainer.engine.forward_backward(micro_batches)
+    loss = trainer.engine.forward_backward(micro_batches)
     trainer.precision.unscale_(trainer.optimizer)
     trainer._maybe_dump_gradients()
     trainer._clip_gradients()
     trainer.precision.step(trainer.optimizer)
     trainer.lr_scheduler.step()
+    trainer.progress.step += 1
+    trainer.position.advance(trainer.sampler.batches_per_epoch)
+    window.steps += 1
+    window.loss_sum += loss
 
 
-def worker(rounds: int, steps: int, output_dir: str) -> None:
+def worker(rounds: int, steps: int, fused: str, output_dir: str) -> None:
     import torch.distributed as dist
 
     from paratrain.config.schema import load_config
     from paratrain.trainer import Trainer
 
     dist.init_process_group("gloo")
-    overrides = [f"run.output_dir={output_dir}", "checkpoint.resume=never", "train.max_steps=100000"]
+    overrides = [
+        f"run.output_dir={output_dir}",
+        "checkpoint.resume=never",
+        "train.max_steps=100000",
+        f"optim.fused={fused}",
+    ]
     trainer = Trainer(load_config("examples/quickstart.yaml", overrides))
-    batches = trainer.step_batches()
+    batches, window = trainer.step_batches(), trainer._new_window()
     variants = {
-        "guard": lambda: trainer.train_step(next(batches)),
-        "none": lambda: unguarded_step(trainer, next(batches)),
+        "guard": lambda: guarded_step(trainer, window, next(batches)),
+        "none": lambda: unguarded_step(trainer, window, next(batches)),
     }
     for _ in range(3):  # warm-up: allocator, DDP buckets
         variants["none"]()
@@ -64,7 +81,8 @@ def worker(rounds: int, steps: int, output_dir: str) -> None:
             times[name].append((time.perf_counter() - started) / steps)
     if dist.get_rank() == 0:
         ratios = [guard / none for guard, none in zip(times["guard"], times["none"], strict=True)]
-        print(f"rounds {rounds} x {steps} steps per variant, ddp x {dist.get_world_size()}, quickstart")
+        kind = type(trainer.optimizer).__name__ + (" fused" if trainer.optimizer.defaults.get("fused") else " foreach")
+        print(f"rounds {rounds} x {steps} steps per variant, ddp x {dist.get_world_size()}, quickstart, {kind}")
         for name, values in times.items():
             print(f"{name:>5}: median step {statistics.median(values) * 1e3:.2f} ms")
         print(
@@ -77,16 +95,18 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--rounds", type=int, default=10)
     parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--fused", choices=["auto", "on"], default="on", help="optim.fused (on: device-side skip)")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--output-dir", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
-        worker(args.rounds, args.steps, args.output_dir)
+        worker(args.rounds, args.steps, args.fused, args.output_dir)
         return 0
     from paratrain.launch.launcher import LaunchOptions, launch
 
     with tempfile.TemporaryDirectory() as output_dir:
-        worker_args = ["--worker", "--rounds", str(args.rounds), "--steps", str(args.steps), "--output-dir", output_dir]
+        worker_args = ["--worker", "--rounds", str(args.rounds), "--steps", str(args.steps), "--fused", args.fused]
+        worker_args += ["--output-dir", output_dir]
         return launch(
             LaunchOptions(nproc_per_node=NPROC), worker_args, env={}, worker_module="benchmarks.nonfinite_guard"
         )

@@ -3,9 +3,14 @@
 The step already computes the global gradient norm for clipping (``paratrain.gradients``); it is NaN or
 infinite exactly when some gradient on some rank is, and it is the same number on every rank (data-parallel
 gradients are reduced first, shards and pipeline stages are summed into it). So every rank reaches the same
-verdict from a value the step computes anyway, with no collective of its own. Reading that one scalar on the
-host is the guard's only cost per step; the weights are checked (one all-reduce) only when a checkpoint is
-about to be written.
+verdict from a value the step computes anyway, with no collective of its own.
+
+Where the verdict is used decides what it costs. A fused optimizer (CUDA's default, ``optim.fused``) takes
+the verdict as a device tensor and skips the step on the device, as GradScaler does for fp16, so the host
+never waits for the GPU; the loop reads each step's verdict one step late, once the next step's work is
+queued, as it reads the preemption flag. Any other optimizer needs the verdict on the host before it steps
+(free on CPU, one wait per step on a GPU). The weights are checked (one all-reduce) only when a checkpoint
+is about to be written.
 """
 
 from __future__ import annotations
@@ -60,9 +65,58 @@ class NonFiniteGuard:
         return "the gradient norm is not finite (NaN or Inf); the step was not applied"
 
 
-def grads_are_finite(grad_norm: torch.Tensor) -> bool:
-    """Whether the step's global gradient norm (equal on every rank) is finite: one scalar read on the host."""
-    return bool(torch.isfinite(grad_norm))
+@dataclass
+class PendingVerdicts:
+    """Steps whose verdict is still on its way to the host, read in step order when settled.
+
+    On a GPU each verdict is copied to pinned host memory as soon as it is computed, with an event behind
+    the copy: reading it waits for that step's copy only, not for the steps queued since (``.item()``
+    would wait for everything on the stream).
+    """
+
+    guard: NonFiniteGuard
+    pending: list[tuple[int, torch.Tensor, torch.cuda.Event | None]] = field(default_factory=list)
+
+    def add(self, step: int, finite: torch.Tensor) -> None:
+        if finite.device.type != "cuda":
+            self.pending.append((step, finite, None))
+            return
+        host = torch.empty((), dtype=torch.bool, pin_memory=True)
+        host.copy_(finite, non_blocking=True)
+        copied = torch.cuda.Event()
+        copied.record()
+        self.pending.append((step, host, copied))
+
+    def settle(self, *, keep_newest: bool = False) -> int | None:
+        """Reads the pending verdicts (all but the newest, whose step may still be running, if keep_newest);
+        returns the step at which the run must stop, or None."""
+        ready, self.pending = (self.pending[:-1], self.pending[-1:]) if keep_newest else (self.pending, [])
+        for step, finite, copied in ready:
+            if copied is not None:
+                copied.synchronize()
+            if self.guard.should_stop(step, finite=bool(finite)):
+                self.pending = []
+                return step
+        return None
+
+
+def step_unless_nonfinite(optimizer: torch.optim.Optimizer, grad_norm: torch.Tensor) -> torch.Tensor:
+    """Steps the optimizer unless ``grad_norm`` is NaN or infinite; returns the verdict (finite) as a tensor.
+
+    A fused optimizer gets the verdict as ``found_inf`` (the attribute GradScaler sets) and skips on the
+    device, leaving weights, moments and its step count as they were; the host does not wait. Others
+    read the verdict on the host first.
+    """
+    finite = torch.isfinite(grad_norm)
+    if getattr(optimizer, "_step_supports_amp_scaling", False):
+        optimizer.grad_scale, optimizer.found_inf = None, (~finite).to(torch.float32)
+        try:
+            optimizer.step()
+        finally:
+            del optimizer.grad_scale, optimizer.found_inf
+    elif bool(finite):
+        optimizer.step()
+    return finite
 
 
 def weights_are_finite(model: nn.Module) -> bool:

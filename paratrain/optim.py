@@ -10,6 +10,7 @@ from torch.distributed.tensor import DTensor
 from torch.optim.lr_scheduler import LambdaLR
 
 from paratrain.config.schema import OptimConfig
+from paratrain.errors import ConfigError
 
 
 def scaled_lr(options: OptimConfig, *, dp_size: int) -> float:
@@ -18,10 +19,21 @@ def scaled_lr(options: OptimConfig, *, dp_size: int) -> float:
     return options.lr * factor
 
 
-def use_fused_kernel(device_types: set[str], *, uniform: bool) -> bool:
-    """Fused AdamW for parameters all on CUDA and all of one kind (all DTensor or all plain, see
-    foreach); CPU-offloaded or CPU runs keep foreach, whose CPU path is the tested one."""
-    return uniform and device_types == {"cuda"}
+def use_fused_kernel(device_types: set[str], *, uniform: bool, setting: str = "auto") -> bool:
+    """Whether the optimizer runs torch's fused kernel (``optim.fused``).
+
+    Fused kernels take only parameters of one kind (all DTensor or all plain, see foreach). auto picks
+    them where every parameter is on CUDA; CPU-offloaded or CPU runs keep foreach, whose CPU path is the
+    one most tested, unless ``on`` asks for torch's fused CPU kernels.
+    """
+    if setting == "on" and not uniform:
+        raise ConfigError(
+            "optim.fused=on: torch's fused kernels take parameters of one kind, and this layout mixes sharded "
+            "and plain ones (tensor parallel alone); set optim.fused=auto"
+        )
+    if setting == "off" or not uniform:
+        return False
+    return setting == "on" or device_types == {"cuda"}
 
 
 def build_optimizer(model: nn.Module, options: OptimConfig, *, dp_size: int) -> torch.optim.Optimizer:
@@ -30,7 +42,8 @@ def build_optimizer(model: nn.Module, options: OptimConfig, *, dp_size: int) -> 
     The two parameter groups are the same in every layout, so optimizer and schedule state move
     between layouts. Tensor parallel alone leaves some parameters sharded (DTensor) and others
     plain; torch's multi-tensor kernels refuse that mix, so such a model steps one tensor at a time.
-    On CUDA, AdamW uses the fused kernel (one launch per step instead of foreach's several).
+    On CUDA the fused kernel runs (one launch per step instead of foreach's several), and it can skip
+    a step on the device (see paratrain.nonfinite).
     """
     params = [p for p in model.parameters() if p.requires_grad]
     groups = [
@@ -38,12 +51,12 @@ def build_optimizer(model: nn.Module, options: OptimConfig, *, dp_size: int) -> 
         {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0},
     ]
     foreach = len({isinstance(p, DTensor) for p in params}) == 1
+    fused = use_fused_kernel({p.device.type for p in params}, uniform=foreach, setting=options.fused)
+    kernel = {"fused": True} if fused else {"foreach": foreach}
     lr = scaled_lr(options, dp_size=dp_size)
     if options.name == "adamw":
-        fused = use_fused_kernel({p.device.type for p in params}, uniform=foreach)
-        kernel = {"fused": True} if fused else {"foreach": foreach}
         return torch.optim.AdamW(groups, lr=lr, betas=options.betas, eps=options.eps, **kernel)
-    return torch.optim.SGD(groups, lr=lr, momentum=options.momentum, foreach=foreach)
+    return torch.optim.SGD(groups, lr=lr, momentum=options.momentum, **kernel)
 
 
 def build_lr_scheduler(optimizer: torch.optim.Optimizer, options: OptimConfig, *, max_steps: int) -> LambdaLR:

@@ -48,7 +48,7 @@ from paratrain.launch.process_group import (
 )
 from paratrain.launch.watchdog import StepWatchdog
 from paratrain.models.meta import maybe_build_on_meta
-from paratrain.nonfinite import NonFiniteGuard, grads_are_finite, weights_are_finite
+from paratrain.nonfinite import NonFiniteGuard, PendingVerdicts, step_unless_nonfinite, weights_are_finite
 from paratrain.optim import build_lr_scheduler, build_optimizer
 from paratrain.parallel.activation import compile_loss
 from paratrain.parallel.collectives import all_reduce_sum, barrier
@@ -78,7 +78,7 @@ class StepOutput:
     loss: torch.Tensor  # this rank's mean loss over the step's micro-batches
     grad_norm: torch.Tensor  # global gradient norm before clipping
     lr: float  # learning rate the step used
-    applied: bool = True  # False: the gradients were not finite and the optimizer did not step
+    finite: torch.Tensor  # whether the gradients were finite (False: the optimizer did not step), on device
 
 
 @dataclass
@@ -87,7 +87,7 @@ class _LogWindow:
 
     loss_sum: torch.Tensor
     steps: int = 0
-    skipped: int = 0  # steps not applied (non-finite gradients); their loss is left out of loss_sum
+    skipped: torch.Tensor | int = 0  # steps not applied (non-finite gradients); their loss is left out of loss_sum
     started: float = 0.0
     data_wait: float = 0.0  # seconds this rank waited for the loader's next batch
 
@@ -174,6 +174,7 @@ class Trainer:
         # A stream's position is its own (files, documents, tokens carried); a map-style dataset's is the sampler's.
         self.progress, self.position = Progress(), self.dataset.position if self.streaming else DataPosition()
         self.nonfinite = NonFiniteGuard(config.train.nonfinite, config.train.nonfinite_max_skips)
+        self.verdicts = PendingVerdicts(self.nonfinite)  # read one step late (see paratrain.nonfinite)
         self.last_healthy_checkpoint: Path | None = None  # what a stop on non-finite values names
         self.evaluator = build_evaluator(
             config.eval,
@@ -225,11 +226,11 @@ class Trainer:
             while self.progress.step < self.config.train.max_steps:
                 step = self._first_step_or_next(self._next_batch(batches, window))
                 self._advance(window, step)
-                if self.nonfinite.should_stop(self.progress.step, finite=step.applied):
-                    raise self._diverged(self.nonfinite.reason())
+                self._settle_verdicts(keep_newest=True)  # the previous step's, while this one runs
                 metrics.step_done()
                 evaluated = self._maybe_evaluate(window)
                 if self._should_log() or evaluated:  # eval_loss is logged beside the training metrics
+                    self._settle_verdicts()
                     last_loss = self._log(metrics, window, step, evaluated=evaluated)
                     window = self._new_window()
                 else:
@@ -244,6 +245,7 @@ class Trainer:
                 if self.callbacks.stop_reason:
                     logger.info("stopping early after step %d: %s", self.progress.step, self.callbacks.stop_reason)
                     break
+            self._settle_verdicts()
             self.checkpointer.wait()  # an asynchronous save still in flight is complete before train() returns
             self.callbacks.call("on_train_end")
             outcome = "success"
@@ -264,12 +266,25 @@ class Trainer:
         self._maybe_dump_gradients()
         grad_norm = self._clip_gradients()
         lr = self.optimizer.param_groups[0]["lr"]
-        # fp16's scaler skips overflowed steps itself (and shrinks its scale); otherwise the norm decides.
-        applied = self.precision.scaler is not None or grads_are_finite(grad_norm)
-        if applied:
+        return StepOutput(loss, grad_norm, lr, self._step_optimizer(grad_norm))
+
+    def _step_optimizer(self, grad_norm: torch.Tensor) -> torch.Tensor:
+        """Applies the step unless its gradients are not finite; returns that verdict, on the device. The
+        schedule follows the step count (as with fp16's scaler), so a skipped step uses up its learning rate."""
+        if self.precision.scaler is not None:
+            # fp16's scaler skips overflowed steps itself (and shrinks its scale): expected, not counted.
             self.precision.step(self.optimizer)
-            self.lr_scheduler.step()
-        return StepOutput(loss, grad_norm, lr, applied)
+            finite = torch.ones((), dtype=torch.bool, device=grad_norm.device)
+        else:
+            finite = step_unless_nonfinite(self.optimizer, grad_norm)
+        self.lr_scheduler.step()
+        return finite
+
+    def _settle_verdicts(self, *, keep_newest: bool = False) -> None:
+        """Reads the guard's pending verdicts (see PendingVerdicts); raises if the run must stop."""
+        stop_at = self.verdicts.settle(keep_newest=keep_newest)
+        if stop_at is not None:
+            raise self._diverged(self.nonfinite.reason(), step=stop_at)
 
     def close(self) -> None:
         """Releases the layout, then the process group if this Trainer created it. Call once training is over."""
@@ -349,10 +364,10 @@ class Trainer:
         if not self.streaming:  # a stream moved its position as it was read; a skipped step's batch is not retried
             self.position.advance(self.sampler.batches_per_epoch)
         window.steps += 1
-        if step.applied:
-            window.loss_sum += step.loss
-        else:
-            window.skipped += 1
+        finite = step.finite.to(step.loss.device)
+        window.loss_sum += torch.where(finite, step.loss, 0.0)
+        window.skipped = window.skipped + ~finite  # on the device: read at the log step
+        self.verdicts.add(self.progress.step, step.finite)
 
     def _say_if_nothing_to_train(self) -> None:
         if self.progress.step >= self.config.train.max_steps:
@@ -386,7 +401,7 @@ class Trainer:
     ) -> float:
         # Only ranks holding the last pipeline stage have a loss (all ranks, without a pipeline); the
         # others add zero. The reduction also waits for the window's work, for the step time.
-        applied = window.steps - window.skipped  # the same on every rank: so is the verdict
+        applied = window.steps - int(window.skipped)  # the same on every rank: so is the verdict
         loss = window.loss_sum / max(applied, 1)
         if self.dims.mesh is not None:
             loss = all_reduce_sum(loss, group=self.dims.loss_mesh.get_group()) / self.dims.dp
@@ -422,8 +437,9 @@ class Trainer:
         periodic = options.every_steps and step % options.every_steps == 0
         if not (periodic or (options.save_final and last) or stopping):
             return None
+        self._settle_verdicts()  # under stop, a step with non-finite gradients ends the run before any save
         if not weights_are_finite(self.bare_model):
-            raise self._diverged(f"the weights are not finite, so checkpoint step-{step} was not written")
+            raise self._diverged(f"the weights are not finite, so checkpoint step-{step} was not written", step=step)
         # The last save of a run is written before going on: the process is about to exit.
         blocking = not options.async_save or stopping or last
         path = self.checkpointer.save(step, self.checkpoint_state(), blocking=blocking, weights_finite=True)
@@ -538,12 +554,12 @@ class Trainer:
         announce_stop(local_rank=self.ctx.local_rank)
         return stopped
 
-    def _diverged(self, reason: str) -> NonFiniteStop:
+    def _diverged(self, reason: str, *, step: int) -> NonFiniteStop:
         """The exception every rank ends with when gradients or weights are not finite (the verdict is the
         same on every rank). An asynchronous save still in flight is finished first: its weights were
         checked before it began."""
         self.checkpointer.wait()
-        stopped = NonFiniteStop(step=self.progress.step, reason=reason, checkpoint=self.last_healthy_checkpoint)
+        stopped = NonFiniteStop(step=step, reason=reason, checkpoint=self.last_healthy_checkpoint)
         # Said here, and every rank waits for it: the first rank to exit makes the launcher stop the others,
         # and rank 0 could be stopped before printing a message left for after the exception.
         logger.info("error: %s", stopped)

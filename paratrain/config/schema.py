@@ -68,6 +68,11 @@ class TrainConfig(Section):
     --skip-memory-check`): start anyway. Models that are not GPT-like are counted without activations."""
 
 
+def on_off_word(value: Any) -> Any:
+    """A bare on/off in YAML 1.1 reads as true/false; the user meant the words ("auto"/"on"/"off" keys)."""
+    return {True: "on", False: "off"}.get(value, value) if isinstance(value, bool) else value
+
+
 class OptimConfig(Section):
     name: Literal["adamw", "sgd"] = "adamw"
     """Optimizer."""
@@ -90,6 +95,16 @@ class OptimConfig(Section):
     lr_scaling: Literal["none", "linear", "sqrt"] = "none"
     """Scale lr by the data-parallel size (linear) or its square root. Changes the training math:
     a run scaled this way no longer matches a single-process run."""
+    fused: Literal["auto", "on", "off"] = "auto"
+    """torch's fused optimizer kernel. auto: fused where every parameter is on a GPU and of one kind (all
+    sharded or all plain), foreach elsewhere; on: fused on CPU too (torch has CPU kernels); off: foreach.
+    A fused optimizer also skips a step with non-finite gradients on the device (train.nonfinite), so the
+    guard never waits for the GPU; others read the gradient norm on the host each step."""
+
+    @field_validator("fused", mode="before")
+    @classmethod
+    def _yaml_booleans_mean_on_and_off(cls, value: Any) -> Any:
+        return on_off_word(value)
 
     @field_validator("betas", mode="before")
     @classmethod
@@ -265,8 +280,7 @@ class LogConfig(Section):
     @field_validator("progress_bar", mode="before")
     @classmethod
     def _yaml_booleans_mean_on_and_off(cls, value: Any) -> Any:
-        # YAML 1.1 reads a bare on/off as true/false; the user meant the words.
-        return {True: "on", False: "off"}.get(value, value) if isinstance(value, bool) else value
+        return on_off_word(value)
 
 
 class FactoryConfig(Section):

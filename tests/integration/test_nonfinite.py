@@ -2,7 +2,9 @@
 every kind of layout. With ``train.nonfinite=stop`` the run ends with exit code 3 before that step is
 applied or saved, every checkpoint on disk is finite, and ``resume: auto`` continues from the last
 healthy one to the end. With ``skip`` the run finishes, the skipped step is logged, and metrics.jsonl
-stays strict JSON. The multi-process layouts train in one two-process launch."""
+stays strict JSON. The stop runs use fused optimizers (``optim.fused=on``), which skip the step on the
+device and have the loop read the verdict one step late; the skip runs use foreach, read on the host.
+The multi-process layouts train in one two-process launch."""
 
 from __future__ import annotations
 
@@ -34,7 +36,7 @@ def _runs(root: Path, layout: str) -> list[list]:
     overrides = LAYOUTS[layout][0]
     slug = layout.replace(" ", "_")
     fault = f"nan_grad:{NAN_STEP}"
-    stopped = write_config(root / f"{slug}-stop.yaml", tiny_config(root / f"{slug}-stop"))
+    stopped = write_config(root / f"{slug}-stop.yaml", tiny_config(root / f"{slug}-stop", optim={"fused": "on"}))
     skipped = write_config(root / f"{slug}-skip.yaml", tiny_config(root / f"{slug}-skip"))
     return [
         [f"{layout} stop", str(stopped), [*overrides, "train.nonfinite=stop"], fault],
@@ -50,6 +52,8 @@ def outcomes(tmp_path_factory) -> tuple[Path, dict[str, int]]:
     shared = [f"train.max_steps={STEPS}", f"checkpoint.every_steps={EVERY}", "checkpoint.resume=auto"]
     codes: dict[str, int] = {}
     runs = {layout: [[n, c, [*o, *shared], f] for n, c, o, f in _runs(root, layout)] for layout in LAYOUTS}
+    late = write_config(root / "late.yaml", tiny_config(root / "late", optim={"fused": "on"}, log={"every_steps": 100}))
+    runs["single"].append(["late verdict", str(late), [*shared, "train.nonfinite=stop"], f"nan_grad:{NAN_STEP}"])
     codes.update(_train_in_this_process(runs["single"]))
     together = [run for layout in LAYOUTS if LAYOUTS[layout][1] == 2 for run in runs[layout]]
     runs_file, codes_file = root / "runs.json", root / "codes.json"
@@ -94,6 +98,15 @@ def test_stop_ends_before_the_nan_step_and_leaves_only_finite_checkpoints(outcom
         assert manifest["weights_finite"] is True
         for name, tensor in checkpoint_weights(checkpoint).items():
             assert torch.isfinite(tensor).all(), f"{checkpoint}: {name} is not finite"
+
+
+def test_a_verdict_read_one_step_late_still_stops_before_any_save_after_the_nan_step(outcomes):
+    """Logged only at step 1, the NaN step's verdict is read while step NAN_STEP + 1 runs: the run stops
+    naming the NaN step, with only the checkpoint before it on disk."""
+    root, codes = outcomes
+    assert codes["late verdict"] == EXIT_NONFINITE
+    assert _steps_logged(root / "late") == [1]
+    assert sorted(path.name for path in (root / "late/checkpoints").iterdir()) == ["step-3"]
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))

@@ -12,7 +12,7 @@ import torch
 
 from paratrain.checkpoint import Checkpointer
 from paratrain.checkpoint.state import ModelState, Progress
-from paratrain.nonfinite import NonFiniteGuard, weights_are_finite
+from paratrain.nonfinite import NonFiniteGuard, PendingVerdicts, step_unless_nonfinite, weights_are_finite
 from paratrain.tracking.metrics import MetricsLogger, strict_json_record
 from paratrain.tracking.trackers import RunInfo
 
@@ -28,6 +28,44 @@ def test_stop_stops_at_the_first_non_finite_step():
     guard = NonFiniteGuard("stop", max_skips=5)
     assert not guard.should_stop(1, finite=True)
     assert guard.should_stop(2, finite=False)
+
+
+def test_verdicts_read_one_step_late_name_the_step_that_was_not_finite():
+    verdicts = PendingVerdicts(NonFiniteGuard("stop", max_skips=5))
+    for step, finite in ((1, True), (2, False)):
+        verdicts.add(step, torch.tensor(finite))
+        assert verdicts.settle(keep_newest=True) is None  # step 2's verdict waits while step 3 is queued
+    verdicts.add(3, torch.tensor(True))
+    assert verdicts.settle(keep_newest=True) == 2
+    assert verdicts.settle() is None and verdicts.pending == []
+
+
+@pytest.mark.parametrize("name", ["adamw", "sgd"])
+@pytest.mark.parametrize("fused", [True, False], ids=["fused: skipped on the device", "foreach: read on the host"])
+def test_a_step_with_a_non_finite_norm_leaves_weights_and_optimizer_state_as_they_were(name, fused):
+    model = torch.nn.Linear(3, 2)
+    kernel = {"fused": True} if fused else {"foreach": True}
+    optimizer = (
+        torch.optim.AdamW(model.parameters(), lr=0.1, **kernel)
+        if name == "adamw"
+        else torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, **kernel)
+    )
+
+    def step(norm: float) -> bool:
+        model(torch.ones(4, 3)).sum().backward()
+        return bool(step_unless_nonfinite(optimizer, torch.tensor(norm)))
+
+    assert step(1.0)  # optimizer state exists from here on
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    state_before = [{k: v.clone() if torch.is_tensor(v) else v for k, v in s.items()} for s in optimizer.state.values()]
+    assert not step(float("nan")) and not step(float("inf"))
+    for key, value in model.state_dict().items():
+        assert torch.equal(value, before[key]), key
+    for saved, now in zip(state_before, optimizer.state.values(), strict=True):
+        for key, value in saved.items():
+            assert torch.equal(torch.as_tensor(now[key]), torch.as_tensor(value)), key
+    assert not hasattr(optimizer, "found_inf")  # a later GradScaler or plain step sees no stale verdict
+    assert step(1.0) and not torch.equal(model.weight, before["weight"])
 
 
 def test_weights_are_finite_finds_one_nan_anywhere():
