@@ -53,6 +53,7 @@ from paratrain.optim import build_lr_scheduler, build_optimizer
 from paratrain.parallel.activation import compile_loss
 from paratrain.parallel.collectives import all_reduce_sum, barrier
 from paratrain.parallel.ddp import settle_buckets
+from paratrain.parallel.devices import devices_computed_on
 from paratrain.parallel.dims import micro_batch_size, resolve_parallel_dims
 from paratrain.precision import build_mixed_precision
 from paratrain.tracking.metrics import MetricsLogger, NoMetrics
@@ -159,6 +160,7 @@ class Trainer:
             pretrained=Path(config.model.pretrained) if config.model.pretrained else None,
         )
         self.bare_model, self.model, self.engine = layout.bare, layout.runnable, layout.engine
+        self.devices = devices_computed_on(self.model, own=self.ctx.device)  # several under dp, model_parallel
         if config.debug.dump_initial_weights:
             dump_weights(
                 self.bare_model, config.run.output_dir / "initial-weights.safetensors", is_main=self.ctx.is_main
@@ -305,7 +307,7 @@ class Trainer:
             "lr_scheduler": self.lr_scheduler,
             "data": self.position,
             "progress": self.progress,
-            "rng": RNGState(self.ctx.rank, self.ctx.device),
+            "rng": RNGState(self.ctx.rank, self.devices),
         }
         if self.precision.scaler is not None:
             state["grad_scaler"] = self.precision.scaler

@@ -35,6 +35,7 @@ from paratrain.checkpoint.manifest import (
     write_manifest,
 )
 from paratrain.checkpoint.safe_reader import SafeFileSystemReader, SafeLoadPlanner
+from paratrain.checkpoint.state import SavedEntriesOnly
 from paratrain.errors import CheckpointError
 from paratrain.launch import faults
 from paratrain.parallel.collectives import barrier, broadcast_object, is_distributed
@@ -190,6 +191,10 @@ class Checkpointer:
                 read_manifest(path).get("world_size", "?"),
             )
         loadable = {name: value for name, value in state.items() if name not in missing}
+        partial = {
+            name: SavedEntriesOnly(loadable[name], name, set(saved_keys)) for name in optional if name in loadable
+        }
+        loadable.update(partial)
         with quiet_single_process():
             dcp.load(
                 loadable,
@@ -197,6 +202,11 @@ class Checkpointer:
                 planner=SafeLoadPlanner(),
                 no_dist=not is_distributed(),
             )
+        for entry in partial.values():
+            if entry.absent:
+                logger.warning(
+                    "%s holds no %s (saved with fewer devices per rank); it starts fresh", path, entry.absent
+                )
 
     def choose_resume(self, resume: str) -> Path | None:
         """The verified checkpoint to resume from (decided on rank 0, agreed by all ranks)."""

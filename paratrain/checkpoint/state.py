@@ -61,6 +61,16 @@ class OptimizerState(Stateful):
         for group, settings in zip(self.optimizer.param_groups, local, strict=True):
             group.update({k: settings[k] for k in _IMPLEMENTATION_FLAGS if k in settings})
             group.update({k: v for k, v in settings.items() if k not in group})
+            if group.get("fused"):
+                self._steps_beside_parameters(group)
+
+    def _steps_beside_parameters(self, group: dict[str, Any]) -> None:
+        # torch placed the step counts as the saving layout's flags asked (foreach: on the CPU); a fused
+        # kernel needs them on the parameters' device.
+        for param in group["params"]:
+            state = self.optimizer.state.get(param, {})
+            if isinstance(state.get("step"), torch.Tensor):
+                state["step"] = state["step"].to(device=param.device, dtype=torch.float32)
 
 
 @dataclass
@@ -78,10 +88,16 @@ class Progress(Stateful):
 
 @dataclass
 class RNGState(Stateful):
-    """This rank's random generators, keyed by rank: ranks may differ (e.g. dropout masks)."""
+    """This rank's random generators, keyed by rank: ranks may differ (e.g. dropout masks).
+
+    On GPUs, one CUDA generator per device the rank computes on (DataParallel's replicas and
+    model_parallel's parts run on several), saved as ``cuda`` (the rank's own device), ``cuda_1``,
+    ``cuda_2``, ... A checkpoint from a run on fewer devices restores the generators it has; the
+    checkpointer names the others, which keep their seeds (see SavedEntriesOnly).
+    """
 
     rank: int
-    device: torch.device
+    devices: list[torch.device]
 
     def state_dict(self) -> dict[str, Any]:
         return {f"rank{self.rank}": self._capture()}
@@ -91,15 +107,67 @@ class RNGState(Stateful):
 
     def _capture(self) -> dict[str, Any]:
         state = {"torch": torch.get_rng_state(), "python": random.getstate()}
-        if self.device.type == "cuda":
-            state["cuda"] = torch.cuda.get_rng_state(self.device)
+        for name, device in cuda_generator_names(self.devices).items():
+            state[name] = torch.cuda.get_rng_state(device)
         return state
 
     def _restore(self, state: dict[str, Any]) -> None:
         torch.set_rng_state(state["torch"])
         random.setstate(_as_python_random_state(state["python"]))
-        if "cuda" in state:
-            torch.cuda.set_rng_state(state["cuda"], self.device)
+        for name, device in cuda_generator_names(self.devices).items():
+            if name in state:
+                torch.cuda.set_rng_state(state[name], device)
+
+
+def cuda_generator_names(devices: list[torch.device]) -> dict[str, torch.device]:
+    """The checkpoint names of the CUDA generators of ``devices`` (the rank's own first): cuda, cuda_1, ..."""
+    cuda = [device for device in devices if device.type == "cuda"]
+    return {("cuda" if position == 0 else f"cuda_{position}"): device for position, device in enumerate(cuda)}
+
+
+class SavedEntriesOnly(Stateful):
+    """Loads the entries of ``stateful`` that a checkpoint has; the others keep their current values.
+
+    DCP asks for every entry of the state it loads into and fails on one the checkpoint lacks. A run
+    resumed on more GPUs per rank has generators nothing saved (RNGState), which start as seeded.
+
+    Args:
+        name: The stateful's name in the checkpoint (the first part of its keys).
+        saved_keys: The checkpoint's keys, as its metadata lists them.
+    """
+
+    def __init__(self, stateful: Stateful, name: str, saved_keys: set[str]):
+        self.stateful, self.name, self.saved_keys = stateful, name, saved_keys
+        self.absent: list[str] = []  # keys of entries the checkpoint lacks, filled by state_dict()
+
+    def state_dict(self) -> dict[str, Any]:
+        self.absent = []
+        return self._saved_part(self.stateful.state_dict(), self.name)
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        current = self.stateful.state_dict()
+        _merge_into(current, state_dict)
+        self.stateful.load_state_dict(current)
+
+    def _saved_part(self, state: dict[str, Any], prefix: str) -> dict[str, Any]:
+        kept = {}
+        for key, value in state.items():
+            path = f"{prefix}.{key}"
+            if not any(saved == path or saved.startswith(path + ".") for saved in self.saved_keys):
+                self.absent.append(path)
+            elif isinstance(value, dict):
+                kept[key] = self._saved_part(value, path)
+            else:
+                kept[key] = value
+        return kept
+
+
+def _merge_into(target: dict[str, Any], loaded: dict[str, Any]) -> None:
+    for key, value in loaded.items():
+        if isinstance(value, dict) and isinstance(target.get(key), dict):
+            _merge_into(target[key], value)
+        else:
+            target[key] = value
 
 
 def _as_python_random_state(saved: Any) -> tuple:

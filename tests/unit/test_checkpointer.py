@@ -11,7 +11,7 @@ from torch.distributed.checkpoint.stateful import Stateful
 from paratrain.checkpoint import Checkpointer, find_checkpoints, verify_checkpoint
 from paratrain.checkpoint import checkpointer as checkpointer_module
 from paratrain.checkpoint.manifest import is_complete
-from paratrain.checkpoint.state import ModelState, Progress
+from paratrain.checkpoint.state import ModelState, OptimizerState, Progress, RNGState, cuda_generator_names
 from paratrain.errors import CheckpointError
 
 
@@ -53,6 +53,52 @@ def test_load_restores_saved_values(tmp_path):
     checkpointer.load(checkpointer.directory / "step-7", restored)
     assert restored["progress"].step == 7
     assert torch.equal(restored["model"].model.weight, saved["model"].model.weight)
+
+
+@dataclass
+class Generators(Stateful):
+    """Stands for RNGState on a machine without GPUs: one entry per generator, as many as it is given."""
+
+    values: dict[str, torch.Tensor]
+
+    def state_dict(self) -> dict:
+        return {"rank0": dict(self.values)}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        self.values = dict(state_dict["rank0"])
+
+
+def test_optional_state_saved_with_fewer_generators_restores_those_it_has_and_names_the_rest(tmp_path, caplog):
+    checkpointer = make_checkpointer(tmp_path)
+    checkpointer.save(5, {"rng": Generators({"cuda": torch.tensor([1.0])})})
+    resumed = Generators({"cuda": torch.tensor([0.0]), "cuda_1": torch.tensor([9.0])})
+    checkpointer.load(checkpointer.directory / "step-5", {"rng": resumed}, optional=("rng",))
+    assert resumed.values == {"cuda": torch.tensor([1.0]), "cuda_1": torch.tensor([9.0])}
+    assert "holds no ['rng.rank0.cuda_1']" in caplog.text
+
+
+def test_a_rank_driving_several_gpus_checkpoints_each_ones_generator_its_own_first():
+    gpus = [torch.device("cuda", 0), torch.device("cuda", 1)]
+    assert cuda_generator_names([*gpus, torch.device("cpu")]) == {"cuda": gpus[0], "cuda_1": gpus[1]}
+    assert cuda_generator_names([torch.device("cpu")]) == {}
+    assert set(RNGState(0, [torch.device("cpu")]).state_dict()["rank0"]) == {"torch", "python"}
+
+
+def test_a_fused_optimizer_resumed_from_a_foreach_checkpoint_keeps_its_step_counts_beside_the_parameters(tmp_path):
+    checkpointer = make_checkpointer(tmp_path)
+    model = torch.nn.Linear(2, 2)
+    foreach = torch.optim.AdamW(model.parameters(), foreach=True)
+    model(torch.ones(1, 2)).sum().backward()
+    foreach.step()
+    checkpointer.save(1, {"optimizer": OptimizerState(model, foreach)})
+    model.zero_grad(set_to_none=True)  # as when a run resumes: torch builds the state to load into from none
+    fused = torch.optim.AdamW(model.parameters(), fused=True)
+    checkpointer.load(checkpointer.directory / "step-1", {"optimizer": OptimizerState(model, fused)})
+    assert fused.param_groups[0]["fused"] is True
+    for param in model.parameters():
+        step = fused.state[param]["step"]
+        assert step.device == param.device and step.dtype == torch.float32 and step.item() == 1
+    fused.step()  # the fused kernel accepts the restored state
 
 
 def test_auto_resume_skips_a_damaged_latest_checkpoint(tmp_path, caplog):

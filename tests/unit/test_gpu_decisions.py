@@ -15,8 +15,10 @@ from paratrain.engine import output_device
 from paratrain.errors import ConfigError
 from paratrain.launch.process_group import process_group_backend
 from paratrain.optim import build_optimizer, use_fused_kernel
+from paratrain.parallel.devices import devices_computed_on
 from paratrain.parallel.dims import ParallelDims
 from paratrain.parallel.fsdp import _mixed_precision, resolved_reduce_dtype
+from paratrain.parallel.model_parallel import ModelParallel
 from paratrain.parallel.pipeline.runtime import records_timeline
 
 
@@ -127,3 +129,12 @@ def test_the_loss_is_compiled_with_the_blocks_and_computes_the_same_value():
     assert compiled is not loss and compiled._torchdynamo_orig_callable is loss
     logits, targets = torch.randn(2, 5, 7), torch.randint(0, 7, (2, 5))
     torch.testing.assert_close(compiled(logits, targets), loss(logits, targets))
+
+
+def test_a_process_driving_several_gpus_monitors_and_checkpoints_each_of_them():
+    gpus = [torch.device("cuda", index) for index in range(3)]
+    parts = ModelParallel([torch.nn.Identity() for _ in range(4)], [gpus[0], gpus[1], gpus[2], gpus[1]])
+    assert devices_computed_on(parts, own=gpus[0]) == gpus
+    assert devices_computed_on(torch.nn.Linear(2, 2), own=gpus[1]) == [gpus[1]]
+    cpu = torch.device("cpu")
+    assert devices_computed_on(torch.nn.DataParallel(torch.nn.Linear(2, 2)), own=cpu) == [cpu]  # no GPU: no replicas
