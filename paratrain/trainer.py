@@ -162,9 +162,8 @@ class Trainer:
         self.bare_model, self.model, self.engine = layout.bare, layout.runnable, layout.engine
         self.devices = devices_computed_on(self.model, own=self.ctx.device)  # several under dp, model_parallel
         if config.debug.dump_initial_weights:
-            dump_weights(
-                self.bare_model, config.run.output_dir / "initial-weights.safetensors", is_main=self.ctx.is_main
-            )
+            path = config.run.output_dir / "initial-weights.safetensors"
+            dump_weights(self.bare_model, path, is_main=self.ctx.is_main, pipeline_group=self._pipeline_group())
         # Data-parallel ranks draw different random numbers (e.g. dropout masks); tensor-parallel
         # ranks of one replica must draw the same, since they compute on the same activations.
         torch.manual_seed(config.train.seed + self.dp_rank)
@@ -317,12 +316,17 @@ class Trainer:
         step = self.progress.step + 1  # the step being taken
         if step in self.config.debug.dump_gradients_at_steps:
             path = self.config.run.output_dir / "gradients" / f"step-{step}.safetensors"
-            dump_gradients(self.bare_model, path, is_main=self.ctx.is_main)
+            dump_gradients(self.bare_model, path, is_main=self.ctx.is_main, pipeline_group=self._pipeline_group())
 
     def _clip_gradients(self) -> torch.Tensor:
         # Pipeline ranks hold different parameters: their squared norms add up to the global one.
-        pipeline_group = self.dims.pp_mesh.get_group() if self.dims.pp_enabled else None
-        return clip_grad_norm(list(self.bare_model.parameters()), self.config.train.grad_clip, sum_over=pipeline_group)
+        return clip_grad_norm(
+            list(self.bare_model.parameters()), self.config.train.grad_clip, sum_over=self._pipeline_group()
+        )
+
+    def _pipeline_group(self) -> torch.distributed.ProcessGroup | None:
+        """The ranks holding the other stages of this rank's model, or None without a pipeline."""
+        return self.dims.pp_mesh.get_group() if self.dims.pp_enabled else None
 
     def _build_sampler(self) -> GlobalBatchSampler:
         return build_sampler(

@@ -65,11 +65,6 @@ def _check_combinations(config: Config, dims: ParallelDims) -> None:
             "parallel.sequence_parallel with parallel.pp is not supported yet; set "
             "parallel.sequence_parallel=false (tensor parallel itself works with pp)"
         )
-    if config.debug.dump_gradients_at_steps:
-        raise ConfigError(
-            "debug.dump_gradients_at_steps with parallel.pp is not supported yet (each rank holds only "
-            "its stages); compare layouts without a pipeline, or leave it empty"
-        )
 
 
 def _check_model_parallel(config: Config) -> None:

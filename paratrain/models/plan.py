@@ -10,9 +10,11 @@ from __future__ import annotations
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 from torch import nn
+
+from paratrain.models.hf_pipeline import transformers_pipeline
 
 TensorParallelStyle = Literal["colwise", "rowwise"]
 
@@ -36,6 +38,11 @@ class ParallelPlan:
             their children by default.
         tp_unsupported: Entries of a transformers model's own tensor-parallel plan inside its blocks
             whose style paratrain does not apply (``path: style``); tensor parallel is refused naming them.
+        pipeline_layer_inputs: For pieces that take more than ``x`` (transformers' decoder layers: rotary
+            embeddings and causal mask), an object whose ``layers`` names them, whose ``modules`` every
+            stage must hold, and whose ``compute(x)`` gives each one's keyword inputs (see
+            models/hf_pipeline.py). None: every piece takes ``x`` alone.
+        pipeline_refusal: Why the model cannot be cut into pipeline stages, when paratrain knows.
     """
 
     blocks: tuple[str, ...] = ()
@@ -44,19 +51,22 @@ class ParallelPlan:
     tp_divisible: Mapping[str, int] = field(default_factory=dict)
     pipeline_sequence: tuple[str, ...] = ()
     tp_unsupported: tuple[str, ...] = ()
+    pipeline_layer_inputs: Any = None
+    pipeline_refusal: str = ""
 
 
 def plan_of(model: nn.Module) -> ParallelPlan:
     """The plan a model declares through a ``parallel_plan()`` method; for an ``nn.Sequential`` without
     one, its children as the pipeline sequence; for a Hugging Face model, its blocks from
-    ``_no_split_modules``; otherwise an empty plan."""
+    ``_no_split_modules``, its tensor-parallel styles from ``tp_plan`` and its stages from its pp_plan;
+    otherwise an empty plan."""
     declare = getattr(model, "parallel_plan", None)
     if callable(declare):
         return declare()
     if isinstance(model, nn.Sequential):
         return ParallelPlan(pipeline_sequence=tuple(name for name, _ in model.named_children()))
     blocks = no_split_blocks(model)
-    return ParallelPlan(blocks=blocks, **transformers_tensor_parallel(model, blocks))
+    return ParallelPlan(blocks=blocks, **transformers_tensor_parallel(model, blocks), **transformers_pipeline(model))
 
 
 # Styles of transformers' tp_plan that are Megatron's column and row splits of an nn.Linear.

@@ -17,6 +17,7 @@ from torch import nn
 from paratrain.config.schema import PipelineConfig
 from paratrain.engine import move_to
 from paratrain.errors import ConfigError
+from paratrain.models.plan import plan_of
 from paratrain.parallel.pipeline.split import cut_stages
 from paratrain.parallel.pipeline.stages import StageModule, stage_modules
 
@@ -68,7 +69,8 @@ def apply_model_parallel(model: nn.Module, options: PipelineConfig) -> ModelPara
     for index, (pieces, device) in enumerate(zip(parts, placed)):
         logger.info("model_parallel: part %d on %s: %s", index, device, ", ".join(pieces))
     # No autocast per part: the engine's autocast around the whole forward covers every device.
-    return ModelParallel(stage_modules(model, parts, autocast=contextlib.nullcontext), placed)
+    layer_inputs = plan_of(model).pipeline_layer_inputs
+    return ModelParallel(stage_modules(model, parts, contextlib.nullcontext, layer_inputs), placed)
 
 
 def parse_device(name: str) -> torch.device:

@@ -83,18 +83,22 @@ def dry_run(config: Config, *, nproc_per_node: int, nnodes: int) -> str:
 
 def plan_lines(plan: ParallelPlan, model: nn.Module) -> list[str]:
     """The parallel plan the layouts read, and where it came from (declared, or derived from a transformers
-    model's ``_no_split_modules``)."""
+    model's ``_no_split_modules``, ``tp_plan`` and ``pp_plan``)."""
     if callable(getattr(model, "parallel_plan", None)):
         source = "declared by the model"
     elif isinstance(model, nn.Sequential):
         source = "an nn.Sequential's children as the pipeline sequence"
     else:
-        source = "derived from _no_split_modules" if plan.blocks else "none declared"
+        source = "derived from _no_split_modules, tp_plan and pp_plan" if plan.blocks else "none declared"
     blocks = (
         f"{len(plan.blocks)} ({plan.blocks[0]} ... {plan.blocks[-1]})" if len(plan.blocks) > 1 else str(plan.blocks)
     )
     tensor = ", ".join(f"{path}: {style}" for path, style in plan.block_tp_plan.items()) or "none (tp refused)"
     pipeline = f"{len(plan.pipeline_sequence)} pieces" if plan.pipeline_sequence else "none (pp refused)"
+    if plan.pipeline_sequence:
+        pipeline += f" ({plan.pipeline_sequence[0]} ... {plan.pipeline_sequence[-1]})"
+    if plan.pipeline_layer_inputs is not None:
+        pipeline += ", decoder layers fed rotary embeddings and causal masks"
     return [
         f"parallel plan ({source}): blocks (FSDP units, activation checkpointing, compile): {blocks}",
         f"  tensor parallel per block: {tensor}; pipeline sequence: {pipeline}",

@@ -93,6 +93,8 @@ LAYOUTS = {
     # Tensor parallel from Llama's own tp_plan (q/k/v, gate/up colwise; o, down rowwise).
     "llama tp x2": (_model_overrides(TINY_LLAMA) + ["parallel.tp=2"], 2),
     "llama fsdp+tp 2x2": (_model_overrides(TINY_LLAMA) + ["parallel.dp_shard=2", "parallel.tp=2"], 4),
+    # Stages from Llama's pp_plan, each feeding its decoder layers the rotary embeddings and causal mask.
+    "llama pp x2": (_model_overrides(TINY_LLAMA) + ["parallel.strategy=pp"], 2),
     "pretrained single": (FROM_PRETRAINED, 1),
     "pretrained fsdp x2": ([*FROM_PRETRAINED, "parallel.strategy=fsdp"], 2),
     "qwen2 fsdp x2": ([*_model_overrides(TINY_QWEN2_TIED), "parallel.strategy=fsdp", "train.max_steps=3"], 2),

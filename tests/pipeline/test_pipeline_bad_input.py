@@ -91,3 +91,14 @@ def test_model_without_a_pipeline_sequence_is_told_how_to_declare_one(tmp_path):
     )
     with pytest.raises(ConfigError, match="declares no pipeline sequence.*pipeline_sequence"):
         preflight(config, world_size=2, nproc_per_node=2)
+
+
+def test_a_transformers_model_that_cannot_be_staged_is_refused_before_training_naming_why(tmp_path):
+    pytest.importorskip("transformers")
+    path = write_config(tmp_path / "c.yaml", tiny_config(tmp_path / "run"))
+    gpt2 = "{model_type: gpt2, vocab_size: 128, n_positions: 16, n_embd: 32, n_layer: 2, n_head: 2}"
+    config = load_config(
+        path, ["parallel.strategy=pp", "model.factory=paratrain.models.hf:causal_lm", f"model.args={gpt2}"]
+    )
+    with pytest.raises(ConfigError, match="GPT2LMHeadModel cannot be cut into pipeline stages.*fsdp, hsdp, ddp or tp"):
+        preflight(config, world_size=2, nproc_per_node=2)

@@ -44,6 +44,6 @@ def test_sequential_models_are_cut_between_children_and_tied_weights_are_refused
 def test_measured_costs_time_every_piece():
     # The middle piece does about 100 times the work of either neighbour: its cost must come out largest.
     model = nn.Sequential(nn.Linear(8, 256), nn.Linear(256, 1024), nn.Linear(1024, 2))
-    costs = measured_costs(model, ("0", "1", "2"), torch.randn(64, 8), repeats=2)
+    costs = measured_costs(list(model), torch.randn(64, 8), repeats=2)
     assert len(costs) == 3 and all(cost > 0 for cost in costs)
     assert costs[1] > max(costs[0], costs[2])

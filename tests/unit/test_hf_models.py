@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from pathlib import Path
 
 import pytest
@@ -14,6 +15,8 @@ from paratrain.models.init import build_on_meta, materialize
 from paratrain.models.meta import on_meta
 from paratrain.models.plan import plan_of
 from paratrain.models.pretrained import check_pretrained_dir
+from paratrain.parallel.pipeline.split import pipeline_sequence
+from paratrain.parallel.pipeline.stages import stage_modules
 from paratrain.parallel.tensor import check_tensor_parallel_plan
 
 LLAMA = dict(
@@ -125,3 +128,49 @@ def test_tensor_parallel_plan_of_a_transformers_model_is_its_own_tp_plan_inside_
     llama.tp_plan = {**llama.tp_plan, "model.layers.*.mlp.up_proj": "packed_colwise"}
     with pytest.raises(ConfigError, match="styles paratrain does not apply .*mlp.up_proj: packed_colwise"):
         check_tensor_parallel_plan(plan_of(llama), 2)
+
+
+# Each base model paratrain stages, with a config that exercises its masks: Mistral's one sliding window
+# and Qwen2's per-layer mix of full and sliding-window layers, both narrower than the sequence.
+CHAINED = {
+    "llama": {},
+    "mistral": {"sliding_window": 3},
+    "qwen2": {"use_sliding_window": True, "sliding_window": 3, "max_window_layers": 1},
+    "qwen3": {"head_dim": 8},
+}
+
+
+@pytest.mark.parametrize("model_type", list(CHAINED))
+def test_pipeline_stages_of_a_transformers_decoder_compute_exactly_its_forward(model_type):
+    """Cut from the model's pp_plan into three stages, each feeding its decoder layers the rotary
+    embeddings and causal mask that the base model's forward computes: the chained stages give the
+    model's own logits, bit for bit."""
+    torch.manual_seed(0)
+    args = {**LLAMA, "num_hidden_layers": 3, "model_type": model_type, "tie_word_embeddings": False}
+    model = causal_lm(**args, **CHAINED[model_type])
+    plan = plan_of(model)
+    assert plan.pipeline_sequence == (
+        "model.embed_tokens",
+        "model.layers.0",
+        "model.layers.1",
+        "model.layers.2",
+        "model.norm",
+        "lm_head",
+    )
+    sequence = plan.pipeline_sequence
+    stages = stage_modules(model, [sequence[:2], sequence[2:4], sequence[4:]], nullcontext, plan.pipeline_layer_inputs)
+    tokens = torch.randint(0, 64, (2, 8))
+    hidden = tokens
+    for stage in stages:
+        hidden = stage(hidden)
+    assert torch.equal(hidden, model(tokens).logits)
+
+
+def test_transformers_models_that_cannot_be_staged_are_refused_naming_why():
+    with on_meta():
+        gpt2 = causal_lm(model_type="gpt2", vocab_size=64, n_embd=16, n_layer=2, n_head=2, n_positions=8)
+        tied = causal_lm(**{**LLAMA, "model_type": "qwen2", "tie_word_embeddings": True})
+    with pytest.raises(ConfigError, match="GPT2LMHeadModel cannot be cut into pipeline stages.*GPT2Model is not one"):
+        pipeline_sequence(gpt2)
+    with pytest.raises(ConfigError, match="shares parameters between pieces.*lm_head"):
+        pipeline_sequence(tied)

@@ -114,7 +114,9 @@ def lay_out_stages(
         dims,
         plan=local_plan,
         options=parallel,
-        roots=lambda laid_out: stage_modules(laid_out, [stages[index] for index in mine], autocast),
+        roots=lambda laid_out: stage_modules(
+            laid_out, [stages[index] for index in mine], autocast, plan.pipeline_layer_inputs
+        ),
     )
     return PipelineStages(model, modules, mine, stages, shape)
 
@@ -131,4 +133,8 @@ def measure_piece_costs(
     with on_meta():
         model = factory()
     materialize(model, factory=factory, device=device, seed=seed)
-    return measured_costs(model, pipeline_sequence(model), sample.to(device))
+    sequence = pipeline_sequence(model)
+    pieces = stage_modules(
+        model, [[path] for path in sequence], contextlib.nullcontext, plan_of(model).pipeline_layer_inputs
+    )
+    return measured_costs(pieces, sample.to(device))

@@ -29,7 +29,10 @@ def pipeline_sequence(model: nn.Module) -> tuple[str, ...]:
     Raises:
         ConfigError: the model declares none, names a module it lacks, or leaves parameters outside.
     """
-    sequence = plan_of(model).pipeline_sequence
+    plan = plan_of(model)
+    sequence = plan.pipeline_sequence
+    if not sequence and plan.pipeline_refusal:
+        raise ConfigError(plan.pipeline_refusal)
     if not sequence:
         raise ConfigError(
             "the model declares no pipeline sequence, so it cannot be cut into stages; give it a parallel_plan() "
@@ -150,20 +153,21 @@ def _require_covers_parameters(model: nn.Module, sequence: Sequence[str]) -> Non
         )
 
 
-def measured_costs(model: nn.Module, sequence: Sequence[str], sample: torch.Tensor, *, repeats: int = 3) -> list[float]:
-    """Seconds each piece takes for forward + backward on ``sample`` (a real, materialised model).
+def measured_costs(pieces: Sequence[nn.Module], sample: torch.Tensor, *, repeats: int = 3) -> list[float]:
+    """Seconds each piece takes for forward + backward on ``sample`` (pieces of a real, materialised model,
+    each a one-piece stage so it gets the inputs it needs).
 
     Pieces run in order, each on the previous one's output; the median of ``repeats`` timings after
     one warm-up run is kept.
     """
-    timings: list[list[float]] = [[] for _ in sequence]
+    timings: list[list[float]] = [[] for _ in pieces]
     for attempt in range(repeats + 1):
         x = sample
-        for index, path in enumerate(sequence):
+        for index, piece in enumerate(pieces):
             x_in = x.detach().requires_grad_() if x.is_floating_point() else x
             _wait_for_device(sample.device)
             start = time.perf_counter()
-            y = model.get_submodule(path)(x_in)
+            y = piece(x_in)
             y.backward(torch.ones_like(y))
             # CUDA kernels run asynchronously: without waiting, the clock would time their launch only.
             _wait_for_device(sample.device)

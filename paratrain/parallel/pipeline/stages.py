@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 from torch import nn
@@ -27,23 +28,39 @@ class RemovedPiece(nn.Module):
 
 
 class StageModule(nn.Module):
-    """Consecutive pieces of a model, each fed the previous one's output (one pipeline stage)."""
+    """Consecutive pieces of a model, each fed the previous one's output (one pipeline stage).
+
+    Args:
+        layer_inputs: The plan's ``pipeline_layer_inputs``: the pieces it names also get the keyword
+            inputs it computes from the stage's input (computed once per stage call), and the modules it
+            needs (a rotary embedding) are held here, so every stage allocates and moves them.
+    """
 
     def __init__(
         self,
         pieces: Sequence[nn.Module],
         paths: Sequence[str],
         autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
+        layer_inputs: Any = None,
     ):
         super().__init__()
         self.pieces = nn.ModuleList(pieces)
         self.paths = tuple(paths)  # the model's names for the pieces, for messages and logs
         self._autocast = autocast
+        self._layer_inputs = layer_inputs
+        self._takes_inputs = [layer_inputs is not None and path in layer_inputs.layers for path in self.paths]
+        if layer_inputs is not None:
+            self.layer_context = nn.ModuleList(layer_inputs.modules)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         with self._autocast():
-            for piece in self.pieces:
-                x = piece(x)
+            inputs_of = None
+            for piece, path, takes_inputs in zip(self.pieces, self.paths, self._takes_inputs):
+                if not takes_inputs:
+                    x = piece(x)
+                    continue
+                inputs_of = inputs_of or self._layer_inputs.compute(x)
+                x = piece(x, **inputs_of(path))
         return x
 
     def extra_repr(self) -> str:
@@ -59,7 +76,12 @@ def keep_only(model: nn.Module, sequence: Sequence[str], kept: set[str]) -> None
 
 
 def stage_modules(
-    model: nn.Module, stages: Sequence[Sequence[str]], autocast: Callable[[], contextlib.AbstractContextManager]
+    model: nn.Module,
+    stages: Sequence[Sequence[str]],
+    autocast: Callable[[], contextlib.AbstractContextManager],
+    layer_inputs: Any = None,
 ) -> list[StageModule]:
     """A StageModule per stage, over the model's current modules (call after wrappers replaced any)."""
-    return [StageModule([model.get_submodule(path) for path in paths], paths, autocast) for paths in stages]
+    return [
+        StageModule([model.get_submodule(path) for path in paths], paths, autocast, layer_inputs) for paths in stages
+    ]

@@ -1,0 +1,113 @@
+"""Pipeline stages for transformers decoders, from the model's own pipeline plan.
+
+transformers declares where a decoder can be cut (``model.pp_plan``: ``model.embed_tokens``,
+``model.layers``, ``model.norm``, ``lm_head``), but its decoder layers are not ``x = layer(x)``: the base
+model's forward computes the rotary position embeddings and the causal mask once and hands them to every
+layer. ``DecoderLayerInputs`` computes the same from a stage's input, and a pipeline stage
+(``parallel/pipeline/stages.StageModule``) hands them to the layers it holds, so a stage computes exactly
+what the model's forward computes for them.
+
+That holds only for base models whose forward is that and nothing more: the embeddings, each layer
+given the rotary embeddings and its layer type's mask (full or sliding-window causal), the final norm.
+``CHAINABLE`` lists the classes checked to be so (tests/unit/test_hf_models.py compares each chain with
+the model's forward); any other transformers model is refused for pipelines, naming why. A model whose
+embedding and head share weights (tie_word_embeddings) is refused by the pipeline sequence check, since
+each stage owns and updates its own weights.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+# Base models whose forward is embed_tokens, then every layer(hidden, mask, rotary embeddings), then norm.
+CHAINABLE = ("LlamaModel", "MistralModel", "Qwen2Model", "Qwen3Model")
+# The inputs each entry of such a plan declares, in transformers' pp_plan notation.
+_EXPECTED_INPUTS = {
+    "embed_tokens": ["input_ids"],
+    "layers": ["hidden_states", "attention_mask"],
+    "norm": ["hidden_states"],
+    "lm_head": ["hidden_states"],
+}
+
+
+def transformers_pipeline(model: nn.Module) -> dict:
+    """ParallelPlan fields for a transformers causal LM: the pipeline sequence read from its ``pp_plan`` and
+    what its layers need besides the hidden states, or the reason it cannot be staged. {} for other models."""
+    prefix = getattr(model, "base_model_prefix", None)
+    base = getattr(model, prefix, None) if prefix else None
+    if base is None or not hasattr(base, "config"):
+        return {}
+    name = type(model).__name__
+    if type(base).__name__ not in CHAINABLE:
+        return {"pipeline_refusal": _refusal(name, f"its base model {type(base).__name__} is not one of them")}
+    # pp_plan: module path -> (input names, output names), the base model's entries under its prefix.
+    declared = {path: list(inputs) for path, (inputs, _) in (getattr(model, "pp_plan", None) or {}).items()}
+    expected = {
+        (path if path == "lm_head" else f"{prefix}.{path}"): inputs for path, inputs in _EXPECTED_INPUTS.items()
+    }
+    if declared != expected:
+        return {"pipeline_refusal": _refusal(name, f"its pp_plan {declared} is not {expected}")}
+    layers = tuple(f"{prefix}.layers.{index}" for index in range(len(base.layers)))
+    return {
+        "pipeline_sequence": (f"{prefix}.embed_tokens", *layers, f"{prefix}.norm", "lm_head"),
+        "pipeline_layer_inputs": DecoderLayerInputs(layers, base.rotary_emb, base.config),
+    }
+
+
+def _refusal(model_name: str, why: str) -> str:
+    return (
+        f"transformers' {model_name} cannot be cut into pipeline stages: paratrain stages causal LMs built on "
+        f"{', '.join(CHAINABLE)}, whose layers take the rotary embeddings and causal mask their forward "
+        f"computes, and {why}; train this model with fsdp, hsdp, ddp or tp instead"
+    )
+
+
+class DecoderLayerInputs:
+    """What a transformers base model's forward hands each decoder layer besides the hidden states: the
+    position ids, the rotary position embeddings and the layer type's causal mask (for batches without
+    padding, which is what paratrain feeds).
+
+    Args:
+        layers: Paths of all the model's decoder layers, in order (a layer's position picks its mask type).
+        rotary: The base model's rotary embedding (buffers only): every stage must hold it (``modules``).
+        config: The base model's config (mask type per layer, attention implementation).
+    """
+
+    def __init__(self, layers: tuple[str, ...], rotary: nn.Module, config: Any):
+        self.layers, self.config = layers, config
+        self.modules = [rotary]
+
+    def compute(self, hidden: torch.Tensor) -> Callable[[str], dict[str, Any]]:
+        """The keyword inputs of each layer, by path, for this batch's hidden states (computed once per stage)."""
+        # Lazy: transformers is an optional dependency, and only its models get these inputs.
+        from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
+
+        position_ids = torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0)
+        arguments = {
+            "config": self.config,
+            "inputs_embeds": hidden,
+            "attention_mask": None,
+            "cache": None,
+            "position_ids": position_ids,
+        }
+        builders = {"full_attention": create_causal_mask, "sliding_attention": create_sliding_window_causal_mask}
+        masks = {kind: builder(**arguments) for kind, builder in builders.items() if kind in self._mask_kinds()}
+        embeddings = self.modules[0](hidden, position_ids)
+
+        def inputs_of(path: str) -> dict[str, Any]:
+            kind = self._mask_kinds()[self.layers.index(path)]
+            return {"attention_mask": masks[kind], "position_ids": position_ids, "position_embeddings": embeddings}
+
+        return inputs_of
+
+    def _mask_kinds(self) -> list[str]:
+        # Qwen2/Qwen3 name each layer's attention type; Mistral has one sliding window for all layers or none.
+        layer_types = getattr(self.config, "layer_types", None)
+        if layer_types:
+            return list(layer_types)
+        kind = "sliding_attention" if getattr(self.config, "sliding_window", None) else "full_attention"
+        return [kind] * len(self.layers)
