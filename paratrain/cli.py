@@ -94,14 +94,35 @@ def train_command(args: argparse.Namespace) -> int:
 
         configure_logging(rank=0)
         run(config, config_path=args.config)
-        return 0
+        return maybe_export_final_hf(config, node_rank=0)
     # lazy: each command loads only what it runs, so every `paratrain` call starts fast
     from paratrain.launch.launcher import launch
 
     maybe_check_memory_before_launch(config, dims, options, config_path=args.config)
     # The layout auto chose, given explicitly: workers train it without ranking layouts again.
     chosen = layout_overrides(dims) if auto else []
-    return launch(options, [args.config, *args.overrides, *chosen], env={PREFLIGHT_DONE_ENV: "1"})
+    code = launch(options, [args.config, *args.overrides, *chosen], env={PREFLIGHT_DONE_ENV: "1"})
+    return maybe_export_final_hf(config, node_rank=options.node_rank) if code == 0 else code
+
+
+def maybe_export_final_hf(config: Config, *, node_rank: int) -> int:
+    """checkpoint.save_final_hf: the finished run's last checkpoint as a Hugging Face directory, written once
+    (by the first node's launcher) after every worker has exited, so no worker holds more memory for it."""
+    if not config.checkpoint.save_final_hf or node_rank != 0:
+        return 0
+    # lazy: each command loads only what it runs, so every `paratrain` call starts fast
+    from paratrain.checkpoint import Checkpointer
+    from paratrain.tools.export import export_hf
+
+    checkpoints = config.run.output_dir / "checkpoints"
+    latest = Checkpointer(checkpoints, keep_last=None, rank=0, world_size=1, config={}).latest_verified()
+    if latest is None:
+        print(f"paratrain: error: checkpoint.save_final_hf: no checkpoint in {checkpoints} to export", file=sys.stderr)
+        return 1
+    out_dir = config.run.output_dir / "hf"
+    count = export_hf(latest, out_dir)
+    print(f"paratrain: wrote {latest.name} as a Hugging Face model to {out_dir} ({count} tensors)", file=sys.stderr)
+    return 0
 
 
 def maybe_check_memory_before_launch(

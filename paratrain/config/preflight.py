@@ -41,6 +41,7 @@ def preflight(config: Config, *, world_size: int, nproc_per_node: int) -> None:
         lambda: _check_pretrained(config.model.pretrained),
         lambda: check_factory_args(config.data, key="data"),
         lambda: _check_data_fits_model(config),
+        lambda: _check_final_hf_export(config),
         lambda: check_factory_args(config.loss, key="loss"),
         lambda: check_callback_configs(config.callbacks),
         lambda: _check_evaluation(config, _dims(config, world_size, nproc_per_node)),
@@ -93,6 +94,26 @@ def _model_on_meta(config: Config) -> nn.Module:
     """The config's model, built without memory, to read its parallel plan."""
     with on_meta():
         return call_factory(config.model, key="model")
+
+
+def _check_final_hf_export(config: Config) -> None:
+    if not config.checkpoint.save_final_hf:
+        return
+    if not config.checkpoint.save_final:
+        raise ConfigError(
+            "checkpoint.save_final_hf=true exports the run's last checkpoint, and checkpoint.save_final=false "
+            "writes none; set checkpoint.save_final=true"
+        )
+    try:
+        model = _model_on_meta(config)
+    except Exception:  # a model that does not build is reported by the model factory's own check
+        return
+    if not hasattr(getattr(model, "config", None), "save_pretrained"):
+        raise ConfigError(
+            f"checkpoint.save_final_hf=true: {type(model).__name__} from model.factory={config.model.factory!r} is "
+            f"not a transformers model, so it has no Hugging Face format; set checkpoint.save_final_hf=false and "
+            f"use `paratrain export CKPT --out FILE.safetensors`"
+        )
 
 
 def _check_data_fits_model(config: Config) -> None:

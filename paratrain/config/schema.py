@@ -247,6 +247,11 @@ class CheckpointConfig(Section):
     (refused if output_dir already has checkpoints). Anything else: path of a checkpoint to load."""
     save_final: bool = True
     """Save a checkpoint after the last step."""
+    save_final_hf: bool = False
+    """Once a run ends, `paratrain train` also writes its last checkpoint as a Hugging Face model directory,
+    output_dir/hf (config.json, safetensors shards and their index, streamed as `paratrain export --hf`
+    does), for a transformers model. Needs save_final. Runs started by torchrun directly: run
+    `paratrain export CKPT --hf DIR` yourself."""
     async_save: bool = False
     """Write periodic checkpoints in the background (DCP async_save): training continues once the state
     is copied to CPU memory, which costs one more copy of model and optimizer state in host RAM. One

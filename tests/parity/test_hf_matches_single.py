@@ -12,7 +12,16 @@ from paratrain.data.text import build_char_dataset
 from paratrain.losses import cross_entropy
 from paratrain.models.hf import causal_lm
 from paratrain.tools.export import read_tensor, tensor_names
-from tests.harness import TINY_TEXT, LayoutRuns, losses_by_step, max_relative_difference, run_cli
+from tests.harness import (
+    TINY_TEXT,
+    LayoutRuns,
+    losses_by_step,
+    max_relative_difference,
+    run_cli,
+    run_cli_in_process,
+    tiny_config,
+    write_config,
+)
 
 # The first test trains every layout below in three shared launches (1, 2 and 4 processes).
 pytestmark = pytest.mark.timeout(600)
@@ -189,3 +198,28 @@ def test_export_hf_of_a_model_that_is_not_from_transformers_names_the_alternativ
     checkpoint = next((runs.get("mlp fsdp x2") / "checkpoints").glob("step-*"))
     result = run_cli(["export", str(checkpoint), "--hf", str(checkpoint.parent / "hf")])
     assert result.returncode == 2 and "is not a transformers model" in result.stderr and "--out" in result.stderr
+
+
+def test_save_final_hf_writes_the_finished_runs_model_for_from_pretrained(tmp_path):
+    """checkpoint.save_final_hf: `paratrain train` ends by writing output_dir/hf from the last checkpoint."""
+    transformers = pytest.importorskip("transformers")
+    config = write_config(tmp_path / "c.yaml", tiny_config(tmp_path / "run", train={"max_steps": 2}))
+    code, stderr = run_cli_in_process(
+        ["train", str(config), *_model_overrides(TINY_QWEN2_TIED), "checkpoint.save_final_hf=true"]
+    )
+    assert code == 0, stderr
+    assert "wrote step-2 as a Hugging Face model to" in stderr
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "run/hf")
+    checkpoint = tmp_path / "run/checkpoints/step-2"
+    expected = {name: read_tensor(checkpoint, "model." + name, item) for name, item in tensor_names(checkpoint).items()}
+    for name, tensor in loaded.state_dict().items():
+        if name in expected:
+            assert torch.equal(tensor, expected[name]), name
+    assert loaded.lm_head.weight.data_ptr() == loaded.get_input_embeddings().weight.data_ptr()
+
+
+def test_save_final_hf_for_a_model_that_is_not_from_transformers_is_refused_before_training(tmp_path):
+    config = write_config(tmp_path / "c.yaml", tiny_config(tmp_path / "run"))
+    code, stderr = run_cli_in_process(["train", str(config), *PLAIN_MLP, "checkpoint.save_final_hf=true"])
+    assert code == 2 and "checkpoint.save_final_hf=true: Sequential" in stderr and "--out" in stderr
+    assert not (tmp_path / "run").exists()
