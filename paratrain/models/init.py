@@ -30,6 +30,7 @@ import contextlib
 import logging
 import zlib
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -44,8 +45,18 @@ logger = logging.getLogger("paratrain")
 # Wrappers that insert a path component without changing what the parameter is.
 _WRAPPER_PREFIXES = ("_checkpoint_wrapped_module.", "_orig_mod.")
 
-WeightSource = Callable[[str, torch.Tensor], torch.Tensor | None]
-"""Fills the full (unsharded, CPU) tensor of a name; returns None when the source has no such name."""
+
+@dataclass(frozen=True)
+class LocalPiece:
+    """What a source returns when it could read only this rank's slice of a sharded tensor (a pretrained
+    file read with ``get_slice``), so no rank holds the full tensor."""
+
+    tensor: torch.Tensor
+
+
+WeightSource = Callable[[str, torch.Tensor], "torch.Tensor | LocalPiece | None"]
+"""The full (unsharded, CPU) tensor of a name, or this rank's LocalPiece of it, given the tensor to fill;
+None when the source has no such name."""
 
 
 def declares_init(model: nn.Module) -> bool:
@@ -107,7 +118,7 @@ def materialize(
             if full is None:
                 missing.append(name)
             else:
-                _copy_my_slice(tensor, full.to(tensor.dtype))
+                _copy_my_slice(tensor, full)
     if missing:
         raise ConfigError(
             f"model: no initial values for {_first_few(missing)} ({len(missing)} tensors): {_fix(pretrained)}"
@@ -179,7 +190,11 @@ def _parameters_on_meta() -> Iterator[None]:
         nn.Module.register_parameter = register
 
 
-def _copy_my_slice(tensor: torch.Tensor, full: torch.Tensor) -> None:
+def _copy_my_slice(tensor: torch.Tensor, full: torch.Tensor | LocalPiece) -> None:
+    if isinstance(full, LocalPiece):
+        tensor.to_local().copy_(full.tensor)
+        return
+    full = full.to(tensor.dtype)
     if isinstance(tensor, DTensor):
         # src_data_rank=None: every rank holds the same full tensor, so each keeps its slice, no comms.
         local = distribute_tensor(full, tensor.device_mesh, tensor.placements, src_data_rank=None).to_local()

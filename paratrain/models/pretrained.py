@@ -1,8 +1,10 @@
 """Pretrained weights from a directory of safetensors files (a Hugging Face model directory, or what
 ``paratrain export --hf`` writes), read one tensor at a time by name.
 
-Each rank reads a full tensor, keeps its slice and drops the rest (``models.init.materialize``), so
-loading holds this rank's shards plus one full tensor, never the whole model.
+A sharded parameter (plain Shard/Replicate placements: fsdp, hsdp, tp) is read as this rank's slice
+alone (safetensors ``get_slice``), so each rank reads and holds only its share of the files. Other
+tensors are read whole, and each rank keeps its slice and drops the rest (``models.init.materialize``),
+so loading holds this rank's shards plus at most one full tensor, never the whole model.
 """
 
 from __future__ import annotations
@@ -14,6 +16,10 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 from torch import nn
+from torch.distributed.tensor import DTensor, Replicate, Shard
+
+# Private in torch 2.13, and what DTensor itself uses to place a shard (torchtitan's loaders use it too).
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from paratrain.errors import ConfigError
 
@@ -75,7 +81,7 @@ def pretrained_source(model: nn.Module, directory: Path, *, buffers: dict[str, t
         ConfigError: naming the first few parameters the files lack or hold in another shape.
     """
     # lazy: models.init imports this module for pretrained weights
-    from paratrain.models.init import canonical_name
+    from paratrain.models.init import LocalPiece, canonical_name
 
     located = weight_files(directory)
     expected = {canonical_name(name): tuple(p.shape) for name, p in model.named_parameters()}
@@ -91,9 +97,22 @@ def pretrained_source(model: nn.Module, directory: Path, *, buffers: dict[str, t
         # Opened per tensor: the file is memory-mapped, and pages left mapped would count as this
         # rank's memory until the end of loading.
         with safe_open(file, framework="pt") as handle:
-            return handle.get_tensor(name)
+            region = local_region(tensor)
+            return handle.get_tensor(name) if region is None else LocalPiece(handle.get_slice(name)[region])
 
     return source
+
+
+def local_region(tensor: torch.Tensor) -> tuple[slice, ...] | None:
+    """The index of this rank's piece of a sharded tensor in the full one, so only that piece is read;
+    None for a plain tensor, or placements other than plain Shard/Replicate (a strided shard of fsdp over
+    tp is not one contiguous block), which read the whole tensor and keep the slice."""
+    if not isinstance(tensor, DTensor):
+        return None
+    if not all(type(placement) in (Shard, Replicate) for placement in tensor.placements):
+        return None
+    shape, offset = compute_local_shape_and_global_offset(tensor.shape, tensor.device_mesh, tensor.placements)
+    return tuple(slice(start, start + size) for start, size in zip(offset, shape))
 
 
 def _check_names_and_shapes(expected: dict[str, tuple], located: dict[str, Path], directory: Path) -> None:

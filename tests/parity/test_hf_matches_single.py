@@ -106,6 +106,9 @@ LAYOUTS = {
     "llama pp x2": (_model_overrides(TINY_LLAMA) + ["parallel.strategy=pp"], 2),
     "pretrained single": (FROM_PRETRAINED, 1),
     "pretrained fsdp x2": ([*FROM_PRETRAINED, "parallel.strategy=fsdp"], 2),
+    # Each rank reads only its slices of the files (get_slice); fsdp+tp's strided shards read whole tensors.
+    "pretrained tp x2": ([*FROM_PRETRAINED, "parallel.tp=2"], 2),
+    "pretrained fsdp+tp 2x2": ([*FROM_PRETRAINED, "parallel.dp_shard=2", "parallel.tp=2"], 4),
     "qwen2 fsdp x2": ([*_model_overrides(TINY_QWEN2_TIED), "parallel.strategy=fsdp", "train.max_steps=3"], 2),
 }
 
@@ -164,7 +167,9 @@ def test_layout_starts_from_the_single_process_weights_and_trains_like_it(runs, 
     assert max_relative_difference(losses, losses_by_step(reference)) <= LOSS_RTOL
 
 
-@pytest.mark.parametrize("layout", ["pretrained single", "pretrained fsdp x2"])
+@pytest.mark.parametrize(
+    "layout", ["pretrained single", "pretrained fsdp x2", "pretrained tp x2", "pretrained fsdp+tp 2x2"]
+)
 def test_fine_tuning_starts_from_the_saved_weights_their_plain_pytorch_loss(runs, pretrained, layout):
     expected = float((pretrained / "first_loss.txt").read_text())
     first = losses_by_step(runs.get(layout))[1]
