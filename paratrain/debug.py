@@ -10,7 +10,7 @@ from safetensors.torch import save_file
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from paratrain.models.init import canonical_name
+from paratrain.models.weights import canonical_name
 
 
 def dump_gradients(

@@ -30,7 +30,6 @@ import contextlib
 import logging
 import zlib
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -39,24 +38,9 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 
 from paratrain.errors import ConfigError
 from paratrain.models.meta import on_meta
+from paratrain.models.weights import LocalPiece, WeightSource, canonical_name
 
 logger = logging.getLogger("paratrain")
-
-# Wrappers that insert a path component without changing what the parameter is.
-_WRAPPER_PREFIXES = ("_checkpoint_wrapped_module.", "_orig_mod.")
-
-
-@dataclass(frozen=True)
-class LocalPiece:
-    """What a source returns when it could read only this rank's slice of a sharded tensor (a pretrained
-    file read with ``get_slice``), so no rank holds the full tensor."""
-
-    tensor: torch.Tensor
-
-
-WeightSource = Callable[[str, torch.Tensor], "torch.Tensor | LocalPiece | None"]
-"""The full (unsharded, CPU) tensor of a name, or this rank's LocalPiece of it, given the tensor to fill;
-None when the source has no such name."""
 
 
 def declares_init(model: nn.Module) -> bool:
@@ -125,13 +109,6 @@ def materialize(
         )
 
 
-def canonical_name(name: str) -> str:
-    """The parameter's name as the model itself spells it, without wrapper path components."""
-    for prefix in _WRAPPER_PREFIXES:
-        name = name.replace(prefix, "")
-    return name
-
-
 def _named_tensors(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
     return [*model.named_parameters(), *model.named_buffers()]
 
@@ -140,7 +117,7 @@ def _weight_source(
     model: nn.Module, *, factory: Callable[[], nn.Module], seed: int, pretrained: Path | None
 ) -> WeightSource:
     if pretrained is not None:
-        # lazy: models.pretrained imports this module (canonical_name); safetensors only for model.pretrained
+        # lazy: safetensors is loaded only for runs with model.pretrained
         from paratrain.models.pretrained import pretrained_source  # safetensors: only when loading
 
         return pretrained_source(model, pretrained, buffers=_buffers_of_parameterless_build(factory))

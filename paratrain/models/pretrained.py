@@ -22,6 +22,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from paratrain.errors import ConfigError
+from paratrain.models.weights import LocalPiece, canonical_name
 
 logger = logging.getLogger("paratrain")
 
@@ -71,7 +72,7 @@ def check_pretrained_dir(directory: Path) -> None:
 
 
 def pretrained_source(model: nn.Module, directory: Path, *, buffers: dict[str, torch.Tensor]):
-    """A ``models.init.WeightSource`` reading the directory's tensors by the model's parameter names.
+    """A ``models.weights.WeightSource`` reading the directory's tensors by the model's parameter names.
 
     Args:
         model: The model on meta (possibly laid out): its names and full shapes are checked first.
@@ -80,9 +81,6 @@ def pretrained_source(model: nn.Module, directory: Path, *, buffers: dict[str, t
     Raises:
         ConfigError: naming the first few parameters the files lack or hold in another shape.
     """
-    # lazy: models.init imports this module for pretrained weights
-    from paratrain.models.init import LocalPiece, canonical_name
-
     located = weight_files(directory)
     expected = {canonical_name(name): tuple(p.shape) for name, p in model.named_parameters()}
     _check_names_and_shapes(expected, located, directory)
