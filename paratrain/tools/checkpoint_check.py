@@ -4,7 +4,8 @@ layout, before renting the machines for it?
 The check builds what a resume builds: the checkpoint's own config (from its manifest) with the
 overrides, the same checks of what changed that a resume makes, the same Trainer (mesh, model laid
 out, optimizer), then loads the checkpoint's model and optimizer state through the same
-``Checkpointer.load``. Nothing trains and nothing is written beside the checkpoint's run: the Trainer's
+``Checkpointer.load``. Every rank then reads back the saved values of the pieces it holds and compares
+them with what it loaded, so a load that succeeds with wrong values fails the check. Nothing trains and nothing is written beside the checkpoint's run: the Trainer's
 output directory is a scratch one. Rank 0 then says what moved: the layout and world size it was saved
 under and the one it loaded into, and for a few parameters how their saved pieces map to this rank's.
 Run per rank: in this process for one, under paratrain's launcher (``python -m
@@ -15,9 +16,11 @@ from __future__ import annotations
 
 import argparse
 import logging
+import math
 import os
 import sys
 import tempfile
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -30,11 +33,15 @@ from paratrain.checkpoint.manifest import read_manifest
 from paratrain.checkpoint.safe_reader import SafeFileSystemReader
 from paratrain.config.schema import Config, ParallelConfig, load_config
 from paratrain.errors import EXIT_USER_ERROR, CheckpointError, ConfigError, UserCodeError
+from paratrain.models.pretrained import local_region
+from paratrain.parallel.collectives import all_reduce_sum
 from paratrain.parallel.dims import resolve_parallel_dims
+from paratrain.tools.export import read_tensors
 from paratrain.trainer import Trainer
 
 logger = logging.getLogger("paratrain")
 SHOWN_PARAMETERS = 5
+READ_BATCH_BYTES = 256 << 20  # whole saved tensors read back at once, per rank
 
 
 def check_config(checkpoint: Path, overrides: list[str], scratch: Path) -> Config:
@@ -67,12 +74,92 @@ def check_checkpoint(checkpoint: Path, overrides: list[str]) -> str:
                 raise CheckpointError(
                     f"{checkpoint} does not load under {trainer.dims.describe_layout()}: {cause(error)}"
                 ) from None
-            return report(checkpoint, trainer) if trainer.ctx.is_main else ""
+            compared = require_loaded_equals_saved(checkpoint, trainer)
+            return report(checkpoint, trainer, compared) if trainer.ctx.is_main else ""
         finally:
             trainer.close()
 
 
-def report(checkpoint: Path, trainer: Trainer) -> str:
+@dataclass
+class Comparison:
+    """This rank's loaded tensors against the saved values of the same pieces."""
+
+    compared: int = 0
+    not_compared: int = 0  # strided shards (fsdp over tp): not one block of the saved tensor
+    differing: list[str] = field(default_factory=list)
+
+
+def require_loaded_equals_saved(checkpoint: Path, trainer: Trainer) -> Comparison:
+    """Compares on every rank, then agrees: raises on every rank if any rank's values differ.
+
+    Raises:
+        CheckpointError: naming the first few pieces that differ on this rank.
+    """
+    comparison = compare_with_saved(checkpoint, trainer)
+    counts = torch.tensor([len(comparison.differing), comparison.compared], device=trainer.ctx.device)
+    differing, compared = (int(value) for value in all_reduce_sum(counts).tolist())
+    if differing:
+        here = ", ".join(comparison.differing[:3]) or "none on this rank"
+        raise CheckpointError(
+            f"{checkpoint} loads under {trainer.dims.describe_layout()}, but {differing} of {compared} tensor pieces "
+            f"differ from the saved values (e.g. {here}): the load is wrong; please report it with this checkpoint"
+        )
+    comparison.compared = compared
+    return comparison
+
+
+def compare_with_saved(checkpoint: Path, trainer: Trainer) -> Comparison:
+    """Every model and optimizer tensor this rank loaded against the checkpoint's values for the region it
+    holds, read back through DCP a batch at a time (at most READ_BATCH_BYTES of whole tensors at once)."""
+    state = trainer.checkpoint_state()
+    loaded = {
+        **_tensors("model", state["model"].state_dict()),
+        **_tensors("optimizer", state["optimizer"].state_dict()),
+    }
+    saved_items = _saved_tensor_items(checkpoint)
+    comparison = Comparison()
+    for batch in _batches({key: saved_items[key] for key in loaded if key in saved_items}):
+        for key, expected in read_tensors(checkpoint, batch).items():
+            piece = _piece_of(loaded[key], expected)
+            if piece is None:
+                comparison.not_compared += 1
+                continue
+            comparison.compared += 1
+            if not torch.equal(piece[0].detach().cpu().to(expected.dtype), piece[1]):
+                comparison.differing.append(key)
+    return comparison
+
+
+def _tensors(name: str, state: dict) -> dict[str, torch.Tensor]:
+    # DCP's keys: the Stateful's name, then its state dict's (already flat) keys.
+    return {f"{name}.{key}": value for key, value in state.items() if isinstance(value, torch.Tensor)}
+
+
+def _piece_of(loaded: torch.Tensor, saved: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(what this rank holds, the same region of the saved tensor), or None for a strided shard."""
+    if not isinstance(loaded, DTensor):
+        return loaded, saved
+    region = local_region(loaded)
+    return None if region is None else (loaded.to_local(), saved[region])
+
+
+def _batches(items: dict[str, TensorStorageMetadata]) -> list[dict[str, TensorStorageMetadata]]:
+    batches, current, size = [], {}, 0
+    for key, item in items.items():
+        nbytes = math.prod(item.size) * item.properties.dtype.itemsize
+        if current and size + nbytes > READ_BATCH_BYTES:
+            batches.append(current)
+            current, size = {}, 0
+        current[key], size = item, size + nbytes
+    return [*batches, current] if current else batches
+
+
+def _saved_tensor_items(checkpoint: Path) -> dict[str, TensorStorageMetadata]:
+    metadata = SafeFileSystemReader(checkpoint).read_metadata().state_dict_metadata
+    return {key: item for key, item in metadata.items() if isinstance(item, TensorStorageMetadata)}
+
+
+def report(checkpoint: Path, trainer: Trainer, comparison: Comparison) -> str:
     manifest = read_manifest(checkpoint)
     saved_world = int(manifest.get("world_size", 1))
     saved_parallel = ParallelConfig(**manifest["config"].get("parallel", {}))
@@ -84,9 +171,11 @@ def report(checkpoint: Path, trainer: Trainer) -> str:
         f"loads as {trainer.dims.describe_layout()} on {trainer.ctx.world_size} process(es): "
         f"{len(parameters)} parameter tensors ({sum(p.numel() for p in parameters.values()):,} values) and the "
         f"optimizer state of {len(trainer.optimizer.state)} of them in {len(groups)} param group(s)",
+        f"loaded values: {comparison.compared} tensor pieces over all ranks equal the saved ones"
+        + (f" ({comparison.not_compared} strided pieces on rank 0 not compared)" if comparison.not_compared else ""),
         "what moved (saved pieces -> this layout, rank 0):",
     ]
-    saved_chunks = _saved_chunk_counts(checkpoint)
+    saved_chunks = {key: len(item.chunks) for key, item in _saved_tensor_items(checkpoint).items()}
     for name, parameter in list(parameters.items())[:SHOWN_PARAMETERS]:
         pieces = saved_chunks.get(f"model.{name}", "?")
         lines.append(f"  {name} {list(parameter.shape)}: saved in {pieces} piece(s) -> {placement(parameter)}")
@@ -102,11 +191,6 @@ def placement(parameter: torch.Tensor) -> str:
             f"{', '.join(str(p) for p in parameter.placements)} over {parameter.device_mesh.size()} ranks, {local} here"
         )
     return "whole on every rank that holds it"
-
-
-def _saved_chunk_counts(checkpoint: Path) -> dict[str, int]:
-    metadata = SafeFileSystemReader(checkpoint).read_metadata().state_dict_metadata
-    return {key: len(item.chunks) for key, item in metadata.items() if isinstance(item, TensorStorageMetadata)}
 
 
 def cause(error: BaseException) -> str:

@@ -3,13 +3,17 @@ said, and a checkpoint that cannot load named before any machine is rented for i
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
+import torch
 
 from paratrain.config.schema import load_config
 from paratrain.errors import EXIT_USER_ERROR
+from paratrain.tools.checkpoint_check import check_config, compare_with_saved
 from paratrain.train import run as train_in_this_process
+from paratrain.trainer import Trainer
 from tests.harness import run_cli, run_cli_in_process, tiny_config, write_config
 
 WIDER = "model.args={block_size: 16, n_layer: 2, n_head: 2, n_embd: 64}"
@@ -33,6 +37,7 @@ def test_a_single_process_checkpoint_loads_under_fsdp_in_this_process_and_says_w
     report = capsys.readouterr().out
     assert "step 2, saved by 1 process(es) as single" in report
     assert "loads as fsdp" in report and "embed.tok.weight [128, 32]: saved in 1 piece(s) -> S(0)" in report
+    assert re.search(r"loaded values: \d+ tensor pieces over all ranks equal the saved ones\n", report)
     assert sorted(p.name for p in checkpoint.parent.parent.iterdir()) == before  # nothing written beside the run
 
 
@@ -55,3 +60,22 @@ def test_two_processes_load_it_under_tensor_parallel(checkpoint):
     assert checked.returncode == 0, checked.stderr[-3000:]
     assert "loads as tp: tp=2 on 2 process(es)" in checked.stdout
     assert "attn.q_proj.weight [32, 32]: saved in 1 piece(s) -> S(0) over 2 ranks, [16, 32] here" in checked.stdout
+    assert re.search(r"loaded values: \d+ tensor pieces over all ranks equal the saved ones", checked.stdout)
+
+
+def test_a_load_whose_values_differ_from_the_saved_ones_is_caught(checkpoint, tmp_path):
+    """What the comparison finds when a load goes wrong silently: one weight and one AdamW moment changed
+    after loading."""
+    trainer = Trainer(check_config(checkpoint, [], tmp_path))
+    try:
+        trainer.load_checkpoint(checkpoint)
+        assert compare_with_saved(checkpoint, trainer).differing == []
+        weight = trainer.bare_model.get_parameter("embed.tok.weight")
+        with torch.no_grad():
+            weight[3, 1] += 1e-6
+        trainer.optimizer.state[weight]["exp_avg"][0, 0] += 1e-6
+        comparison = compare_with_saved(checkpoint, trainer)
+    finally:
+        trainer.close()
+    assert comparison.differing == ["model.embed.tok.weight", "optimizer.state.embed.tok.weight.exp_avg"]
+    assert comparison.compared > 2 * len(list(trainer.bare_model.parameters()))  # weights, moments and steps
