@@ -43,6 +43,10 @@ class ParallelPlan:
             stage must hold, and whose ``compute(x)`` gives each one's keyword inputs (see
             models/hf_pipeline.py). None: every piece takes ``x`` alone.
         pipeline_refusal: Why the model cannot be cut into pipeline stages, when paratrain knows.
+        outer_units: Groups of modules outside the blocks that FSDP shards as one unit each, before the
+            root takes what is left: a transformers model's input embedding, and its final norm with
+            its head (as Accelerate and torchtitan do), so the embedding is freed after forward instead
+            of staying gathered with the head. Empty: the root holds them.
     """
 
     blocks: tuple[str, ...] = ()
@@ -53,6 +57,7 @@ class ParallelPlan:
     tp_unsupported: tuple[str, ...] = ()
     pipeline_layer_inputs: Any = None
     pipeline_refusal: str = ""
+    outer_units: tuple[tuple[str, ...], ...] = ()
 
 
 def plan_of(model: nn.Module) -> ParallelPlan:
@@ -66,7 +71,12 @@ def plan_of(model: nn.Module) -> ParallelPlan:
     if isinstance(model, nn.Sequential):
         return ParallelPlan(pipeline_sequence=tuple(name for name, _ in model.named_children()))
     blocks = no_split_blocks(model)
-    return ParallelPlan(blocks=blocks, **transformers_tensor_parallel(model, blocks), **transformers_pipeline(model))
+    return ParallelPlan(
+        blocks=blocks,
+        outer_units=transformers_outer_units(model, blocks),
+        **transformers_tensor_parallel(model, blocks),
+        **transformers_pipeline(model),
+    )
 
 
 # Styles of transformers' tp_plan that are Megatron's column and row splits of an nn.Linear.
@@ -91,6 +101,28 @@ def transformers_tensor_parallel(model: nn.Module, blocks: tuple[str, ...]) -> d
         if isinstance(getattr(config, name, None), int)
     }
     return {"block_tp_plan": {} if unsupported else supported, "tp_unsupported": unsupported, "tp_divisible": heads}
+
+
+def transformers_outer_units(model: nn.Module, blocks: tuple[str, ...]) -> tuple[tuple[str, ...], ...]:
+    """A transformers model's input embedding, and its final norm (the base model's one module with
+    parameters registered after the blocks) with its head, as FSDP units; () when the head shares the
+    embedding's weight (tied: one parameter must stay in one unit, so the root keeps both)."""
+    get_input, get_output = getattr(model, "get_input_embeddings", None), getattr(model, "get_output_embeddings", None)
+    if not blocks or not callable(get_input) or not callable(get_output):
+        return ()
+    embedding, head = get_input(), get_output()
+    if embedding is None or head is None or head.weight is embedding.weight:
+        return ()
+    paths = {id(module): path for path, module in model.named_modules()}
+    base_path, _, container = blocks[0].rpartition(".")[0].rpartition(".")  # "model", "layers"
+    base = model.get_submodule(base_path)
+    names = [name for name, _ in base.named_children()]
+    after_blocks = [base.get_submodule(name) for name in names[names.index(container) + 1 :]]
+    norms = [
+        paths[id(child)] for child in after_blocks if child is not head and next(child.parameters(), None) is not None
+    ]
+    final_norm = (norms[0],) if len(norms) == 1 else ()
+    return ((paths[id(embedding)],), (*final_norm, paths[id(head)]))
 
 
 def no_split_blocks(model: nn.Module) -> tuple[str, ...]:

@@ -23,7 +23,8 @@ def apply_fsdp(
     """Shards the model (in place) over ``mesh``: 1-D shards everywhere (fsdp); 2-D (replicate,
     shard) shards within and replicates across (hsdp).
 
-    Each block is one unit, then each root takes the parameters left over: the model itself, or
+    Each block is one unit, and each group of ``plan.outer_units`` (a transformers model's embedding;
+    its final norm with the head), then each root takes the parameters left over: the model itself, or
     under pipeline parallel each stage module of this rank (``roots``).
 
     A model that declares no blocks is sharded as one unit, which gathers every parameter at once;
@@ -40,6 +41,11 @@ def apply_fsdp(
         # The last block's parameters are needed again at once by backward: no point freeing them.
         reshard = options.reshard_after_forward and index < len(blocks) - 1
         fully_shard(block, reshard_after_forward=reshard, **common)
+    for index, group in enumerate(plan.outer_units):
+        modules = [model.get_submodule(path) for path in group]
+        # The last group (norm and head) ends forward and starts backward, like the last block.
+        reshard = options.reshard_after_forward and index < len(plan.outer_units) - 1
+        fully_shard(modules if len(modules) > 1 else modules[0], reshard_after_forward=reshard, **common)
     # None lets FSDP keep the root's parameters (embeddings, head) gathered from forward into
     # backward, which needs them at once; an explicit True would free and gather them again.
     for root in roots if roots is not None else [model]:

@@ -118,7 +118,7 @@ def test_the_dry_run_prints_the_parallel_plan_and_where_it_came_from(capsys, con
     assert code == 0, err
     assert (
         "parallel plan (derived from _no_split_modules, tp_plan and pp_plan): blocks" in out
-        and "3 (model.layers.0 ... model.layers.2)" in out
+        and "3 (model.layers.0 ... model.layers.2); FSDP units besides: model.embed_tokens; model.norm + lm_head" in out
     )
     assert (
         "tensor parallel per block: self_attn.q_proj: colwise" in out

@@ -109,6 +109,9 @@ def test_fsdp_units_of_a_transformers_model_are_its_no_split_decoder_layers():
         gpt2 = causal_lm(model_type="gpt2", vocab_size=64, n_embd=16, n_layer=2, n_head=2, n_positions=8)
     assert plan_of(llama).blocks == ("model.layers.0", "model.layers.1", "model.layers.2")
     assert plan_of(gpt2).blocks == ("transformer.h.0", "transformer.h.1")
+    # The embedding, and the final norm with the head, are units of their own, unless the head is tied.
+    assert plan_of(llama).outer_units == (("model.embed_tokens",), ("model.norm", "lm_head"))
+    assert plan_of(gpt2).outer_units == ()  # GPT-2 ties lm_head to wte: the root keeps both
     assert plan_of(torch.nn.Linear(2, 2)).blocks == ()  # a plain module declares nothing
 
 

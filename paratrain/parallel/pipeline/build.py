@@ -106,7 +106,11 @@ def lay_out_stages(
     mine = shape.stages_of_rank(dims.pp_rank)
     kept = {path for index in mine for path in stages[index]}
     keep_only(model, pipeline_sequence(model), kept)
-    local_plan = replace(plan, blocks=tuple(block for block in plan.blocks if _inside(block, kept)))
+    local_plan = replace(
+        plan,
+        blocks=tuple(block for block in plan.blocks if _inside(block, kept)),
+        outer_units=tuple(group for group in plan.outer_units if all(_inside(path, kept) for path in group)),
+    )
     # Stage modules hold the kept pieces as they are once wrapped (activation checkpointing replaces
     # blocks); FSDP then shards the blocks and each stage as a root.
     modules = parallelize(
