@@ -12,9 +12,10 @@ from paratrain.cli import main
 from paratrain.config.schema import OptimConfig, load_config
 from paratrain.errors import ConfigError
 from paratrain.models.gpt import build_gpt
-from paratrain.parallel.dims import ParallelDims
-from paratrain.planner.accounting import model_state_bytes
+from paratrain.parallel.dims import ParallelDims, resolve_parallel_dims
+from paratrain.planner.accounting import model_state_bytes, stage_shares
 from paratrain.planner.activations import ActivationShape, head_bytes, layer_bytes, measure_saved_bytes
+from paratrain.planner.communication import fsdp_units
 from paratrain.planner.model_facts import ParamFacts, read_model_facts, transformer_sizes
 from paratrain.planner.plan import plan_layouts
 from paratrain.planner.units import parse_memory
@@ -194,3 +195,14 @@ def test_planned_bytes_per_rank_are_within_ten_percent_of_what_a_real_step_holds
             assert measured[kind] == pytest.approx(planned_bytes, rel=0.10), f"{layout} rank {rank} {kind}"
     if layout in ("fsdp", "fsdp2", "tp"):  # sharding really happened: fewer bytes than ddp's
         assert measured_model_state[layout][0]["params"] < 0.6 * measured_model_state["ddp"][0]["params"]
+
+
+def test_fsdp_units_counted_for_traffic_include_a_transformers_models_outer_units_without_a_pipeline():
+    pytest.importorskip("transformers")
+    llama = "{model_type: llama, vocab_size: 128, hidden_size: 32, intermediate_size: 64, num_hidden_layers: 3, num_attention_heads: 4, num_key_value_heads: 2}"
+    gpt2 = "{model_type: gpt2, vocab_size: 128, n_positions: 16, n_embd: 32, n_layer: 3, n_head: 2}"
+    for args, expected in ((llama, 3 + 2 + 1), (gpt2, 3 + 1)):  # GPT-2: tied head, no pipeline sequence
+        config = load_config(None, ["model.factory=paratrain.models.hf:causal_lm", f"model.args={args}"])
+        facts = read_model_facts(config.model)
+        share = stage_shares(facts, config, resolve_parallel_dims(config.parallel, world_size=1))[0]
+        assert fsdp_units(facts, share, whole_model=True) == expected
