@@ -147,14 +147,23 @@ def _fsdp_working_bytes(
 ) -> int:
     gathered = DTYPE_BYTES[fsdp.param_dtype] if fsdp.param_dtype else FP32
     reduced = DTYPE_BYTES[fsdp.resolved_reduce_dtype() or "fp32"]
-    block_names = [block for block in facts.plan.blocks if block in share.pieces]
-    block_sizes = sorted((_tp_numel(facts.params_in([block]), dims.tp) for block in block_names), reverse=True)
+
+    def held(path: str) -> bool:  # without a pipeline the share holds everything, sequence or not
+        return dims.pp == 1 or path in share.pieces
+
+    def size(paths) -> int:
+        return _tp_numel(facts.params_in(list(paths)), dims.tp)
+
+    # Units gathered in turn: the blocks, and the outer groups but the last (the embedding); the last outer
+    # group (final norm and head) stays gathered from forward into backward, as the root does.
+    outer = [size(group) for group in facts.plan.outer_units if all(held(path) for path in group)]
+    streamed = sorted([*(size([block]) for block in facts.plan.blocks if held(block)), *outer[:-1]], reverse=True)
     everything = _tp_numel(share.params, dims.tp)
-    root = everything - sum(block_sizes)
-    if not block_sizes:  # the model is one unit: gathered whole
+    kept = everything - sum(streamed)  # the root's parameters and the last outer group
+    if not streamed:  # the model is one unit: gathered whole
         return (gathered + reduced) * everything
-    held_gradients = everything if accumulating and fsdp.grad_sync == "last_micro_batch" else block_sizes[0]
-    return gathered * (root + sum(block_sizes[:2])) + reduced * held_gradients
+    held_gradients = everything if accumulating and fsdp.grad_sync == "last_micro_batch" else streamed[0]
+    return gathered * (kept + sum(streamed[:2])) + reduced * held_gradients
 
 
 def _tp_numel(params, tp: int) -> int:
