@@ -26,14 +26,20 @@ def use_fused_kernel(device_types: set[str], *, uniform: bool, setting: str = "a
     them where every parameter is on CUDA; CPU-offloaded or CPU runs keep foreach, whose CPU path is the
     one most tested, unless ``on`` asks for torch's fused CPU kernels.
     """
+    check_fused_setting(setting, uniform=uniform)
+    if setting == "off" or not uniform:
+        return False
+    return setting == "on" or device_types == {"cuda"}
+
+
+def check_fused_setting(setting: str, *, uniform: bool) -> None:
+    """Refuses optim.fused=on for parameters of mixed kinds (tensor parallel alone: sharded linears beside
+    plain embeddings and norms), which torch's fused kernels reject."""
     if setting == "on" and not uniform:
         raise ConfigError(
             "optim.fused=on: torch's fused kernels take parameters of one kind, and this layout mixes sharded "
             "and plain ones (tensor parallel alone); set optim.fused=auto"
         )
-    if setting == "off" or not uniform:
-        return False
-    return setting == "on" or device_types == {"cuda"}
 
 
 def build_optimizer(model: nn.Module, options: OptimConfig, *, dp_size: int) -> torch.optim.Optimizer:

@@ -22,6 +22,7 @@ from paratrain.errors import CheckpointError, ConfigError
 from paratrain.evaluation import check_evaluation
 from paratrain.models.meta import on_meta
 from paratrain.models.plan import plan_of
+from paratrain.optim import check_fused_setting
 from paratrain.parallel.dims import ParallelDims, resolve_parallel_dims
 from paratrain.tracking.trackers import check_trackers_installed
 
@@ -34,6 +35,7 @@ def preflight(config: Config, *, world_size: int, nproc_per_node: int) -> None:
     checks: list[Callable[[], None]] = [
         lambda: _check_layout(config, world_size, nproc_per_node),
         lambda: _check_precision(config, _dims(config, world_size, nproc_per_node)),
+        lambda: _check_fused_optimizer(config, _dims(config, world_size, nproc_per_node)),
         lambda: check_compile(config, _dims(config, world_size, nproc_per_node)),
         lambda: check_pipeline(config, _dims(config, world_size, nproc_per_node)),
         lambda: _check_devices(config, nproc_per_node),
@@ -124,6 +126,11 @@ def _check_data_fits_model(config: Config) -> None:
     check_data_fits_model(config.data.args, model, key="data")
     if config.eval.factory is not None:
         check_data_fits_model(config.eval.args, model, key="eval")
+
+
+def _check_fused_optimizer(config: Config, dims: ParallelDims) -> None:
+    # Tensor parallel alone is the one layout whose parameters are of mixed kinds (see build_optimizer).
+    check_fused_setting(config.optim.fused, uniform=not (dims.tp_enabled and not dims.fsdp_enabled))
 
 
 def _check_precision(config: Config, dims: ParallelDims) -> None:

@@ -100,6 +100,10 @@ CASES: dict[str, Case] = {
     "optim.schedule unknown": train("optim.schedule=linear", expect=("optim.schedule", "'cosine' or 'constant'")),
     "optim.min_lr_ratio above 1": train("optim.min_lr_ratio=2", expect="optim.min_lr_ratio"),
     "optim.lr_scaling unknown": train("optim.lr_scaling=cubic", expect="optim.lr_scaling"),
+    "optim.fused unknown": train("optim.fused=always", expect=("optim.fused", "'auto', 'on' or 'off'")),
+    "fused optimizer with tensor parallel alone": train(
+        "parallel.strategy=tp", "optim.fused=on", *TWO, expect=("optim.fused=on", "set optim.fused=auto")
+    ),
     # --- parallel -------------------------------------------------------------------------------
     "parallel.strategy unknown": train("parallel.strategy=zero3", expect="parallel.strategy"),
     "one-process strategy on two processes": train(
