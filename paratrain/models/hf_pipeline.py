@@ -11,8 +11,8 @@ That holds only for base models whose forward is that and nothing more: the embe
 given the rotary embeddings and its layer type's mask (full or sliding-window causal), the final norm.
 ``CHAINABLE`` lists the classes checked to be so (tests/unit/test_hf_models.py compares each chain with
 the model's forward); any other transformers model is refused for pipelines, naming why. A model whose
-embedding and head share weights (tie_word_embeddings) is refused by the pipeline sequence check, since
-each stage owns and updates its own weights.
+embedding and head share weights (tie_word_embeddings) is refused too, since each stage owns and
+updates its own weights.
 """
 
 from __future__ import annotations
@@ -51,6 +51,8 @@ def transformers_pipeline(model: nn.Module) -> dict:
     }
     if declared != expected:
         return {"pipeline_refusal": _refusal(name, f"its pp_plan {declared} is not {expected}")}
+    if model.get_output_embeddings().weight is model.get_input_embeddings().weight:
+        return {"pipeline_refusal": _tied_refusal(name, prefix)}
     layers = tuple(f"{prefix}.layers.{index}" for index in range(len(base.layers)))
     return {
         "pipeline_sequence": (f"{prefix}.embed_tokens", *layers, f"{prefix}.norm", "lm_head"),
@@ -63,6 +65,14 @@ def _refusal(model_name: str, why: str) -> str:
         f"transformers' {model_name} cannot be cut into pipeline stages: paratrain stages causal LMs built on "
         f"{', '.join(CHAINABLE)}, whose layers take the rotary embeddings and causal mask their forward "
         f"computes, and {why}; train this model with fsdp, hsdp, ddp or tp instead"
+    )
+
+
+def _tied_refusal(model_name: str, prefix: str) -> str:
+    return (
+        f"transformers' {model_name} cannot be cut into pipeline stages: its lm_head shares its weight with "
+        f"{prefix}.embed_tokens (tie_word_embeddings), and each stage owns and updates its own weights; for a "
+        f"model from scratch set model.args.tie_word_embeddings=false, or train this one with fsdp, hsdp, ddp or tp"
     )
 
 
