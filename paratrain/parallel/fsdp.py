@@ -52,6 +52,15 @@ def apply_fsdp(
         fully_shard(root, reshard_after_forward=None if options.reshard_after_forward else False, **common)
     if options.prefetch_blocks:
         _prefetch_explicitly(blocks, options.prefetch_blocks)
+    root_count = len(roots) if roots is not None else 1
+    logger.info(
+        "fsdp: %d block unit(s), %d other unit(s) (%s), %d root(s), sharded over %d rank(s)",
+        len(blocks),
+        len(plan.outer_units),
+        "; ".join(" + ".join(group) for group in plan.outer_units) or "none",
+        root_count,
+        mesh.size(),
+    )
 
 
 def set_gradient_sync(model: nn.Module, enabled: bool) -> None:
