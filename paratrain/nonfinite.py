@@ -59,6 +59,10 @@ class NonFiniteGuard:
         )
         return False
 
+    def skipped_after(self, step: int) -> int:
+        """How many steps after ``step`` were skipped (the same on every rank: so is each verdict)."""
+        return sum(1 for skipped in self.skipped_steps if skipped > step)
+
     def reason(self) -> str:
         if self.mode == "skip":
             return f"{self.consecutive} steps in a row had non-finite gradients (train.nonfinite_max_skips)"

@@ -88,7 +88,6 @@ class _LogWindow:
 
     loss_sum: torch.Tensor
     steps: int = 0
-    skipped: torch.Tensor | int = 0  # steps not applied (non-finite gradients); their loss is left out of loss_sum
     started: float = 0.0
     data_wait: float = 0.0  # seconds this rank waited for the loader's next batch
 
@@ -372,7 +371,6 @@ class Trainer:
         window.steps += 1
         finite = step.finite.to(step.loss.device)
         window.loss_sum += torch.where(finite, step.loss, 0.0)
-        window.skipped = window.skipped + ~finite  # on the device: read at the log step
         self.verdicts.add(self.progress.step, step.finite)
 
     def _say_if_nothing_to_train(self) -> None:
@@ -407,7 +405,8 @@ class Trainer:
     ) -> float:
         # Only ranks holding the last pipeline stage have a loss (all ranks, without a pipeline); the
         # others add zero. The reduction also waits for the window's work, for the step time.
-        applied = window.steps - int(window.skipped)  # the same on every rank: so is the verdict
+        # Skipped steps' losses are left out of loss_sum; every verdict is settled before a log step.
+        applied = window.steps - self.nonfinite.skipped_after(self.progress.step - window.steps)
         loss = window.loss_sum / max(applied, 1)
         if self.dims.mesh is not None:
             loss = all_reduce_sum(loss, group=self.dims.loss_mesh.get_group()) / self.dims.dp

@@ -35,7 +35,7 @@ from paratrain.checkpoint.manifest import (
     write_manifest,
 )
 from paratrain.checkpoint.safe_reader import SafeFileSystemReader, SafeLoadPlanner
-from paratrain.checkpoint.state import SavedEntriesOnly
+from paratrain.checkpoint.state import SavedEntriesOnly, is_saved
 from paratrain.errors import CheckpointError
 from paratrain.launch import faults
 from paratrain.parallel.collectives import barrier, broadcast_object, is_distributed
@@ -299,7 +299,7 @@ class _InFlightSave:
 def _saved(stateful: Stateful, name: str, saved_keys) -> bool:
     """Whether every top-level entry of the stateful's state is in the checkpoint."""
     prefixes = [f"{name}.{key}" for key in stateful.state_dict()]
-    return all(any(saved == p or saved.startswith(p + ".") for saved in saved_keys) for p in prefixes)
+    return all(is_saved(prefix, saved_keys) for prefix in prefixes)
 
 
 @contextlib.contextmanager

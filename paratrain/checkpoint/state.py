@@ -153,13 +153,18 @@ class SavedEntriesOnly(Stateful):
         kept = {}
         for key, value in state.items():
             path = f"{prefix}.{key}"
-            if not any(saved == path or saved.startswith(path + ".") for saved in self.saved_keys):
+            if not is_saved(path, self.saved_keys):
                 self.absent.append(path)
             elif isinstance(value, dict):
                 kept[key] = self._saved_part(value, path)
             else:
                 kept[key] = value
         return kept
+
+
+def is_saved(path: str, saved_keys) -> bool:
+    """Whether a checkpoint holds the entry at ``path`` (a key of its metadata, or the prefix of some)."""
+    return any(saved == path or saved.startswith(path + ".") for saved in saved_keys)
 
 
 def _merge_into(target: dict[str, Any], loaded: dict[str, Any]) -> None:

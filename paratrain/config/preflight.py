@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import functools
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
@@ -20,6 +21,7 @@ from paratrain.config.schema import Config
 from paratrain.data.checks import check_data_fits_model
 from paratrain.errors import CheckpointError, ConfigError
 from paratrain.evaluation import check_evaluation
+from paratrain.models.hf import is_transformers_model
 from paratrain.models.meta import on_meta
 from paratrain.models.plan import plan_of
 from paratrain.optim import check_fused_setting
@@ -32,8 +34,11 @@ PREFLIGHT_DONE_ENV = "PARATRAIN_PREFLIGHT_DONE"
 
 def preflight(config: Config, *, world_size: int, nproc_per_node: int) -> None:
     """Raises one ConfigError listing every problem with running ``config`` on this many processes."""
+    # Several checks read the model: it is built on meta once (a factory that fails is retried, and
+    # reported by check_factory_args).
+    model_on_meta = functools.cache(lambda: _model_on_meta(config))
     checks: list[Callable[[], None]] = [
-        lambda: _check_layout(config, world_size, nproc_per_node),
+        lambda: _check_layout(config, world_size, nproc_per_node, model_on_meta),
         lambda: _check_precision(config, _dims(config, world_size, nproc_per_node)),
         lambda: _check_fused_optimizer(config, _dims(config, world_size, nproc_per_node)),
         lambda: check_compile(config, _dims(config, world_size, nproc_per_node)),
@@ -42,8 +47,8 @@ def preflight(config: Config, *, world_size: int, nproc_per_node: int) -> None:
         lambda: check_factory_args(config.model, key="model"),
         lambda: _check_pretrained(config.model.pretrained),
         lambda: check_factory_args(config.data, key="data"),
-        lambda: _check_data_fits_model(config),
-        lambda: _check_final_hf_export(config),
+        lambda: _check_data_fits_model(config, model_on_meta),
+        lambda: _check_final_hf_export(config, model_on_meta),
         lambda: check_factory_args(config.loss, key="loss"),
         lambda: check_callback_configs(config.callbacks),
         lambda: _check_evaluation(config, _dims(config, world_size, nproc_per_node)),
@@ -75,7 +80,7 @@ def _dims(config: Config, world_size: int, nproc_per_node: int) -> ParallelDims:
     return resolve_parallel_dims(config.parallel, world_size=world_size, local_world_size=nproc_per_node)
 
 
-def _check_layout(config: Config, world_size: int, nproc_per_node: int) -> None:
+def _check_layout(config: Config, world_size: int, nproc_per_node: int, model_on_meta: Callable[[], nn.Module]) -> None:
     dims = _dims(config, world_size, nproc_per_node)
     step_unit = config.train.micro_batch_size * dims.dp
     if config.train.global_batch_size % step_unit:
@@ -88,7 +93,7 @@ def _check_layout(config: Config, world_size: int, nproc_per_node: int) -> None:
         # lazy: loaded only for the runs that use it (safetensors, DTensor) to keep the launcher's checks fast
         from paratrain.parallel.tensor import check_tensor_parallel_plan  # loads DTensor: only when used
 
-        plan = plan_of(_model_on_meta(config))
+        plan = plan_of(model_on_meta())
         check_tensor_parallel_plan(plan, dims.tp, sequence_parallel=config.parallel.sequence_parallel)
 
 
@@ -98,7 +103,7 @@ def _model_on_meta(config: Config) -> nn.Module:
         return call_factory(config.model, key="model")
 
 
-def _check_final_hf_export(config: Config) -> None:
+def _check_final_hf_export(config: Config, model_on_meta: Callable[[], nn.Module]) -> None:
     if not config.checkpoint.save_final_hf:
         return
     if not config.checkpoint.save_final:
@@ -107,10 +112,10 @@ def _check_final_hf_export(config: Config) -> None:
             "writes none; set checkpoint.save_final=true"
         )
     try:
-        model = _model_on_meta(config)
+        model = model_on_meta()
     except Exception:  # a model that does not build is reported by the model factory's own check
         return
-    if not hasattr(getattr(model, "config", None), "save_pretrained"):
+    if not is_transformers_model(model):
         raise ConfigError(
             f"checkpoint.save_final_hf=true: {type(model).__name__} from model.factory={config.model.factory!r} is "
             f"not a transformers model, so it has no Hugging Face format; set checkpoint.save_final_hf=false and "
@@ -118,9 +123,9 @@ def _check_final_hf_export(config: Config) -> None:
         )
 
 
-def _check_data_fits_model(config: Config) -> None:
+def _check_data_fits_model(config: Config, model_on_meta: Callable[[], nn.Module]) -> None:
     try:
-        model = _model_on_meta(config)
+        model = model_on_meta()
     except Exception:  # a model that does not build is reported by the model factory's own check
         return
     check_data_fits_model(config.data.args, model, key="data")

@@ -27,6 +27,11 @@ def require_transformers() -> ModuleType:
     return transformers
 
 
+def is_transformers_model(model: nn.Module) -> bool:
+    """Whether the model is a transformers model, which has a Hugging Face format (its config saves)."""
+    return hasattr(getattr(model, "config", None), "save_pretrained")
+
+
 def causal_lm(*, model_type: str | None = None, config_dir: str | None = None, **fields) -> nn.Module:
     """A ``transformers`` causal LM from a config, with its own random initialisation.
 

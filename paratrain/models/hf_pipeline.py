@@ -90,6 +90,7 @@ class DecoderLayerInputs:
     def __init__(self, layers: tuple[str, ...], rotary: nn.Module, config: Any):
         self.layers, self.config = layers, config
         self.modules = [rotary]
+        self.mask_kind = dict(zip(layers, _mask_kinds(config, len(layers)), strict=True))  # by layer path
 
     def compute(self, hidden: torch.Tensor) -> Callable[[str], dict[str, Any]]:
         """The keyword inputs of each layer, by path, for this batch's hidden states (computed once per stage)."""
@@ -105,19 +106,21 @@ class DecoderLayerInputs:
             "position_ids": position_ids,
         }
         builders = {"full_attention": create_causal_mask, "sliding_attention": create_sliding_window_causal_mask}
-        masks = {kind: builder(**arguments) for kind, builder in builders.items() if kind in self._mask_kinds()}
+        masks = {kind: builders[kind](**arguments) for kind in set(self.mask_kind.values())}
         embeddings = self.modules[0](hidden, position_ids)
 
         def inputs_of(path: str) -> dict[str, Any]:
-            kind = self._mask_kinds()[self.layers.index(path)]
-            return {"attention_mask": masks[kind], "position_ids": position_ids, "position_embeddings": embeddings}
+            mask = masks[self.mask_kind[path]]
+            return {"attention_mask": mask, "position_ids": position_ids, "position_embeddings": embeddings}
 
         return inputs_of
 
-    def _mask_kinds(self) -> list[str]:
-        # Qwen2/Qwen3 name each layer's attention type; Mistral has one sliding window for all layers or none.
-        layer_types = getattr(self.config, "layer_types", None)
-        if layer_types:
-            return list(layer_types)
-        kind = "sliding_attention" if getattr(self.config, "sliding_window", None) else "full_attention"
-        return [kind] * len(self.layers)
+
+def _mask_kinds(config: Any, num_layers: int) -> list[str]:
+    """Each layer's attention type: Qwen2/Qwen3 name it per layer; Mistral has one sliding window for all
+    layers or none."""
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types:
+        return list(layer_types)
+    kind = "sliding_attention" if getattr(config, "sliding_window", None) else "full_attention"
+    return [kind] * num_layers

@@ -59,6 +59,10 @@ class ParallelPlan:
     pipeline_refusal: str = ""
     outer_units: tuple[tuple[str, ...], ...] = ()
 
+    def describe_outer_units(self) -> str:
+        """``model.embed_tokens; model.norm + lm_head``, or "" when there are none (logs, the dry run)."""
+        return "; ".join(" + ".join(group) for group in self.outer_units)
+
 
 def plan_of(model: nn.Module) -> ParallelPlan:
     """The plan a model declares through a ``parallel_plan()`` method; for an ``nn.Sequential`` without

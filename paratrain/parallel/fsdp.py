@@ -57,7 +57,7 @@ def apply_fsdp(
         "fsdp: %d block unit(s), %d other unit(s) (%s), %d root(s), sharded over %d rank(s)",
         len(blocks),
         len(plan.outer_units),
-        "; ".join(" + ".join(group) for group in plan.outer_units) or "none",
+        plan.describe_outer_units() or "none",
         root_count,
         mesh.size(),
     )

@@ -48,6 +48,11 @@ class StageShare:
     params: tuple[ParamFacts, ...]
     layers: int
     has_head: bool  # holds the last piece, so computes the logits and the loss
+    whole_model: bool = False  # no pipeline: every module, whether or not the model has a pipeline sequence
+
+    def holds(self, path: str) -> bool:
+        """Whether this share holds the module at ``path`` (a block, a piece, an outer unit's module)."""
+        return self.whole_model or path in self.pieces
 
 
 def fsdp_degree(dims: ParallelDims) -> int:
@@ -75,7 +80,7 @@ def stage_shares(facts: ModelFacts, config: Config, dims: ParallelDims) -> list[
     """Each pipeline rank's share; one share holding everything without a pipeline."""
     sequence = facts.plan.pipeline_sequence
     if dims.pp == 1:
-        return [StageShare(0, sequence, facts.params, len(facts.plan.blocks), True)]
+        return [StageShare(0, sequence, facts.params, len(facts.plan.blocks), True, whole_model=True)]
     # lazy: pipeline building loads torch.distributed.pipelining (torch._dynamo) only for pp layouts
     from paratrain.parallel.pipeline.build import pipeline_shape  # loads torch.distributed.pipelining: pp only
     from paratrain.parallel.pipeline.split import cut_stages
@@ -148,16 +153,15 @@ def _fsdp_working_bytes(
     gathered = DTYPE_BYTES[fsdp.param_dtype] if fsdp.param_dtype else FP32
     reduced = DTYPE_BYTES[fsdp.resolved_reduce_dtype() or "fp32"]
 
-    def held(path: str) -> bool:  # without a pipeline the share holds everything, sequence or not
-        return dims.pp == 1 or path in share.pieces
-
     def size(paths) -> int:
         return _tp_numel(facts.params_in(list(paths)), dims.tp)
 
     # Units gathered in turn: the blocks, and the outer groups but the last (the embedding); the last outer
     # group (final norm and head) stays gathered from forward into backward, as the root does.
-    outer = [size(group) for group in facts.plan.outer_units if all(held(path) for path in group)]
-    streamed = sorted([*(size([block]) for block in facts.plan.blocks if held(block)), *outer[:-1]], reverse=True)
+    outer = [size(group) for group in facts.plan.outer_units if all(share.holds(path) for path in group)]
+    streamed = sorted(
+        [*(size([block]) for block in facts.plan.blocks if share.holds(block)), *outer[:-1]], reverse=True
+    )
     everything = _tp_numel(share.params, dims.tp)
     kept = everything - sum(streamed)  # the root's parameters and the last outer group
     if not streamed:  # the model is one unit: gathered whole

@@ -79,7 +79,7 @@ def step_traffic(
         micro_batch_size(config.train, config.pipeline, dims=dims) * dims.dp
     )
     numel = sum(param.local_numel(tp=dims.tp) for param in share.params)  # before FSDP cuts it
-    units = fsdp_units(facts, share, whole_model=dims.pp == 1)
+    units = fsdp_units(facts, share)
     traffic = _data_parallel_traffic(
         numel, config, dims, micro_batches=micro_batches, units=units, gpus_per_node=gpus_per_node
     )
@@ -88,15 +88,10 @@ def step_traffic(
     )
 
 
-def fsdp_units(facts: ModelFacts, share: StageShare, *, whole_model: bool) -> int:
-    """FSDP's units on this share: its blocks, its outer groups (embedding; norm and head), and the root.
-    Without a pipeline the share holds everything, whether or not the model has a pipeline sequence."""
-
-    def held(path: str) -> bool:
-        return whole_model or path in share.pieces
-
-    blocks = sum(1 for block in facts.plan.blocks if held(block))
-    outer = sum(1 for group in facts.plan.outer_units if all(held(path) for path in group))
+def fsdp_units(facts: ModelFacts, share: StageShare) -> int:
+    """FSDP's units on this share: its blocks, its outer groups (embedding; norm and head), and the root."""
+    blocks = sum(1 for block in facts.plan.blocks if share.holds(block))
+    outer = sum(1 for group in facts.plan.outer_units if all(share.holds(path) for path in group))
     return blocks + outer + 1
 
 

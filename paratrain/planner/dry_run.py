@@ -99,7 +99,7 @@ def plan_lines(plan: ParallelPlan, model: nn.Module) -> list[str]:
         pipeline += f" ({plan.pipeline_sequence[0]} ... {plan.pipeline_sequence[-1]})"
     if plan.pipeline_layer_inputs is not None:
         pipeline += ", decoder layers fed rotary embeddings and causal masks"
-    outer = "; ".join(" + ".join(group) for group in plan.outer_units)
+    outer = plan.describe_outer_units()
     return [
         f"parallel plan ({source}): blocks (FSDP units, activation checkpointing, compile): {blocks}"
         + (f"; FSDP units besides: {outer}" if outer else ""),

@@ -25,6 +25,7 @@ from paratrain.checkpoint.safe_reader import SafeFileSystemReader, SafeLoadPlann
 from paratrain.config.factories import call_factory
 from paratrain.config.schema import ModelConfig
 from paratrain.errors import ConfigError
+from paratrain.models.hf import is_transformers_model
 from paratrain.models.meta import on_meta
 
 MODEL_PREFIX = "model."
@@ -98,7 +99,7 @@ def _model_on_meta(model_section: dict):
 
     with on_meta():
         model = call_factory(ModelConfig(**model_section), key="model")
-    if not hasattr(getattr(model, "config", None), "save_pretrained"):
+    if not is_transformers_model(model):
         raise ConfigError(
             f"export --hf: the checkpoint's model ({type(model).__name__} from {model_section['factory']}) is not "
             f"a transformers model; export its weights with --out FILE.safetensors instead"

@@ -205,4 +205,4 @@ def test_fsdp_units_counted_for_traffic_include_a_transformers_models_outer_unit
         config = load_config(None, ["model.factory=paratrain.models.hf:causal_lm", f"model.args={args}"])
         facts = read_model_facts(config.model)
         share = stage_shares(facts, config, resolve_parallel_dims(config.parallel, world_size=1))[0]
-        assert fsdp_units(facts, share, whole_model=True) == expected
+        assert fsdp_units(facts, share) == expected
