@@ -183,9 +183,16 @@ def export_command(args: argparse.Namespace) -> int:
     from paratrain.tools.export import export_hf, export_safetensors  # keeps safetensors off the training path
 
     if args.hf:
+        if Path(args.hf).is_file():
+            raise ConfigError(f"--hf {args.hf} is a file: give the directory to write the Hugging Face model into")
         count = export_hf(Path(args.checkpoint), Path(args.hf))
         print(f"wrote {count} tensors and config.json to {args.hf} (transformers' from_pretrained loads it)")
     else:
+        if Path(args.out).is_dir():
+            raise ConfigError(
+                f"--out {args.out} is a directory: give the file to write, e.g. --out "
+                f"{Path(args.out) / 'model.safetensors'} (or --hf {args.out} for a Hugging Face model directory)"
+            )
         count = export_safetensors(Path(args.checkpoint), Path(args.out))
         print(f"wrote {count} tensors to {args.out}")
     return 0
@@ -266,6 +273,10 @@ def slurm_command(args: argparse.Namespace) -> int:
     if args.submit and shutil.which("sbatch") is None:
         raise ConfigError("--submit needs Slurm's sbatch on PATH: run on a Slurm login node, or drop --submit")
     script = Path(args.out) if args.out else job.output_dir / "slurm.sbatch"
+    if script.is_dir():
+        raise ConfigError(
+            f"--out {args.out} is a directory: give the script's file name, e.g. --out {script / 'job.sbatch'}"
+        )
     script.parent.mkdir(parents=True, exist_ok=True)
     job.output_dir.mkdir(parents=True, exist_ok=True)  # Slurm writes slurm-<job>.out there and creates no folder
     script.write_text(render_sbatch(job, workdir=Path.cwd()))

@@ -304,15 +304,22 @@ class ModelConfig(FactoryConfig):
     pretrained: str | None = None
     """Directory of pretrained weights to start from (config.json + safetensors, single or sharded with
     model.safetensors.index.json: what save_pretrained or 'paratrain export --hf' write). The model is
-    built on meta and each rank reads only its shards. Without model.factory, the factory becomes
-    paratrain.models.hf:causal_lm built from the directory's config.json (args override its fields)."""
+    built on meta and each rank reads only its shards. Without model.factory, or with
+    paratrain.models.hf:causal_lm, the model is built from the directory's config.json (args override
+    its fields)."""
 
     @model_validator(mode="before")
     @classmethod
     def _pretrained_defaults_to_hf(cls, data: Any) -> Any:
-        if isinstance(data, dict) and data.get("pretrained") and "factory" not in data:
-            return {**data, "factory": HF_CAUSAL_LM, "args": {"config_dir": data["pretrained"], **data.get("args", {})}}
-        return data
+        if not (isinstance(data, dict) and data.get("pretrained")):
+            return data
+        factory = data.get("factory", HF_CAUSAL_LM)
+        args = dict(data.get("args") or {})
+        # The transformers factory builds a pretrained model from its own config.json, whether the factory
+        # was left out or named (examples/hf_llama.yaml says "replace model.args by pretrained: DIR").
+        if factory == HF_CAUSAL_LM and "model_type" not in args:
+            args.setdefault("config_dir", data["pretrained"])
+        return {**data, "factory": factory, "args": args}
 
 
 class DataConfig(FactoryConfig):
@@ -330,6 +337,18 @@ class DataConfig(FactoryConfig):
     """Keep the workers alive for the life of the run's loader instead of ending them when it is exhausted.
     The training loader never is (epochs follow each other in one iteration), so this saves little; it is
     passed to the DataLoader as given. Needs num_workers > 0."""
+
+    @model_validator(mode="after")
+    def _worker_options_need_workers(self) -> DataConfig:
+        # torch's DataLoader refuses both without workers; paratrain would otherwise drop them unseen.
+        given = [f"data.prefetch_factor={self.prefetch_factor}"] * (self.prefetch_factor is not None)
+        given += ["data.persistent_workers=true"] * self.persistent_workers
+        if self.num_workers == 0 and given:
+            raise ValueError(
+                f"{' and '.join(given)} need worker processes, and data.num_workers=0 reads in the training "
+                f"process; set data.num_workers to 1 or more, or leave {' and '.join(g.split('=')[0] for g in given)} out"
+            )
+        return self
 
 
 class LossConfig(FactoryConfig):

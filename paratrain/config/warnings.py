@@ -33,10 +33,6 @@ def ineffective_options(config: Config, dims: ParallelDims) -> list[str]:
         warnings.append("optim.min_lr_ratio has no effect with optim.schedule=constant")
     if config.checkpoint.every_steps == 0 and not config.checkpoint.save_final:
         warnings.append("checkpoint.every_steps=0 with checkpoint.save_final=false: this run saves no checkpoint")
-    worker_keys = config.data.model_fields_set & {"prefetch_factor", "persistent_workers"}
-    if config.data.num_workers == 0 and worker_keys:
-        keys = ", ".join(f"data.{name}" for name in sorted(worker_keys))
-        warnings.append(f"{keys} has no effect with data.num_workers=0 (the loader reads in the training process)")
     return warnings + _eval_and_profile_warnings(config)
 
 

@@ -23,6 +23,10 @@ from paratrain.launch.launcher import LaunchOptions
 STEP_VARIABLE = "SLURM_STEP_ID"
 RENDEZVOUS_PORT_BASE = 29500
 
+# sbatch --time's formats (man sbatch): minutes, minutes:seconds, hours:minutes:seconds, days-hours,
+# days-hours:minutes, days-hours:minutes:seconds; INFINITE and UNLIMITED mean no limit.
+SBATCH_TIME = re.compile(r"\d+(:\d+){0,2}|\d+-\d+(:\d+){0,2}|INFINITE|UNLIMITED", re.IGNORECASE)
+
 
 def expand_hostlist(hostlist: str) -> list[str]:
     """Expands Slurm's compressed host list as ``scontrol show hostnames`` does:
@@ -128,6 +132,11 @@ class SlurmJob:
             raise ConfigError(
                 f"--nodes {self.nodes} --gpus-per-node {self.gpus_per_node}: both must be >= 1 "
                 f"(with --device cpu, --gpus-per-node is processes per node)"
+            )
+        if self.time is not None and not SBATCH_TIME.fullmatch(self.time):
+            raise ConfigError(
+                f"--time {self.time!r} is not a time limit sbatch accepts: give minutes, MM:SS, HH:MM:SS, D-HH, "
+                f"D-HH:MM or D-HH:MM:SS (e.g. --time 24:00:00 or --time 2-00:00:00), or UNLIMITED"
             )
 
 

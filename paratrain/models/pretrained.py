@@ -11,10 +11,11 @@ from __future__ import annotations
 
 import json
 import logging
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
@@ -48,9 +49,28 @@ def weight_files(directory: Path) -> dict[str, Path]:
         )
     located = {}
     for file in files:
-        with safe_open(file, framework="pt") as handle:
+        with open_weights(file) as handle:
             located.update(dict.fromkeys(handle.keys(), file))
     return located
+
+
+@contextmanager
+def open_weights(file: Path):
+    """``safe_open`` on one weights file, with a damaged file (cut short by an interrupted copy or
+    download, or not safetensors at all) named as the input to fix instead of a SafetensorError traceback.
+
+    Raises:
+        ConfigError: naming model.pretrained, the file and what safetensors found wrong.
+    """
+    try:
+        handle = safe_open(file, framework="pt")
+    except (SafetensorError, OSError) as error:
+        raise ConfigError(
+            f"model.pretrained: {str(file)!r} cannot be read as safetensors ({error}); the file is damaged or "
+            f"incomplete (an interrupted copy or download?): copy or save the model directory again"
+        ) from None
+    with handle:
+        yield handle
 
 
 def check_pretrained_dir(directory: Path) -> None:
@@ -68,7 +88,9 @@ def check_pretrained_dir(directory: Path) -> None:
             f"model.pretrained={str(directory)!r} has no config.json; give a directory written by save_pretrained "
             f"or 'paratrain export --hf'"
         )
-    weight_files(directory)
+    for file in set(weight_files(directory).values()):
+        with open_weights(file):  # the header and the file's length: a file cut short is refused here
+            pass
 
 
 def pretrained_source(model: nn.Module, directory: Path, *, buffers: dict[str, torch.Tensor]):
@@ -94,7 +116,7 @@ def pretrained_source(model: nn.Module, directory: Path, *, buffers: dict[str, t
             return buffers.get(name)
         # Opened per tensor: the file is memory-mapped, and pages left mapped would count as this
         # rank's memory until the end of loading.
-        with safe_open(file, framework="pt") as handle:
+        with open_weights(file) as handle:
             region = local_region(tensor)
             return handle.get_tensor(name) if region is None else LocalPiece(handle.get_slice(name)[region])
 
@@ -117,7 +139,7 @@ def _check_names_and_shapes(expected: dict[str, tuple], located: dict[str, Path]
     missing = [name for name in expected if name not in located]
     shapes = {}
     for name in expected.keys() & located.keys():
-        with safe_open(located[name], framework="pt") as handle:
+        with open_weights(located[name]) as handle:
             shape = tuple(handle.get_slice(name).get_shape())
         if shape != expected[name]:
             shapes[name] = (shape, expected[name])

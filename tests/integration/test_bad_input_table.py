@@ -12,6 +12,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+import torch
+from safetensors.torch import save_file
 
 from tests.harness import run_cli_in_process, tiny_config, write_config
 
@@ -227,12 +229,21 @@ CASES: dict[str, Case] = {
         "model.args.n_embd=30", "model.args.n_head=4", expect=("model.args.n_embd=30", "model.args.n_head=4")
     ),
     "model.pretrained that does not exist": train("model.pretrained=/nonexistent/model", expect="model.pretrained"),
+    "model.pretrained with weights cut short": train(
+        "model.pretrained={cut_model}", expect=("cut_model/model.safetensors", "damaged or incomplete")
+    ),
     "model.args a list": train("model.args=[1]", expect="model.args"),
     # --- data, and data against the model (shape checks) -----------------------------------------
     "data factory that does not import": train("data.factory=nope.data:build", expect=("data.factory", "nope.data")),
     "data factory argument it does not take": train("data.args.nope=1", expect=("data.args", "nope")),
     "data.num_workers negative": train("data.num_workers=-1", expect="data.num_workers"),
     "data.prefetch_factor zero": train("data.prefetch_factor=0", expect="data.prefetch_factor"),
+    "data.prefetch_factor without workers": train(
+        "data.prefetch_factor=4", expect=("data.prefetch_factor=4 need worker processes", "set data.num_workers")
+    ),
+    "data.persistent_workers without workers": train(
+        "data.persistent_workers=true", expect=("data.persistent_workers=true need worker", "data.num_workers")
+    ),
     "data block longer than the model's positions": train(
         "data.args.block_size=32", expect="data.args.block_size=32 is longer than the model's 16 positions"
     ),
@@ -362,6 +373,12 @@ CASES: dict[str, Case] = {
         expect="paratrain-manifest.json is missing",
     ),
     "export without a target": case("export", "{tmp}", expect="one of the arguments --out --hf is required"),
+    "export --out into a directory": case(
+        "export", "{with_checkpoints}/checkpoints/step-10", "--out", "{tmp}", expect=("--out {tmp} is a directory",)
+    ),
+    "export --hf onto a file": case(
+        "export", "{with_checkpoints}/checkpoints/step-10", "--hf", "{blocker}", expect="--hf {blocker} is a file"
+    ),
     # --- checkpoint check -----------------------------------------------------------------------
     "checkpoint check of a missing checkpoint": case("checkpoint", "check", "{tmp}/none/step-1", expect="step-1"),
     "checkpoint check of a directory that is no checkpoint": case(
@@ -445,6 +462,30 @@ CASES: dict[str, Case] = {
         expect="log.trackers",
     ),
     "slurm without --nodes": case("slurm", "{config}", "--gpus-per-node", "1", expect="--nodes"),
+    "slurm with a time limit sbatch rejects": case(
+        "slurm",
+        "{config}",
+        "--nodes",
+        "1",
+        "--gpus-per-node",
+        "1",
+        "--time",
+        "forever",
+        "--out",
+        "{tmp}/job.sbatch",
+        expect=("--time 'forever' is not a time limit sbatch accepts", "24:00:00"),
+    ),
+    "slurm --out a directory": case(
+        "slurm",
+        "{config}",
+        "--nodes",
+        "1",
+        "--gpus-per-node",
+        "1",
+        "--out",
+        "{tmp}",
+        expect="--out {tmp} is a directory",
+    ),
     # --- bench comm -----------------------------------------------------------------------------
     "bench comm with a size it cannot read": case(
         "bench", "comm", "--out", "{tmp}/bench", "--sizes", "12XB", expect="--sizes '12XB': not a size"
@@ -477,6 +518,12 @@ def files(tmp_path_factory) -> dict[str, str]:
     (tmp / "a_list.yaml").write_text("- train\n- optim\n")
     (tmp / "blocker").write_text("a file, not a directory")
     nan = tiny_config(run, train={"grad_clip": float("nan")})
+    cut_model = tmp / "cut_model"  # a pretrained directory whose weights file a copy left short
+    cut_model.mkdir()
+    (cut_model / "config.json").write_text("{}")
+    save_file({"weight": torch.ones(64, 64)}, cut_model / "model.safetensors")
+    whole = (cut_model / "model.safetensors").read_bytes()
+    (cut_model / "model.safetensors").write_bytes(whole[: len(whole) // 2])
     return {
         "tmp": str(tmp),
         "run": str(run),
@@ -484,6 +531,7 @@ def files(tmp_path_factory) -> dict[str, str]:
         "nan_file": str(write_config(tmp / "nan.yaml", nan)),
         "with_checkpoints": str(with_checkpoints),
         "blocker": str(tmp / "blocker"),
+        "cut_model": str(cut_model),
         **{name: str(tmp / f"{name}.yaml") for name in ("latin1", "twice", "sections", "not_yaml", "a_list")},
     }
 

@@ -83,3 +83,19 @@ def test_pipeline_options_outside_a_pipeline_are_flagged():
 def test_progress_bar_on_and_off_survive_yaml_reading_them_as_booleans():
     assert load_config(None, ["log.progress_bar=off"]).log.progress_bar == "off"
     assert load_config(None, ["log.progress_bar=on"]).log.progress_bar == "on"
+
+
+@pytest.mark.parametrize("factory", [{}, {"factory": "paratrain.models.hf:causal_lm"}])
+def test_pretrained_builds_the_transformers_model_from_its_directory_with_or_without_the_factory(factory):
+    # examples/hf_llama.yaml: "Fine-tune instead: replace model.args by pretrained: DIR", factory kept.
+    config = Config.model_validate({"model": {**factory, "pretrained": "pretrained/llama"}})
+    assert config.model.factory == "paratrain.models.hf:causal_lm"
+    assert config.model.args == {"config_dir": "pretrained/llama"}
+
+
+def test_pretrained_args_override_its_config_fields_and_other_factories_keep_their_args():
+    config = Config.model_validate({"model": {"pretrained": "weights", "args": {"n_layer": 2}}})
+    assert config.model.factory == "paratrain.models.hf:causal_lm"
+    assert config.model.args == {"config_dir": "weights", "n_layer": 2}
+    gpt = Config.model_validate({"model": {"factory": "paratrain.models.gpt:build_gpt", "pretrained": "w"}})
+    assert gpt.model.args == {}
