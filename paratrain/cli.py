@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from paratrain.checkpoint.manifest import named_checkpoint
 from paratrain.config.schema import Config, config_to_yaml, load_config
 from paratrain.config.warnings import ineffective_options
 from paratrain.errors import (
@@ -145,6 +146,7 @@ def maybe_check_memory_before_launch(
 
 
 def checkpoint_check_command(args: argparse.Namespace) -> int:
+    args.checkpoint = str(named_checkpoint(Path(args.checkpoint)))
     options = LaunchOptions(args.nproc_per_node, 1, 0, None, 0)
     options.validate()
     if args.nproc_per_node == 1:
@@ -182,19 +184,22 @@ def export_command(args: argparse.Namespace) -> int:
     # lazy: each command loads only what it runs, so every `paratrain` call starts fast
     from paratrain.tools.export import export_hf, export_safetensors  # keeps safetensors off the training path
 
+    checkpoint = named_checkpoint(Path(args.checkpoint))
     if args.hf:
         if Path(args.hf).is_file():
             raise ConfigError(f"--hf {args.hf} is a file: give the directory to write the Hugging Face model into")
-        count = export_hf(Path(args.checkpoint), Path(args.hf))
-        print(f"wrote {count} tensors and config.json to {args.hf} (transformers' from_pretrained loads it)")
+        count = export_hf(checkpoint, Path(args.hf))
+        print(
+            f"wrote {checkpoint.name}: {count} tensors and config.json to {args.hf} (transformers' from_pretrained loads it)"
+        )
     else:
         if Path(args.out).is_dir():
             raise ConfigError(
                 f"--out {args.out} is a directory: give the file to write, e.g. --out "
                 f"{Path(args.out) / 'model.safetensors'} (or --hf {args.out} for a Hugging Face model directory)"
             )
-        count = export_safetensors(Path(args.checkpoint), Path(args.out))
-        print(f"wrote {count} tensors to {args.out}")
+        count = export_safetensors(checkpoint, Path(args.out))
+        print(f"wrote {checkpoint.name}: {count} tensors to {args.out}")
     return 0
 
 
@@ -338,7 +343,9 @@ def build_parser() -> argparse.ArgumentParser:
     show.set_defaults(handler=config_show_command)
 
     export = commands.add_parser("export", help="write consolidated model weights from a checkpoint")
-    export.add_argument("checkpoint", help="a step-<N> checkpoint directory")
+    export.add_argument(
+        "checkpoint", help="a step-<N> checkpoint directory, or a run directory for its newest complete checkpoint"
+    )
     target = export.add_mutually_exclusive_group(required=True)
     target.add_argument("--out", help="output .safetensors file")
     target.add_argument("--hf", metavar="OUT_DIR", help="output Hugging Face model directory (transformers models)")
@@ -413,7 +420,9 @@ def build_parser() -> argparse.ArgumentParser:
         "check",
         help="load a checkpoint under a layout (its own config plus overrides) without training, and say what moved",
     )
-    check.add_argument("checkpoint", help="a step-<N> checkpoint directory")
+    check.add_argument(
+        "checkpoint", help="a step-<N> checkpoint directory, or a run directory for its newest complete checkpoint"
+    )
     check.add_argument("overrides", nargs="*", metavar="key=value", help="the layout to try, e.g. parallel.dp_shard=2")
     check.add_argument("--nproc-per-node", type=int, default=1, help="processes of the layout to try")
     check.set_defaults(handler=checkpoint_check_command)

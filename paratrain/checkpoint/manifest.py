@@ -33,6 +33,20 @@ def find_checkpoints(directory: Path) -> list[tuple[int, Path]]:
     return sorted(found)
 
 
+def named_checkpoint(path: Path) -> Path:
+    """The checkpoint a command-line argument names: a step-<N> directory itself, or a run's output directory
+    (or its checkpoints/ directory) for its newest complete checkpoint, so a command need not know the last step.
+    Anything else is returned as given, for ``verify_checkpoint`` to say what is wrong with it."""
+    path = Path(path)
+    if _STEP_DIR.match(path.name) or is_complete(path):
+        return path
+    for directory in (path / "checkpoints", path):
+        complete = [step_dir for _, step_dir in reversed(find_checkpoints(directory)) if is_complete(step_dir)]
+        if complete:
+            return complete[0]
+    return path
+
+
 def write_manifest(
     directory: Path, *, step: int, config: dict[str, Any], world_size: int, weights_finite: bool | None = None
 ) -> None:

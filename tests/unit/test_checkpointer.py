@@ -192,3 +192,17 @@ def test_an_async_save_starts_only_once_the_previous_one_is_complete_and_holds_t
     restored = {"model": ModelState(torch.nn.Linear(4, 2)), "progress": Progress()}
     checkpointer.load(checkpointer.directory / "step-30", restored)
     assert torch.equal(restored["model"].model.weight, expected[30]), "the checkpoint holds the weights of its step"
+
+
+def test_a_run_directory_names_its_newest_complete_checkpoint(tmp_path):
+    from paratrain.checkpoint.manifest import named_checkpoint, write_manifest
+
+    checkpoints = tmp_path / "run" / "checkpoints"
+    for step in (2, 10, 12):
+        (checkpoints / f"step-{step}").mkdir(parents=True)
+    for step in (2, 10):  # step-12's save did not finish
+        write_manifest(checkpoints / f"step-{step}", step=step, config={}, world_size=1)
+    assert named_checkpoint(tmp_path / "run") == checkpoints / "step-10"
+    assert named_checkpoint(checkpoints) == checkpoints / "step-10"
+    assert named_checkpoint(checkpoints / "step-12") == checkpoints / "step-12"  # named: refused by its check
+    assert named_checkpoint(tmp_path / "elsewhere") == tmp_path / "elsewhere"

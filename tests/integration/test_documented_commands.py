@@ -1,0 +1,77 @@
+"""The docs' commands are tests: each runs as a user would type it (see documented_commands.py).
+
+A user who copies a command from README.md, docs/ or an example's header gets what the docs promise; a
+command changed, added or broken in the docs without its entry here fails the suite.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.harness import REPO_ROOT
+from tests.integration.documented_commands import COMMANDS, Elsewhere, Run, argv_of, commands_in_docs
+
+# Commands of one recipe in order; a command without a recipe is a recipe of its own.
+RECIPES: dict[str, list[str]] = {}
+for _command, _entry in COMMANDS.items():
+    if isinstance(_entry, Run):
+        RECIPES.setdefault(_entry.recipe or _command, []).append(_command)
+
+
+def test_every_documented_command_has_an_entry_and_every_entry_is_documented():
+    documented = commands_in_docs()
+    registered = {argv_of(command): command for command in COMMANDS}
+    unlisted = [
+        f"{' '.join(argv)}   (in {', '.join(where)})" for argv, where in documented.items() if argv not in registered
+    ]
+    assert not unlisted, "documented commands the suite does not run; add each to COMMANDS in " + (
+        "tests/integration/documented_commands.py:\n" + "\n".join(unlisted)
+    )
+    stale = [command for argv, command in registered.items() if argv not in documented]
+    assert not stale, f"COMMANDS entries no doc shows any more (remove them): {stale}"
+
+
+def test_every_scale_down_says_why_and_every_command_not_run_names_its_test():
+    for command, entry in COMMANDS.items():
+        if isinstance(entry, Run):
+            assert bool(entry.scale_down) == bool(entry.why), command
+        else:
+            assert isinstance(entry, Elsewhere) and entry.why and entry.test, command
+
+
+def slug(recipe: str) -> str:
+    """A test id without spaces or '=' (which -k cannot take): paratrain-train-quickstart-parallel.tp-2-..."""
+    return re.sub(r"[^\w.]+", "-", recipe.replace("examples/", "").replace(".yaml", "")).strip("-")
+
+
+@pytest.mark.parametrize("recipe", RECIPES, ids=slug)
+def test_documented_command_runs_as_written(recipe, tmp_path):
+    shutil.copytree(REPO_ROOT / "examples", tmp_path / "examples")  # the docs' paths are relative to the repo
+    env = users_environment()
+    for command in RECIPES[recipe]:
+        entry = COMMANDS[command]
+        done = subprocess.run(
+            [*argv_of(command), *entry.scale_down], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300
+        )
+        output = done.stdout + done.stderr
+        assert done.returncode == 0, f"{command!r} exited {done.returncode}:\n{output[-4000:]}"
+        assert entry.output is None or entry.output in output, (
+            f"{entry.output!r} not in the output of {command!r}:\n{output[-4000:]}"
+        )
+
+
+def users_environment() -> dict[str, str]:
+    """The environment of a user who activated the venv: its bin first on PATH (python, paratrain, torchrun),
+    and none of the variables paratrain, trackers or the suite's fixtures read."""
+    env = {
+        name: value for name, value in os.environ.items() if not name.startswith(("PARATRAIN_", "MLFLOW_", "WANDB_"))
+    }
+    env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
+    return env
