@@ -38,6 +38,9 @@ class Run:
     why: str = ""  # why the scale-down; required with one
     recipe: str | None = None  # commands of one recipe share a directory and run in COMMANDS' order
     output: str | None = None  # a text the command's output must hold
+    # plain torchrun's stores listen on every interface (pytorch#173909): such a command runs in a network
+    # namespace holding only loopback (tests/harness.in_private_network)
+    private_network: bool = False
 
 
 @dataclass(frozen=True)
@@ -64,7 +67,9 @@ COMMANDS: dict[str, Run | Elsewhere] = {
     "paratrain train examples/quickstart.yaml": short(),
     "paratrain train examples/quickstart.yaml parallel.strategy=dp": short(output="layout dp"),
     "paratrain train examples/quickstart.yaml --nproc-per-node 2": short("check", output="layout ddp: dp_replicate=2"),
-    "torchrun --standalone --nproc-per-node 2 -m paratrain.train examples/quickstart.yaml": short(),
+    "torchrun --standalone --nproc-per-node 2 -m paratrain.train examples/quickstart.yaml": Run(
+        (SHORT,), WHY_SHORT, output="step 2/2", private_network=True
+    ),
     "NCCL_SOCKET_IFNAME=eth1 paratrain train examples/quickstart.yaml --nnodes 2 --nproc-per-node 8 --node-rank 0 "
     "--rdzv-endpoint 10.0.0.1:29500 --max-restarts 3": Elsewhere(
         "needs two machines with 8 GPUs on a network at eth1",

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
@@ -13,10 +11,7 @@ import yaml
 from safetensors.torch import load_file
 
 from tests.harness import (
-    REPO_ROOT,
     checkpoint_weights,
-    in_private_network,
-    private_network_unavailable,
     read_metrics,
     run_cli,
     tiny_config,
@@ -125,27 +120,6 @@ def test_user_model_data_and_loss_factories_import_from_the_working_directory(tm
     records = read_metrics(tmp_path / "run")
     assert "tokens_per_s" not in records[-1]  # float features are not tokens
     assert records[-1]["loss"] < records[0]["loss"]
-
-
-def test_worker_runs_under_plain_torchrun(tmp_path):
-    if reason := private_network_unavailable():
-        pytest.skip(reason)
-    config = write_config(tmp_path / "c.yaml", tiny_config(tmp_path / "run", parallel={"strategy": "ddp"}))
-    command = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc-per-node",
-        "2",
-        "-m",
-        "paratrain.train",
-        str(config),
-        "train.max_steps=5",
-    ]
-    result = subprocess.run(in_private_network(command), capture_output=True, text=True, timeout=180, cwd=REPO_ROOT)
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert read_metrics(tmp_path / "run")[-1]["step"] == 5
 
 
 @pytest.mark.parametrize("strategy,precision", [("dp", "fp32"), ("single", "bf16"), ("single", "fp16")])

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.harness import REPO_ROOT
+from tests.harness import REPO_ROOT, in_private_network, private_network_unavailable
 from tests.integration.documented_commands import COMMANDS, Elsewhere, Run, argv_of, commands_in_docs
 
 # Commands of one recipe in order; a command without a recipe is a recipe of its own.
@@ -57,9 +57,12 @@ def test_documented_command_runs_as_written(recipe, tmp_path):
     env = users_environment()
     for command in RECIPES[recipe]:
         entry = COMMANDS[command]
-        done = subprocess.run(
-            [*argv_of(command), *entry.scale_down], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300
-        )
+        argv = [*argv_of(command), *entry.scale_down]
+        if entry.private_network:
+            if reason := private_network_unavailable():
+                pytest.skip(reason)
+            argv = in_private_network(argv)
+        done = subprocess.run(argv, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
         output = done.stdout + done.stderr
         assert done.returncode == 0, f"{command!r} exited {done.returncode}:\n{output[-4000:]}"
         assert entry.output is None or entry.output in output, (
