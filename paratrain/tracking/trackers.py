@@ -194,14 +194,10 @@ class MlflowTracker:
                 uri,
             )
         self._client = MlflowClient(tracking_uri=uri)
-        experiment_name = os.environ.get("MLFLOW_EXPERIMENT_NAME", "paratrain")
-        experiment = self._client.get_experiment_by_name(experiment_name)
         # The default store keeps its (so far unused) artifact root beside it, not in the working directory.
         artifacts = (run.output_dir / "mlflow-artifacts").resolve().as_uri() if default_store else None
-        experiment_id = (
-            experiment.experiment_id
-            if experiment
-            else self._client.create_experiment(experiment_name, artifact_location=artifacts)
+        experiment_id = self._experiment_id(
+            os.environ.get("MLFLOW_EXPERIMENT_NAME", "paratrain"), artifact_location=artifacts
         )
         tags = {"mlflow.runName": run.name, "output_dir": str(run.output_dir)}
         self._run_id = self._client.create_run(experiment_id, run_name=run.name, tags=tags).info.run_id
@@ -210,6 +206,12 @@ class MlflowTracker:
         items = [(key, str(value)[:6000]) for key, value in params.items()]
         for start in range(0, len(items), 100):
             self._client.log_batch(self._run_id, params=[Param(k, v) for k, v in items[start : start + 100]])
+
+    def _experiment_id(self, name: str, *, artifact_location: str | None) -> str:
+        experiment = self._client.get_experiment_by_name(name)
+        if experiment:
+            return experiment.experiment_id
+        return self._client.create_experiment(name, artifact_location=artifact_location)
 
     def log(self, metrics: dict[str, Any]) -> None:
         # Lazy: an optional dependency, imported only where it is used.
