@@ -262,3 +262,25 @@ class LayoutRuns:
         output_dir = self._output_dir(name)
         config = tiny_config(output_dir, **self.sections)
         return write_config(self.root / f"{output_dir.name}.yaml", config), output_dir
+
+
+# What a user who has set nothing up lacks: the trackers' variables, and anything in their own HOME.
+TRACKER_VARIABLES = (
+    "MLFLOW_TRACKING_URI",
+    "MLFLOW_ALLOW_FILE_STORE",
+    "MLFLOW_EXPERIMENT_NAME",
+    "WANDB_MODE",
+    "WANDB_API_KEY",
+    "WANDB_BASE_URL",
+    "WANDB_CONFIG_DIR",
+    "NETRC",
+)
+
+
+def as_new_user(monkeypatch, home: Path) -> None:
+    """The environment of a first try: no tracker variables, and an empty HOME (no ~/.netrc from
+    `wandb login`, no W&B settings), whatever this machine's own user has set up."""
+    for name in TRACKER_VARIABLES:
+        monkeypatch.delenv(name, raising=False)
+    home.mkdir(parents=True, exist_ok=True)
+    monkeypatch.setenv("HOME", str(home))

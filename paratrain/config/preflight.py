@@ -26,7 +26,7 @@ from paratrain.models.meta import on_meta
 from paratrain.models.plan import plan_of
 from paratrain.optim import check_fused_setting
 from paratrain.parallel.dims import ParallelDims, resolve_parallel_dims
-from paratrain.tracking.trackers import check_trackers_installed
+from paratrain.tracking.readiness import check_trackers_ready
 
 # Set by the CLI once it has run the checks, so workers it launches do not repeat them.
 PREFLIGHT_DONE_ENV = "PARATRAIN_PREFLIGHT_DONE"
@@ -52,7 +52,7 @@ def preflight(config: Config, *, world_size: int, nproc_per_node: int) -> None:
         lambda: check_factory_args(config.loss, key="loss"),
         lambda: check_callback_configs(config.callbacks),
         lambda: _check_evaluation(config, _dims(config, world_size, nproc_per_node)),
-        lambda: check_trackers_installed(config.log.tracker_names()),
+        lambda: check_trackers_ready(config.log.tracker_names(), output_dir=config.run.output_dir),
         lambda: _check_writable(config.run.output_dir),
         lambda: _check_resume(config),
         lambda: _check_resume_config(config),

@@ -270,8 +270,9 @@ class LogConfig(Section):
     trackers: list[Literal["jsonl", "tensorboard", "wandb", "mlflow"]] = ["jsonl"]
     """Where rank 0 reports the resolved config and every metrics record: jsonl (output_dir/metrics.jsonl,
     read by paratrain report), tensorboard (output_dir/tensorboard/), wandb (pip install 'paratrain[wandb]';
-    WANDB_MODE and WANDB_PROJECT apply), mlflow (pip install 'paratrain[mlflow]'; MLFLOW_TRACKING_URI and
-    MLFLOW_EXPERIMENT_NAME apply)."""
+    WANDB_MODE and WANDB_PROJECT apply; needs `wandb login`, WANDB_API_KEY or WANDB_MODE=offline), mlflow
+    (pip install 'paratrain[mlflow]'; MLFLOW_TRACKING_URI and MLFLOW_EXPERIMENT_NAME apply; unset, it logs
+    to output_dir/mlflow.db)."""
     tensorboard: bool = False
     """Shorthand for adding tensorboard to log.trackers."""
     progress_bar: Literal["auto", "on", "off"] = "auto"

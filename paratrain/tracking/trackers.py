@@ -4,14 +4,18 @@ Each tracker receives the resolved config as hyperparameters once, every metrics
 closed with how the run ended. wandb and mlflow are optional extras, imported only when named;
 their own environment variables choose where the run goes (``WANDB_MODE``/``WANDB_PROJECT``,
 ``MLFLOW_TRACKING_URI``/``MLFLOW_EXPERIMENT_NAME``), so a cluster's existing set-up applies as is.
+With ``MLFLOW_TRACKING_URI`` unset, MLflow logs to a SQLite store in the run's output_dir
+(``mlflow_tracking_uri``); readiness.py checks before launch that each named tracker can open.
 """
 
 from __future__ import annotations
 
 import importlib.util
 import json
+import logging
 import os
 import time
+import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, Protocol
@@ -19,6 +23,8 @@ from typing import Any, Literal, Protocol
 from paratrain.errors import ConfigError
 
 Outcome = Literal["success", "failed", "preempted"]
+
+logger = logging.getLogger("paratrain")
 
 # Name -> (module to import, install command). "jsonl" and "tensorboard" ship with paratrain's core deps.
 TRACKER_PACKAGES = {
@@ -155,6 +161,21 @@ class WandbTracker:
         self._run.finish(exit_code=0 if outcome == "success" else 1)
 
 
+def mlflow_tracking_uri(output_dir: Path) -> str:
+    """MLFLOW_TRACKING_URI when set; otherwise a SQLite store in output_dir.
+
+    MLflow 3's own default, ``sqlite:///mlflow.db`` in the working directory, is refused by mlflow-skinny
+    without sqlalchemy, and its file store refuses to start unless MLFLOW_ALLOW_FILE_STORE=true. A store
+    per output_dir is writable wherever the run is (preflight checked), keeps the run's files together,
+    and is never written by two runs at once (SQLite would answer "database is locked").
+    """
+    explicit = os.environ.get("MLFLOW_TRACKING_URI")
+    if explicit:
+        return explicit
+    # Spelled as MLflow's own path_to_local_sqlite_uri does: sqlite:/// and the absolute path.
+    return "sqlite:///" + urllib.request.pathname2url(str((output_dir / "mlflow.db").resolve()))
+
+
 class MlflowTracker:
     """An MLflow run named after run.name with the flattened config as params and output_dir as a tag."""
 
@@ -163,10 +184,21 @@ class MlflowTracker:
         from mlflow.entities import Param
         from mlflow.tracking import MlflowClient
 
-        self._client = MlflowClient()  # honours MLFLOW_TRACKING_URI
-        experiment_name = os.environ.get("MLFLOW_EXPERIMENT_NAME", "paratrain")
-        experiment = self._client.get_experiment_by_name(experiment_name)
-        experiment_id = experiment.experiment_id if experiment else self._client.create_experiment(experiment_name)
+        uri = mlflow_tracking_uri(run.output_dir)
+        default_store = not os.environ.get("MLFLOW_TRACKING_URI")
+        if default_store:
+            logger.info(
+                "mlflow: MLFLOW_TRACKING_URI is unset, so this run logs to %s; see it with "
+                "`mlflow ui --backend-store-uri %s` (pip install mlflow), or set MLFLOW_TRACKING_URI to your server",
+                uri,
+                uri,
+            )
+        self._client = MlflowClient(tracking_uri=uri)
+        # The default store keeps its (so far unused) artifact root beside it, not in the working directory.
+        artifacts = (run.output_dir / "mlflow-artifacts").resolve().as_uri() if default_store else None
+        experiment_id = self._experiment_id(
+            os.environ.get("MLFLOW_EXPERIMENT_NAME", "paratrain"), artifact_location=artifacts
+        )
         tags = {"mlflow.runName": run.name, "output_dir": str(run.output_dir)}
         self._run_id = self._client.create_run(experiment_id, run_name=run.name, tags=tags).info.run_id
         params = _flatten(run.hparams)
@@ -174,6 +206,12 @@ class MlflowTracker:
         items = [(key, str(value)[:6000]) for key, value in params.items()]
         for start in range(0, len(items), 100):
             self._client.log_batch(self._run_id, params=[Param(k, v) for k, v in items[start : start + 100]])
+
+    def _experiment_id(self, name: str, *, artifact_location: str | None) -> str:
+        experiment = self._client.get_experiment_by_name(name)
+        if experiment:
+            return experiment.experiment_id
+        return self._client.create_experiment(name, artifact_location=artifact_location)
 
     def log(self, metrics: dict[str, Any]) -> None:
         # Lazy: an optional dependency, imported only where it is used.

@@ -15,7 +15,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from tests.harness import run_cli_in_process, tiny_config, write_config
+from tests.harness import as_new_user, run_cli_in_process, tiny_config, write_config
 
 SENTINEL = "earlier results\n"
 MLP = [
@@ -212,6 +212,10 @@ CASES: dict[str, Case] = {
     "log.every_steps zero": train("log.every_steps=0", expect="log.every_steps"),
     "log.trackers unknown": train("log.trackers=[csv]", expect="log.trackers"),
     "log.progress_bar unknown": train("log.progress_bar=maybe", expect="log.progress_bar"),
+    "log.trackers wandb without a login": train(
+        "log.trackers=[jsonl,wandb]",
+        expect=("log.trackers names 'wandb' but no W&B login", "`wandb login`", "WANDB_API_KEY", "WANDB_MODE=offline"),
+    ),
     # --- model ----------------------------------------------------------------------------------
     "model factory that does not import": train(
         "model.factory=no_such_package.models:build", expect=("model.factory", "no_such_package", "does not import")
@@ -539,6 +543,7 @@ def files(tmp_path_factory) -> dict[str, str]:
 @pytest.mark.parametrize("name", CASES)
 def test_bad_input_exits_2_without_a_traceback_naming_the_key(files, monkeypatch, name):
     monkeypatch.setenv("PATH", files["tmp"])  # no sbatch, whether or not this machine has Slurm
+    as_new_user(monkeypatch, Path(files["tmp"]) / "home")  # no tracker variables, no ~/.netrc
     argv = [fill(part, files) for part in CASES[name].argv]
     code, stderr = run_cli_in_process(argv)
     assert code == 2, f"exit {code}; stderr:\n{stderr}"

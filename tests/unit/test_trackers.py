@@ -1,9 +1,11 @@
 """log.trackers with the real packages in their local modes: W&B offline (its .wandb transaction log
 read back record by record), MLflow on a file store (read back with MlflowClient), TensorBoard event
-files (read with TensorBoard's own EventAccumulator), all against metrics.jsonl."""
+files (read with TensorBoard's own EventAccumulator), all against metrics.jsonl. Then a new user's
+first try, with none of the trackers' variables set: MLflow's default store, W&B without a login."""
 
 from __future__ import annotations
 
+import logging
 import signal
 import struct
 from pathlib import Path
@@ -15,11 +17,12 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from wandb.proto import wandb_internal_pb2
 
 from paratrain.callbacks import Callback
-from paratrain.errors import EXIT_REQUEUE, EXIT_USER_ERROR
+from paratrain.errors import EXIT_REQUEUE, EXIT_USER_ERROR, ConfigError
 from paratrain.tracking import trackers
 from paratrain.tracking.metrics import MetricsLogger
+from paratrain.tracking.readiness import check_trackers_ready
 from paratrain.tracking.trackers import RunInfo
-from tests.harness import read_metrics, run_cli_in_process, tiny_config, write_config
+from tests.harness import as_new_user, free_loopback_port, read_metrics, run_cli_in_process, tiny_config, write_config
 
 ALL = ["jsonl", "tensorboard", "wandb", "mlflow"]
 
@@ -151,3 +154,86 @@ def test_tracker_whose_package_is_missing_names_the_install_command(tmp_path, mo
     assert code == EXIT_USER_ERROR
     assert "pip install 'paratrain[wandb]'" in stderr and "log.trackers" in stderr
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+@pytest.fixture
+def new_user(tmp_path, monkeypatch) -> Path:
+    """No tracker variables, an empty HOME, and an empty working directory, which is returned."""
+    as_new_user(monkeypatch, tmp_path / "home")
+    cwd = tmp_path / "cwd"
+    cwd.mkdir()
+    monkeypatch.chdir(cwd)
+    return cwd
+
+
+def train_tracked(tmp_path: Path, names: list[str]) -> tuple[int, str, Path]:
+    output_dir = tmp_path / "run"
+    config = tiny_config(output_dir, train={"max_steps": 3}, log={"every_steps": 1, "trackers": names})
+    code, stderr = run_cli_in_process(["train", str(write_config(tmp_path / "c.yaml", config))])
+    return code, stderr, output_dir
+
+
+def test_mlflow_with_nothing_set_logs_to_a_sqlite_store_in_output_dir_and_says_how_to_open_it(
+    tmp_path, new_user, caplog
+):
+    caplog.set_level(logging.INFO, logger="paratrain")
+    code, stderr, output_dir = train_tracked(tmp_path, ["jsonl", "mlflow"])
+    assert code == 0, stderr
+    uri = f"sqlite:///{output_dir.resolve()}/mlflow.db"
+    assert f"`mlflow ui --backend-store-uri {uri}`" in caplog.text
+    client, mlrun = mlflow_run(uri, "test")
+    assert mlrun.info.status == "FINISHED" and mlrun.data.params["train.max_steps"] == "3"
+    logged = {metric.step: metric.value for metric in client.get_metric_history(mlrun.info.run_id, "loss")}
+    assert logged == pytest.approx({record["step"]: record["loss"] for record in read_metrics(output_dir)})
+    assert sorted(logged) == [1, 2, 3]
+    assert list(new_user.iterdir()) == []  # nothing in the working directory: no ./mlflow.db, no ./mlruns
+
+
+def test_an_explicit_mlflow_tracking_uri_wins_over_the_default_store(tmp_path, new_user, monkeypatch, caplog):
+    caplog.set_level(logging.INFO, logger="paratrain")
+    uri = f"sqlite:///{tmp_path}/team.db"
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+    code, stderr, output_dir = train_tracked(tmp_path, ["mlflow"])
+    assert code == 0, stderr
+    assert mlflow_run(uri, "test")[1].info.status == "FINISHED"
+    assert not (output_dir / "mlflow.db").exists() and "MLFLOW_TRACKING_URI is unset" not in caplog.text
+
+
+def test_mlflow_file_store_without_its_opt_in_stops_before_training(tmp_path, new_user, monkeypatch):
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"file://{tmp_path}/mlruns")
+    code, stderr, output_dir = train_tracked(tmp_path, ["mlflow"])
+    assert code == EXIT_USER_ERROR
+    assert "MLFLOW_ALLOW_FILE_STORE=true" in stderr and "Traceback" not in stderr
+    assert not output_dir.exists() and not (tmp_path / "mlruns").exists()
+
+
+def test_wandb_without_a_login_stops_before_training_naming_the_ways_to_log_in(tmp_path, new_user):
+    code, stderr, output_dir = train_tracked(tmp_path, ["jsonl", "wandb"])
+    assert code == EXIT_USER_ERROR
+    (line,) = [line for line in stderr.splitlines() if "wandb" in line]
+    assert "`wandb login`" in line and "WANDB_API_KEY" in line and "WANDB_MODE=offline" in line
+    assert "Traceback" not in stderr and not output_dir.exists()
+
+
+@pytest.mark.parametrize("mode", ["offline", "disabled"])
+def test_wandb_in_a_local_mode_needs_no_login(tmp_path, new_user, monkeypatch, mode):
+    monkeypatch.setenv("WANDB_MODE", mode)
+    check_trackers_ready(["wandb"], output_dir=tmp_path / "run")
+
+
+def test_a_wandb_api_key_of_the_wrong_shape_is_named_before_training(tmp_path, new_user, monkeypatch):
+    monkeypatch.setenv("WANDB_API_KEY", "abc")
+    with pytest.raises(ConfigError, match="WANDB_API_KEY invalid.*set a valid WANDB_API_KEY"):
+        check_trackers_ready(["wandb"], output_dir=tmp_path / "run")
+
+
+def test_a_wandb_login_in_netrc_passes_the_check(tmp_path, new_user, monkeypatch):
+    # A W&B host on a closed loopback port: its key is looked up, the host is never reached.
+    host = f"127.0.0.1:{free_loopback_port()}"
+    monkeypatch.setenv("WANDB_BASE_URL", f"http://{host}")
+    with pytest.raises(ConfigError, match="no W&B login was found"):
+        check_trackers_ready(["wandb"], output_dir=tmp_path / "run")
+    netrc = tmp_path / "home" / ".netrc"  # as `wandb login` writes it
+    netrc.write_text(f"machine {host}\n  login user\n  password {'a' * 40}\n")
+    netrc.chmod(0o600)
+    check_trackers_ready(["wandb"], output_dir=tmp_path / "run")
