@@ -7,6 +7,7 @@ import os
 import shutil
 import subprocess
 import sys
+from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -16,8 +17,10 @@ from paratrain.config.warnings import ineffective_options
 from paratrain.errors import (
     EXIT_NONFINITE,
     EXIT_REQUEUE,
+    EXIT_SAVE_FAILED,
     EXIT_USER_ERROR,
     CheckpointError,
+    CheckpointWriteError,
     ConfigError,
     NonFiniteStop,
     Preempted,
@@ -44,6 +47,8 @@ def main(argv: list[str] | None = None) -> int:
     except NonFiniteStop as stopped:  # one process, trained in this one
         print(f"paratrain: error: {stopped}", file=sys.stderr)
         return EXIT_NONFINITE
+    except CheckpointWriteError:  # one process, trained in this one: the checkpointer said what failed
+        return EXIT_SAVE_FAILED
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -74,9 +79,8 @@ def train_command(args: argparse.Namespace) -> int:
     options.validate()
     config = load_config(args.config, args.overrides)
     # Lazy: imported once the config parses; preflight loads torch.distributed and the planner loads torch.
-    from paratrain.config.preflight import PREFLIGHT_DONE_ENV, preflight
+    from paratrain.config.preflight import preflight
     from paratrain.parallel.dims import resolve_parallel_dims
-    from paratrain.planner.layouts import layout_overrides
     from paratrain.planner.memory_check import describe_auto_choice, maybe_resolve_auto
 
     auto = config.parallel.strategy == "auto"
@@ -89,6 +93,31 @@ def train_command(args: argparse.Namespace) -> int:
     )
     for warning in ineffective_options(config, dims):
         print(f"paratrain: warning: {warning}", file=sys.stderr)
+    # One run per output directory, held by node 0's launcher (or the one process) until it exits.
+    with maybe_holding_run_lock(config.run.output_dir, node_rank=options.node_rank):
+        return run_or_launch(config, dims, options, args, auto=auto)
+
+
+def maybe_holding_run_lock(output_dir: Path, *, node_rank: int) -> AbstractContextManager:
+    """This process holds output_dir's run lock on node 0 (see paratrain.launch.run_lock); other nodes'
+    launchers hold none, since the directory is shared."""
+    from paratrain.launch.run_lock import holding_run_lock  # lazy: as every command's imports
+
+    if node_rank != 0:
+        return nullcontext()
+    return holding_run_lock(
+        output_dir, pid=os.getpid(), say=lambda notice: print(f"paratrain: warning: {notice}", file=sys.stderr)
+    )
+
+
+def run_or_launch(
+    config: Config, dims: ParallelDims, options: LaunchOptions, args: argparse.Namespace, *, auto: bool
+) -> int:
+    """Trains in this process (one process, no restarts), or launches the workers under torchrun."""
+    # lazy: each command loads only what it runs, so every `paratrain` call starts fast
+    from paratrain.config.preflight import PREFLIGHT_DONE_ENV
+    from paratrain.planner.layouts import layout_overrides
+
     if options.world_size == 1 and options.max_restarts == 0:
         # lazy: each command loads only what it runs, so every `paratrain` call starts fast
         from paratrain.train import configure_logging, run

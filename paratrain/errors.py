@@ -3,12 +3,15 @@ without a traceback, and exits with the documented code."""
 
 from __future__ import annotations
 
+import errno as errno_module
+import os
 from pathlib import Path
 
 EXIT_USER_ERROR = 2  # the documented exit code for bad input
 EXIT_REQUEUE = 75  # EX_TEMPFAIL: stopped on SIGTERM/SIGUSR1 after saving a checkpoint; requeue to continue
 EXIT_HANG = 124  # as timeout(1): a step exceeded debug.step_timeout_s; stacks in output_dir/hang/
 EXIT_NONFINITE = 3  # training diverged: non-finite gradients or weights (train.nonfinite); nothing bad was saved
+EXIT_SAVE_FAILED = 74  # EX_IOERR: a checkpoint could not be written (disk full, quota, read-only, permissions)
 
 
 class ConfigError(ValueError):
@@ -62,3 +65,32 @@ class NonFiniteStop(Exception):
             f"train.grad_clip, or train.nonfinite=skip to skip such steps"
         )
         self.step, self.checkpoint = step, checkpoint
+
+
+class CheckpointWriteError(Exception):
+    """Every rank stopped because the storage refused a checkpoint (disk full, quota, read-only, permissions).
+
+    The incomplete checkpoint directory was removed; the complete ones before it are untouched.
+
+    Attributes:
+        step: The step whose checkpoint failed.
+        path: The directory (or file) the storage refused.
+        errno: The OSError's errno (e.g. ``errno.ENOSPC``).
+        checkpoint: The newest complete checkpoint, which a resume continues from (None: there is none).
+    """
+
+    def __init__(self, *, step: int, path: Path, errno: int, checkpoint: Path | None, fix: str):
+        resume = (
+            f"checkpoint.resume=auto continues from {checkpoint}, the newest complete checkpoint"
+            if checkpoint
+            else "no complete checkpoint exists yet, so a new run starts from step 0"
+        )
+        super().__init__(
+            f"checkpoint step-{step} was not saved: {os.strerror(errno)} ({_errno_name(errno)}) writing {path}; "
+            f"the incomplete step-{step} was removed and {resume}; exit code {EXIT_SAVE_FAILED}. {fix}"
+        )
+        self.step, self.path, self.errno, self.checkpoint = step, path, errno, checkpoint
+
+
+def _errno_name(number: int) -> str:
+    return errno_module.errorcode.get(number, str(number))

@@ -10,6 +10,8 @@ import argparse
 import logging
 import os
 import sys
+from contextlib import AbstractContextManager, nullcontext
+from pathlib import Path
 
 from paratrain.config.preflight import PREFLIGHT_DONE_ENV, preflight
 from paratrain.config.schema import Config, load_config
@@ -17,14 +19,17 @@ from paratrain.config.warnings import ineffective_options
 from paratrain.errors import (
     EXIT_NONFINITE,
     EXIT_REQUEUE,
+    EXIT_SAVE_FAILED,
     EXIT_USER_ERROR,
     CheckpointError,
+    CheckpointWriteError,
     ConfigError,
     NonFiniteStop,
     Preempted,
     UserCodeError,
 )
 from paratrain.launch.process_group import local_world_size_from_env, pick_device, world_size_from_env
+from paratrain.launch.run_lock import holding_run_lock, worker_lock_pid
 from paratrain.parallel.dims import resolve_parallel_dims
 from paratrain.planner.memory_check import check_memory, maybe_resolve_auto
 from paratrain.trainer import Trainer, TrainResult
@@ -80,7 +85,8 @@ def main(argv: list[str] | None = None) -> int:
             dims = resolve_parallel_dims(config.parallel, world_size=world_size_from_env(), local_world_size=local)
             for warning in ineffective_options(config, dims):
                 logging.getLogger("paratrain").warning("warning: %s", warning)
-        run(config, config_path=args.config)
+        with maybe_holding_run_lock(config.run.output_dir):
+            run(config, config_path=args.config)
     except (ConfigError, CheckpointError, UserCodeError) as error:
         report_user_error(error, rank=rank)
         return EXIT_USER_ERROR
@@ -88,7 +94,18 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_REQUEUE
     except NonFiniteStop:  # the Trainer said why and where before any rank could exit
         return EXIT_NONFINITE
+    except CheckpointWriteError:  # rank 0 said what failed and what is safe before any rank could exit
+        return EXIT_SAVE_FAILED
     return 0
+
+
+def maybe_holding_run_lock(output_dir: Path) -> AbstractContextManager:
+    """The run lock on output_dir, held by global rank 0 when no paratrain launcher holds it (see
+    paratrain.launch.run_lock); nothing on other ranks."""
+    pid = worker_lock_pid(os.environ)
+    if pid is None:
+        return nullcontext()
+    return holding_run_lock(output_dir, pid=pid, say=logging.getLogger("paratrain").warning)
 
 
 def report_user_error(error: Exception, *, rank: int) -> None:

@@ -6,6 +6,10 @@ copy, waits for every rank to finish writing, and only then has rank 0 write the
 the checkpoint complete. At most one save is in flight: each save, the end of training and a
 preemption stop first wait for the previous one. A crash mid-write leaves no manifest, so the
 previous complete checkpoint stays the newest one ``resume: auto`` finds.
+
+When the storage refuses a save (disk full, quota, read-only, permissions), every rank raises
+``CheckpointWriteError`` together, after rank 0 removed the incomplete directory and said which
+complete checkpoint a resume continues from.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ import logging
 import shutil
 import time
 import warnings
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,7 +28,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.stateful import Stateful
 
@@ -36,7 +40,8 @@ from paratrain.checkpoint.manifest import (
 )
 from paratrain.checkpoint.safe_reader import SafeFileSystemReader, SafeLoadPlanner
 from paratrain.checkpoint.state import SavedEntriesOnly, is_saved
-from paratrain.errors import CheckpointError
+from paratrain.checkpoint.storage_errors import SAVE_FAILURES, ErrnoKeepingWriter, find_storage_error, storage_fix
+from paratrain.errors import CheckpointError, CheckpointWriteError
 from paratrain.launch import faults
 from paratrain.parallel.collectives import barrier, broadcast_object, is_distributed
 
@@ -99,18 +104,32 @@ class Checkpointer:
         manifest; ``resume: auto`` never picks a checkpoint recorded as not finite.
         """
         self.wait()
-        path = self._fresh_directory(step)
-        if blocking or not self.async_save:
-            with quiet_single_process():
-                dcp.save(state, storage_writer=FileSystemWriter(path), no_dist=not is_distributed())
-            faults.maybe_kill("mid_save", step=step, rank=self.rank)
-            self._mark_complete(path, step=step, group=None, weights_finite=weights_finite)
-            return path
+        path = self.directory / f"step-{step}"
+        try:
+            self._fresh_directory(path)
+            if blocking or not self.async_save:
+                self._save_now(path, step, state, weights_finite=weights_finite)
+            else:
+                self._start_async_save(path, step, state, weights_finite=weights_finite)
+        except SAVE_FAILURES as error:
+            self._maybe_stop_on_storage_error(error, step=step, path=path)
+            raise
+        return path
+
+    def _save_now(self, path: Path, step: int, state: dict[str, Stateful], *, weights_finite: bool | None) -> None:
+        with quiet_single_process():
+            dcp.save(state, storage_writer=ErrnoKeepingWriter(path), no_dist=not is_distributed())
+        faults.maybe_kill("mid_save", step=step, rank=self.rank)
+        self._mark_complete(path, step=step, group=None, weights_finite=weights_finite)
+
+    def _start_async_save(
+        self, path: Path, step: int, state: dict[str, Stateful], *, weights_finite: bool | None
+    ) -> None:
         started = time.perf_counter()
         with quiet_single_process():
             written = dcp.async_save(
                 state,
-                storage_writer=FileSystemWriter(path),
+                storage_writer=ErrnoKeepingWriter(path),
                 process_group=self._group,
                 async_stager=self._stager,
                 no_dist=not is_distributed(),
@@ -119,20 +138,24 @@ class Checkpointer:
         assert self._executor is not None
         done = self._executor.submit(self._finish_async, written, path, step, started, weights_finite)
         self._in_flight = _InFlightSave(step, path, done)
-        return path
 
     def wait(self) -> Path | None:
         """Blocks until the save in flight, if any, is complete on every rank; returns its path.
 
         Raises:
-            Exception: whatever failed in the background write, so a lost checkpoint is not silent.
+            CheckpointWriteError: the storage refused the background write (on every rank).
+            Exception: whatever else failed in the background write, so a lost checkpoint is not silent.
         """
         in_flight, self._in_flight = self._in_flight, None
         if in_flight is None:
             return None
         if not in_flight.done.done():
             logger.info("waiting for checkpoint %s, still being written in the background", in_flight.path)
-        in_flight.done.result()
+        try:
+            in_flight.done.result()
+        except SAVE_FAILURES as error:
+            self._maybe_stop_on_storage_error(error, step=in_flight.step, path=in_flight.path)
+            raise
         return in_flight.path
 
     def close(self) -> None:
@@ -145,14 +168,52 @@ class Checkpointer:
             if self._stager is not None:
                 self._stager.close()
 
-    def _fresh_directory(self, step: int) -> Path:
-        path = self.directory / f"step-{step}"
-        if self.rank == 0:
+    def _fresh_directory(self, path: Path) -> None:
+        def recreate() -> None:
             # DCP must write into a fresh directory; a leftover from a crashed attempt is not trusted.
             shutil.rmtree(path, ignore_errors=True)
             path.mkdir(parents=True)
-        barrier()
-        return path
+
+        self._on_main(recreate, group=None)
+
+    def _on_main(self, action: Callable[[], None], *, group: dist.ProcessGroup | None) -> None:
+        """Runs action on rank 0 while the others wait; an OSError it raises is raised on every rank, so
+        none is left waiting for rank 0 in a collective."""
+        failed = None
+        if self.rank == 0:
+            try:
+                action()
+            except OSError as error:
+                failed = OSError(error.errno, error.strerror, error.filename)  # pickles with its errno
+        failed = broadcast_object(failed, group=group)
+        if failed is not None:
+            raise failed
+
+    def _maybe_stop_on_storage_error(self, error: BaseException, *, step: int, path: Path) -> None:
+        """Raises CheckpointWriteError on every rank when the storage refused the save; returns (for the
+        caller to re-raise ``error``) when something else failed. Every rank calls it with the same error:
+        DCP and _on_main hand each rank every rank's failure."""
+        failure = self._describe_storage_failure(error, step=step, path=path) if self.rank == 0 else None
+        # Rank 0 has removed the directory and said what happened before any rank goes on to exit.
+        failure = broadcast_object(failure)
+        if failure is not None:
+            raise CheckpointWriteError(**failure) from error
+
+    def _describe_storage_failure(self, error: BaseException, *, step: int, path: Path) -> dict[str, Any] | None:
+        refused = find_storage_error(error)
+        if refused is None:
+            return None
+        # No manifest was written, so nothing would resume from it; removed anyway, for the space.
+        shutil.rmtree(path, ignore_errors=True)
+        failure = {
+            "step": step,
+            "path": Path(refused.filename) if refused.filename else path,
+            "errno": refused.errno,
+            "checkpoint": self.newest_complete(),
+            "fix": storage_fix(refused.errno),
+        }
+        logger.error("error: %s", CheckpointWriteError(**failure))
+        return failure
 
     def _finish_async(
         self, written: Future, path: Path, step: int, started: float, weights_finite: bool | None
@@ -167,12 +228,14 @@ class Checkpointer:
         self, path: Path, *, step: int, group: dist.ProcessGroup | None, weights_finite: bool | None
     ) -> None:
         barrier(group)  # every rank's data is on disk before rank 0 declares the checkpoint complete
-        if self.rank == 0:
+
+        def declare_complete() -> None:
             write_manifest(
                 path, step=step, config=self.config, world_size=self.world_size, weights_finite=weights_finite
             )
             self._rotate()
-        barrier(group)
+
+        self._on_main(declare_complete, group=group)
 
     def load(self, path: Path, state: dict[str, Stateful], *, optional: tuple[str, ...] = ()) -> None:
         """Loads state saved under any layout and world size into this one (DCP reshards).
@@ -252,6 +315,16 @@ class Checkpointer:
                 f"no checkpoint in {self.directory} verifies; set checkpoint.resume=never with a new "
                 f"run.output_dir to start over"
             )
+        return None
+
+    def newest_complete(self) -> Path | None:
+        """The checkpoint ``resume: auto`` takes, as far as its manifest tells (files are not re-hashed)."""
+        for _, path in reversed(find_checkpoints(self.directory)):
+            try:
+                if is_complete(path) and read_manifest(path).get("weights_finite") is not False:
+                    return path
+            except CheckpointError:
+                continue
         return None
 
     def _rotate(self) -> None:

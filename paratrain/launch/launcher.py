@@ -9,7 +9,7 @@ import uuid
 from dataclasses import dataclass
 from types import FrameType
 
-from paratrain.errors import EXIT_NONFINITE, EXIT_REQUEUE, ConfigError
+from paratrain.errors import EXIT_NONFINITE, EXIT_REQUEUE, EXIT_SAVE_FAILED, ConfigError
 
 # torchrun's own handling (stop the workers with the same signal, then raise) for these; SIGTERM and
 # SIGUSR1 are paratrain's (_StopRequests), so that the workers get time to save a checkpoint.
@@ -165,9 +165,11 @@ def _summarise_failure(error) -> int:
     if error.failures and all(failure.exitcode == EXIT_REQUEUE for failure in error.failures.values()):
         print(f"paratrain: every worker stopped for a requeue (exit code {EXIT_REQUEUE})", file=sys.stderr)
         return EXIT_REQUEUE
-    if error.failures and all(failure.exitcode == EXIT_NONFINITE for failure in error.failures.values()):
+    if _all_stopped_with(error, EXIT_NONFINITE):
         print(f"paratrain: every worker stopped on non-finite values (exit code {EXIT_NONFINITE})", file=sys.stderr)
         return EXIT_NONFINITE
+    if _all_stopped_with(error, EXIT_SAVE_FAILED):
+        return EXIT_SAVE_FAILED  # rank 0 said which checkpoint failed, why, and which one a resume uses
     codes = []
     for rank, failure in sorted(error.failures.items()):
         how = (
@@ -179,3 +181,10 @@ def _summarise_failure(error) -> int:
         codes.append(failure.exitcode)
     first = codes[0] if codes else 1
     return 128 - first if first < 0 else first
+
+
+def _all_stopped_with(error, code: int) -> bool:
+    """Whether the workers agreed to exit with ``code``. A worker still closing its process group when the
+    first one exited is stopped by torchrun with SIGTERM: that is no failure of its own."""
+    codes = {failure.exitcode for failure in error.failures.values()}
+    return code in codes and codes <= {code, -signal.SIGTERM}

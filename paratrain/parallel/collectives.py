@@ -41,12 +41,12 @@ def all_reduce_min_max(
     return -negative_minimum, maximum
 
 
-def broadcast_object(obj: T, *, src: int = 0) -> T:
+def broadcast_object(obj: T, *, src: int = 0, group: dist.ProcessGroup | None = None) -> T:
     """Rank src's obj on every rank (pickled between this job's own processes only)."""
     if not is_distributed():
         return obj
     holder: list[Any] = [obj]
-    dist.broadcast_object_list(holder, src=src)
+    dist.broadcast_object_list(holder, src=src, group=group)
     return holder[0]
 
 

@@ -62,6 +62,9 @@ CASES: dict[str, Case] = {
     "run.output_dir under a file": train("run.output_dir={blocker}/run", expect=("run.output_dir", "is a file")),
     "run.name a list": train("run.name=[1,2]", expect="run.name"),
     "run unknown key": train("run.nmae=x", expect=("run.nmae", "unknown key")),
+    "run.output_dir locked by a run on another host": train(
+        "run.output_dir={locked}", expect=("in use by a run on host node-7", "delete {locked}/paratrain.lock")
+    ),
     # --- train ----------------------------------------------------------------------------------
     "train unknown key": train("train.max_stepz=5", expect=("train.max_stepz", "unknown key")),
     "train.max_steps wrong type": train("train.max_steps=many", expect=("train.max_steps", "valid integer", "'many'")),
@@ -521,6 +524,8 @@ def files(tmp_path_factory) -> dict[str, str]:
     (tmp / "not_yaml.yaml").write_text("train: [unclosed\n")
     (tmp / "a_list.yaml").write_text("- train\n- optim\n")
     (tmp / "blocker").write_text("a file, not a directory")
+    (tmp / "locked").mkdir()
+    (tmp / "locked/paratrain.lock").write_text('{"host": "node-7", "pid": 1, "since": "2025-01-01T08:00:00"}')
     nan = tiny_config(run, train={"grad_clip": float("nan")})
     cut_model = tmp / "cut_model"  # a pretrained directory whose weights file a copy left short
     cut_model.mkdir()
@@ -536,6 +541,7 @@ def files(tmp_path_factory) -> dict[str, str]:
         "with_checkpoints": str(with_checkpoints),
         "blocker": str(tmp / "blocker"),
         "cut_model": str(cut_model),
+        "locked": str(tmp / "locked"),
         **{name: str(tmp / f"{name}.yaml") for name in ("latin1", "twice", "sections", "not_yaml", "a_list")},
     }
 

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import textwrap
 from pathlib import Path
 
@@ -10,8 +13,12 @@ import torch
 import yaml
 from safetensors.torch import load_file
 
+from paratrain.launch.run_lock import LOCK_NAME
 from tests.harness import (
+    REPO_ROOT,
     checkpoint_weights,
+    in_private_network,
+    private_network_unavailable,
     read_metrics,
     run_cli,
     tiny_config,
@@ -120,6 +127,35 @@ def test_user_model_data_and_loss_factories_import_from_the_working_directory(tm
     records = read_metrics(tmp_path / "run")
     assert "tokens_per_s" not in records[-1]  # float features are not tokens
     assert records[-1]["loss"] < records[0]["loss"]
+
+
+def test_worker_runs_under_plain_torchrun_and_its_restart_keeps_the_run_lock(tmp_path):
+    if reason := private_network_unavailable():
+        pytest.skip(reason)
+    config = write_config(tmp_path / "c.yaml", tiny_config(tmp_path / "run", parallel={"strategy": "ddp"}))
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        "--max-restarts",
+        "1",
+        "-m",
+        "paratrain.train",
+        str(config),
+        "train.max_steps=5",
+    ]
+    # SIGKILL of rank 0, the lock's holder for the torchrun agent: the restarted rank 0 enters it again.
+    env = {**os.environ, "PARATRAIN_FAULT": "after_step:2:0"}
+    result = subprocess.run(
+        in_private_network(command), capture_output=True, text=True, timeout=180, cwd=REPO_ROOT, env=env
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert read_metrics(tmp_path / "run")[-1]["step"] == 5
+    assert "already held by this run" in result.stderr and "took over" not in result.stderr, result.stderr[-3000:]
+    assert not (tmp_path / "run" / LOCK_NAME).exists(), "released when rank 0 finished"
 
 
 @pytest.mark.parametrize("strategy,precision", [("dp", "fp32"), ("single", "bf16"), ("single", "fp16")])

@@ -3,18 +3,22 @@
 from __future__ import annotations
 
 import ipaddress
+import json
 import os
 import re
 import signal
 import socket
+import time
+from dataclasses import dataclass
 from pathlib import Path
 
 from paratrain.checkpoint import verify_checkpoint
 from paratrain.errors import EXIT_REQUEUE
-from tests.harness import child_pids, start_cli, tiny_config, wait_for_first_step, write_config
+from paratrain.launch.run_lock import LOCK_NAME
+from tests.harness import child_pids, run_cli_in_process, start_cli, tiny_config, wait_for_first_step, write_config
 
 
-def test_single_node_run_listens_on_loopback_only_and_stops_for_a_requeue_on_sigusr1_to_the_launcher(tmp_path):
+def test_single_node_run_listens_on_loopback_only_refuses_a_second_run_and_stops_for_a_requeue_on_sigusr1(tmp_path):
     config = write_config(
         tmp_path / "run.yaml",
         tiny_config(tmp_path / "run", train={"max_steps": 400}, parallel={"strategy": "ddp"}, log={"every_steps": 1}),
@@ -23,9 +27,12 @@ def test_single_node_run_listens_on_loopback_only_and_stops_for_a_requeue_on_sig
     try:
         wait_for_first_step(tmp_path / "run", launcher)
         listeners = {pid: _listening_addresses(pid) for pid in [launcher.pid, *child_pids(launcher.pid)]}
+        second = _second_run_into(config, holder=launcher.pid, lock=tmp_path / "run" / LOCK_NAME)
     finally:
         launcher.send_signal(signal.SIGUSR1)
         _, stderr = launcher.communicate(timeout=120)
+    assert second.returncode == 2 and second.seconds < 15, second
+    assert not (tmp_path / "run" / LOCK_NAME).exists(), "released on the way out of a requeue (exit 75)"
     workers = [pid for pid in listeners if pid != launcher.pid]
     assert len(workers) == 2, f"expected 2 workers under the launcher, found {workers}"
     # The launcher hosts the rendezvous store and the store the workers' process group shares.
@@ -37,6 +44,22 @@ def test_single_node_run_listens_on_loopback_only_and_stops_for_a_requeue_on_sig
     assert launcher.returncode == EXIT_REQUEUE, stderr[-3000:]
     stop_step = int(re.search(r"stopped at step (\d+) on SIGUSR1", stderr).group(1))
     verify_checkpoint(tmp_path / "run" / "checkpoints" / f"step-{stop_step}")
+
+
+@dataclass(frozen=True)
+class _Refused:
+    returncode: int
+    seconds: float
+
+
+def _second_run_into(config: Path, *, holder: int, lock: Path) -> _Refused:
+    """A second ``paratrain train`` into the live run's output_dir: refused before launching, naming the holder."""
+    assert json.loads(lock.read_text())["pid"] == holder, "node 0's launcher holds the lock"
+    started = time.monotonic()
+    code, stderr = run_cli_in_process(["train", str(config), "--nproc-per-node", "2"])
+    assert f"is in use by another run (pid {holder} on host {socket.gethostname()}, since " in stderr, stderr
+    assert "use another run.output_dir, or wait for that run to end" in stderr, stderr
+    return _Refused(code, time.monotonic() - started)
 
 
 def _listening_addresses(pid: int) -> list[str]:

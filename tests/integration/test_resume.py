@@ -11,6 +11,7 @@ import torch
 
 from paratrain.checkpoint import Checkpointer, verify_checkpoint
 from paratrain.errors import EXIT_REQUEUE
+from paratrain.launch.run_lock import LOCK_NAME
 from tests.harness import checkpoint_weights, read_metrics, tiny_config, train, write_config
 
 STEPS = 60
@@ -76,6 +77,8 @@ def test_elastic_restart_after_sigkill_resumes_by_itself_and_matches_uninterrupt
     config = config_for(tmp_path, "elastic", "ddp")
     # The fault fires in the first attempt only (TORCHELASTIC_RESTART_COUNT=0), like a machine failure.
     result = train(config, "--max-restarts", "1", nproc=2, env={"PARATRAIN_FAULT": "after_step:35:0"})
+    # The launcher held the run lock across the restart: no worker took, entered or took over one.
+    assert "run lock" not in result.stderr and not (tmp_path / "elastic" / LOCK_NAME).exists()
     resumed_at = int(re.search(r"resumed from \S+ at step (\d+)", result.stderr).group(1))
     assert resumed_at == 30  # the latest complete checkpoint: steps 31-35 are redone, fewer than EVERY
     assert_resumed_like_uninterrupted(tmp_path / "elastic", reference)

@@ -168,7 +168,7 @@ class CompletionProbe(Stateful):
 def test_an_async_save_starts_only_once_the_previous_one_is_complete_and_holds_the_state_of_its_step(
     tmp_path, monkeypatch
 ):
-    monkeypatch.setattr(checkpointer_module, "FileSystemWriter", SlowWriter)
+    monkeypatch.setattr(checkpointer_module, "ErrnoKeepingWriter", SlowWriter)
     checkpointer = Checkpointer(tmp_path / "checkpoints", keep_last=1, rank=0, world_size=1, config={}, async_save=True)
     model, seen_complete = torch.nn.Linear(4, 2), []
     expected = {}

@@ -6,7 +6,7 @@ from types import SimpleNamespace
 
 import torch
 
-from paratrain.errors import EXIT_REQUEUE
+from paratrain.errors import EXIT_REQUEUE, EXIT_SAVE_FAILED
 from paratrain.launch.launcher import _summarise_failure
 from paratrain.launch.preemption import StopSignals
 
@@ -32,3 +32,14 @@ def test_launcher_exits_with_the_requeue_code_only_when_every_worker_did(capsys)
     assert _summarise_failure(failure(EXIT_REQUEUE, EXIT_REQUEUE)) == EXIT_REQUEUE
     assert "every worker stopped for a requeue" in capsys.readouterr().err
     assert _summarise_failure(failure(1, EXIT_REQUEUE)) == 1
+
+
+def test_launcher_exits_74_when_workers_stopped_on_a_refused_save_and_torchrun_stopped_the_rest(capsys):
+    def failure(*codes: int) -> SimpleNamespace:
+        return SimpleNamespace(failures={rank: SimpleNamespace(exitcode=code) for rank, code in enumerate(codes)})
+
+    # Rank 0 still closing its process group when rank 1 exited: torchrun stopped it with SIGTERM.
+    assert _summarise_failure(failure(-signal.SIGTERM, EXIT_SAVE_FAILED)) == EXIT_SAVE_FAILED
+    assert capsys.readouterr().err == ""  # rank 0 already said what failed and what is safe
+    assert _summarise_failure(failure(-signal.SIGTERM, -signal.SIGTERM)) == 128 + signal.SIGTERM
+    assert _summarise_failure(failure(1, EXIT_SAVE_FAILED)) == 1
