@@ -30,14 +30,15 @@ TWO = ["--nproc-per-node", "2"]
 class Case:
     argv: tuple[str, ...]  # formatted with the files of ``files`` ({config}, {tmp}, ...)
     expected: tuple[str, ...]  # each must appear in stderr
+    sys_path: str = ""  # a folder put first on sys.path: what a case finds installed ({old_transformers})
 
 
-def case(*argv: str, expect: str | tuple[str, ...]) -> Case:
-    return Case(argv, (expect,) if isinstance(expect, str) else expect)
+def case(*argv: str, expect: str | tuple[str, ...], sys_path: str = "") -> Case:
+    return Case(argv, (expect,) if isinstance(expect, str) else expect, sys_path)
 
 
-def train(*extra: str, expect: str | tuple[str, ...]) -> Case:
-    return case("train", "{config}", *extra, expect=expect)
+def train(*extra: str, expect: str | tuple[str, ...], sys_path: str = "") -> Case:
+    return case("train", "{config}", *extra, expect=expect, sys_path=sys_path)
 
 
 CASES: dict[str, Case] = {
@@ -228,6 +229,12 @@ CASES: dict[str, Case] = {
     ),
     "model.pretrained that does not exist": train("model.pretrained=/nonexistent/model", expect="model.pretrained"),
     "model.args a list": train("model.args=[1]", expect="model.args"),
+    "transformers release outside the supported range": train(
+        "model.factory=paratrain.models.hf:causal_lm",
+        "model.args={model_type: llama, vocab_size: 64}",
+        sys_path="{old_transformers}",
+        expect=("transformers 4.40.0 is installed", "pip install 'transformers>=4.56"),
+    ),
     # --- data, and data against the model (shape checks) -----------------------------------------
     "data factory that does not import": train("data.factory=nope.data:build", expect=("data.factory", "nope.data")),
     "data factory argument it does not take": train("data.args.nope=1", expect=("data.args", "nope")),
@@ -477,6 +484,10 @@ def files(tmp_path_factory) -> dict[str, str]:
     (tmp / "a_list.yaml").write_text("- train\n- optim\n")
     (tmp / "blocker").write_text("a file, not a directory")
     nan = tiny_config(run, train={"grad_clip": float("nan")})
+    # What pip leaves for an installed release, found before the real one: paratrain reads the version from it.
+    old_transformers = tmp / "old-transformers/transformers-4.40.0.dist-info"
+    old_transformers.mkdir(parents=True)
+    (old_transformers / "METADATA").write_text("Metadata-Version: 2.1\nName: transformers\nVersion: 4.40.0\n")
     return {
         "tmp": str(tmp),
         "run": str(run),
@@ -484,6 +495,7 @@ def files(tmp_path_factory) -> dict[str, str]:
         "nan_file": str(write_config(tmp / "nan.yaml", nan)),
         "with_checkpoints": str(with_checkpoints),
         "blocker": str(tmp / "blocker"),
+        "old_transformers": str(old_transformers.parent),
         **{name: str(tmp / f"{name}.yaml") for name in ("latin1", "twice", "sections", "not_yaml", "a_list")},
     }
 
@@ -491,6 +503,8 @@ def files(tmp_path_factory) -> dict[str, str]:
 @pytest.mark.parametrize("name", CASES)
 def test_bad_input_exits_2_without_a_traceback_naming_the_key(files, monkeypatch, name):
     monkeypatch.setenv("PATH", files["tmp"])  # no sbatch, whether or not this machine has Slurm
+    if CASES[name].sys_path:
+        monkeypatch.syspath_prepend(fill(CASES[name].sys_path, files))
     argv = [fill(part, files) for part in CASES[name].argv]
     code, stderr = run_cli_in_process(argv)
     assert code == 2, f"exit {code}; stderr:\n{stderr}"
