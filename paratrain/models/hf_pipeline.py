@@ -134,7 +134,7 @@ def _mask_kinds(config: Any, num_layers: int) -> list[str]:
 
 @functools.cache
 def _mask_builders() -> dict[str, Callable[..., Any]]:
-    """transformers' mask builders by layer type, and their keyword names (looked up once)."""
+    """transformers' mask builders by layer type (imported once)."""
     # Lazy: transformers is an optional dependency, and only its models get these inputs.
     from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 
@@ -143,9 +143,10 @@ def _mask_builders() -> dict[str, Callable[..., Any]]:
 
 @functools.cache
 def _mask_keywords() -> tuple[str, str, bool]:
-    """The names create_causal_mask gives its embeddings and its key/value cache, and whether it needs the
-    cache positions: 4.56 to 5.4 take ``input_embeds`` and a required ``cache_position``, later releases
-    ``inputs_embeds`` and no cache position; 5.24 renamed ``past_key_values`` to ``cache``."""
+    """The names create_causal_mask gives its embeddings and its key/value cache, and whether it takes the
+    cache positions: 4.56 and 5.0 take ``input_embeds`` and require ``cache_position``; 5.5 takes
+    ``inputs_embeds`` and an optional ``cache_position``, 5.12 none; 5.24 renamed ``past_key_values`` to
+    ``cache``."""
     parameters = inspect.signature(_mask_builders()["full_attention"]).parameters
     embeds = "inputs_embeds" if "inputs_embeds" in parameters else "input_embeds"
     cache = "cache" if "cache" in parameters else "past_key_values"
