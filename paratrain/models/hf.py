@@ -42,7 +42,7 @@ def check_transformers_version(installed: str, *, supported: str) -> None:
     Raises:
         ConfigError: naming the installed release, the supported range and the pip command that fixes it.
     """
-    # packaging is a dependency of transformers itself, so it is there whenever this is asked.
+    # Lazy: packaging is not paratrain's dependency but transformers' own, so it is there when this is asked.
     from packaging.specifiers import SpecifierSet
 
     if supported and installed not in SpecifierSet(supported):
@@ -56,6 +56,7 @@ def supported_range(package: str) -> str:
     """The version specifier paratrain's own requirements give ``package`` (e.g. ``!=5.0.*,<6,>=4.56``),
     read from paratrain's installed metadata, or from the pyproject.toml of a source tree run without
     installing; "" when neither says (nothing to hold it to)."""
+    # Lazy: packaging comes with transformers (see check_transformers_version), not with paratrain.
     from packaging.requirements import Requirement
 
     try:
@@ -71,7 +72,7 @@ def _source_requirements() -> list[str]:
     """The requirements, optional ones included, in the pyproject.toml beside a source checkout."""
     pyproject = Path(__file__).resolve().parents[2] / "pyproject.toml"
     try:
-        import tomllib  # Python 3.11+; on 3.10 an uninstalled source tree goes unchecked
+        import tomllib  # lazy: only a source tree run without installing reads it; Python 3.11+ (3.10: unchecked)
     except ImportError:
         return []
     if not pyproject.is_file():

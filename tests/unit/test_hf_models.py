@@ -10,7 +10,7 @@ import torch
 
 from paratrain.config.schema import HF_CAUSAL_LM, ModelConfig
 from paratrain.errors import ConfigError
-from paratrain.models.hf import causal_lm, check_transformers_version, supported_range
+from paratrain.models.hf import _source_requirements, causal_lm, check_transformers_version, supported_range
 from paratrain.models.init import build_on_meta, materialize
 from paratrain.models.meta import on_meta
 from paratrain.models.plan import plan_of
@@ -201,3 +201,4 @@ def test_the_supported_transformers_range_is_the_one_the_pyproject_declares():
     pyproject = tomllib.loads((Path(__file__).parents[2] / "pyproject.toml").read_text())
     (declared,) = pyproject["project"]["optional-dependencies"]["hf"]
     assert declared == f"transformers{supported_range('transformers')}"
+    assert declared in _source_requirements()  # what a source tree run without installing reads instead
