@@ -7,8 +7,17 @@ INSTALLED := $(VENV)/.installed
 # ...), so it lives in its own environment, without torch, at the version of the client in $(VENV).
 MLFLOW_SERVER_VENV := .venv-mlflow-server
 MLFLOW_SERVER := $(MLFLOW_SERVER_VENV)/.installed
+# The lowest release of every optional extra (constraints-floor.txt), beside the newest in .venv.
+FLOOR_VENV := .venv-floor
+FLOOR_INSTALLED := $(FLOOR_VENV)/.installed
+# The tests that reach into the extras' packages: transformers' plans, masks and rotary inputs, the
+# trackers, tokenized and streamed data.
+FLOOR_TESTS := tests/parity/test_hf_matches_single.py tests/unit/test_hf_models.py \
+	tests/pipeline/test_pipeline_bad_input.py::test_a_transformers_model_that_cannot_be_staged_is_refused_before_training_naming_why \
+	tests/tools/test_plan.py::test_fsdp_units_counted_for_traffic_include_a_transformers_models_outer_units_without_a_pipeline \
+	tests/unit/test_trackers.py tests/unit/test_lm_data.py tests/unit/test_stream_data.py
 
-.PHONY: demo test
+.PHONY: demo test test-floor
 
 $(INSTALLED): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -30,3 +39,11 @@ test: $(INSTALLED) $(MLFLOW_SERVER)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(BIN)/python -m pytest
+
+$(FLOOR_INSTALLED): pyproject.toml constraints-floor.txt
+	$(PYTHON) -m venv $(FLOOR_VENV)
+	$(FLOOR_VENV)/bin/pip install --quiet -c constraints-floor.txt -e '.[dev]'
+	touch $@
+
+test-floor: $(FLOOR_INSTALLED)
+	$(FLOOR_VENV)/bin/python -m pytest $(FLOOR_TESTS)

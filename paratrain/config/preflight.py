@@ -113,6 +113,8 @@ def _check_final_hf_export(config: Config, model_on_meta: Callable[[], nn.Module
         )
     try:
         model = model_on_meta()
+    except ConfigError:
+        raise  # the factory's own refusal (its model.args, a transformers release out of range): so it is for real
     except Exception:  # a model that does not build is reported by the model factory's own check
         return
     if not is_transformers_model(model):
@@ -126,6 +128,8 @@ def _check_final_hf_export(config: Config, model_on_meta: Callable[[], nn.Module
 def _check_data_fits_model(config: Config, model_on_meta: Callable[[], nn.Module]) -> None:
     try:
         model = model_on_meta()
+    except ConfigError:
+        raise  # the factory's own refusal (its model.args, a transformers release out of range): so it is for real
     except Exception:  # a model that does not build is reported by the model factory's own check
         return
     check_data_fits_model(config.data.args, model, key="data")

@@ -8,6 +8,8 @@ seeded build, or the directory's safetensors). transformers is the optional extr
 
 from __future__ import annotations
 
+import importlib.metadata
+from pathlib import Path
 from types import ModuleType
 
 from torch import nn
@@ -18,13 +20,66 @@ INSTALL_HINT = "pip install 'paratrain[hf]'"
 
 
 def require_transformers() -> ModuleType:
-    """transformers, or a ConfigError naming the command that installs it."""
+    """transformers, or a ConfigError naming the command that installs it (or a supported release of it).
+
+    The installed release is checked before the import: one outside the range paratrain declares may
+    not even import with this torch, and would otherwise fail mid-training inside its internals.
+    """
     try:
-        # Lazy: an optional dependency, imported only where it is used.
-        import transformers
-    except ImportError:
+        installed = importlib.metadata.version("transformers")
+    except importlib.metadata.PackageNotFoundError:
         raise ConfigError(f"Hugging Face models need transformers, which is not installed: {INSTALL_HINT}") from None
+    check_transformers_version(installed, supported=supported_range("transformers"))
+    # Lazy: an optional dependency, imported only where it is used.
+    import transformers
+
     return transformers
+
+
+def check_transformers_version(installed: str, *, supported: str) -> None:
+    """Refuses a transformers release outside ``supported`` (a PEP 440 specifier such as ``>=4.56,<6``).
+
+    Raises:
+        ConfigError: naming the installed release, the supported range and the pip command that fixes it.
+    """
+    # Lazy: packaging is not paratrain's dependency but transformers' own, so it is there when this is asked.
+    from packaging.specifiers import SpecifierSet
+
+    if supported and installed not in SpecifierSet(supported):
+        raise ConfigError(
+            f"transformers {installed} is installed, but paratrain supports transformers{supported} "
+            f"(the versions its tests run): pip install 'transformers{supported}'"
+        )
+
+
+def supported_range(package: str) -> str:
+    """The version specifier paratrain's own requirements give ``package`` (e.g. ``!=5.0.*,<6,>=4.56``),
+    read from paratrain's installed metadata, or from the pyproject.toml of a source tree run without
+    installing; "" when neither says (nothing to hold it to)."""
+    # Lazy: packaging comes with transformers (see check_transformers_version), not with paratrain.
+    from packaging.requirements import Requirement
+
+    try:
+        lines = importlib.metadata.requires("paratrain") or []
+    except importlib.metadata.PackageNotFoundError:
+        lines = _source_requirements()
+    specifiers = [requirement.specifier for requirement in map(Requirement, lines) if requirement.name == package]
+    # packaging orders them by text; a reader expects the lower bound first: >=4.56,!=5.0.*,<6
+    return ",".join(sorted(map(str, specifiers[0]), key=lambda part: ">~=!<".find(part[0]))) if specifiers else ""
+
+
+def _source_requirements() -> list[str]:
+    """The requirements, optional ones included, in the pyproject.toml beside a source checkout."""
+    pyproject = Path(__file__).resolve().parents[2] / "pyproject.toml"
+    try:
+        import tomllib  # lazy: only a source tree run without installing reads it; Python 3.11+ (3.10: unchecked)
+    except ImportError:
+        return []
+    if not pyproject.is_file():
+        return []
+    project = tomllib.loads(pyproject.read_text(encoding="utf-8")).get("project", {})
+    optional = project.get("optional-dependencies", {}).values()
+    return [*project.get("dependencies", []), *(line for extra in optional for line in extra)]
 
 
 def is_transformers_model(model: nn.Module) -> bool:

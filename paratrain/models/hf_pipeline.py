@@ -17,6 +17,8 @@ updates its own weights.
 
 from __future__ import annotations
 
+import functools
+import inspect
 from collections.abc import Callable
 from typing import Any
 
@@ -44,8 +46,7 @@ def transformers_pipeline(model: nn.Module) -> dict:
     name = type(model).__name__
     if type(base).__name__ not in CHAINABLE:
         return {"pipeline_refusal": _refusal(name, f"its base model {type(base).__name__} is not one of them")}
-    # pp_plan: module path -> (input names, output names), the base model's entries under its prefix.
-    declared = {path: list(inputs) for path, (inputs, _) in (getattr(model, "pp_plan", None) or {}).items()}
+    declared = _declared_pipeline(getattr(model, "pp_plan", None) or {}, prefix)
     expected = {
         (path if path == "lm_head" else f"{prefix}.{path}"): inputs for path, inputs in _EXPECTED_INPUTS.items()
     }
@@ -58,6 +59,18 @@ def transformers_pipeline(model: nn.Module) -> dict:
         "pipeline_sequence": (f"{prefix}.embed_tokens", *layers, f"{prefix}.norm", "lm_head"),
         "pipeline_layer_inputs": DecoderLayerInputs(layers, base.rotary_emb, base.config),
     }
+
+
+def _declared_pipeline(pp_plan: dict, prefix: str) -> dict[str, list[str]]:
+    """The pp_plan's entries (module path -> input names) for the base model, under its prefix, and the head.
+
+    transformers 4.x also lists the base model's entries without the prefix (its own plan, leaked through
+    the shared config), which name no module of the causal LM: they are left out. Releases before 5.20
+    leave out the head's entry, though ``lm_head`` is the causal LM's own module taking the hidden states
+    in every release, so it is taken as declared.
+    """
+    declared = {path: list(inputs) for path, (inputs, _) in pp_plan.items() if path.startswith(f"{prefix}.")}
+    return {**declared, "lm_head": list(pp_plan.get("lm_head", (_EXPECTED_INPUTS["lm_head"], None))[0])}
 
 
 def _refusal(model_name: str, why: str) -> str:
@@ -94,19 +107,12 @@ class DecoderLayerInputs:
 
     def compute(self, hidden: torch.Tensor) -> Callable[[str], dict[str, Any]]:
         """The keyword inputs of each layer, by path, for this batch's hidden states (computed once per stage)."""
-        # Lazy: transformers is an optional dependency, and only its models get these inputs.
-        from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
-
         position_ids = torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0)
-        arguments = {
-            "config": self.config,
-            "inputs_embeds": hidden,
-            "attention_mask": None,
-            "cache": None,
-            "position_ids": position_ids,
+        builders = _mask_builders()
+        masks = {
+            kind: builders[kind](**_mask_arguments(self.config, hidden, position_ids))
+            for kind in set(self.mask_kind.values())
         }
-        builders = {"full_attention": create_causal_mask, "sliding_attention": create_sliding_window_causal_mask}
-        masks = {kind: builders[kind](**arguments) for kind in set(self.mask_kind.values())}
         embeddings = self.modules[0](hidden, position_ids)
 
         def inputs_of(path: str) -> dict[str, Any]:
@@ -124,3 +130,33 @@ def _mask_kinds(config: Any, num_layers: int) -> list[str]:
         return list(layer_types)
     kind = "sliding_attention" if getattr(config, "sliding_window", None) else "full_attention"
     return [kind] * num_layers
+
+
+@functools.cache
+def _mask_builders() -> dict[str, Callable[..., Any]]:
+    """transformers' mask builders by layer type (imported once)."""
+    # Lazy: transformers is an optional dependency, and only its models get these inputs.
+    from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
+
+    return {"full_attention": create_causal_mask, "sliding_attention": create_sliding_window_causal_mask}
+
+
+@functools.cache
+def _mask_keywords() -> tuple[str, str, bool]:
+    """The names create_causal_mask gives its embeddings and its key/value cache, and whether it takes the
+    cache positions: 4.56 and 5.0 take ``input_embeds`` and require ``cache_position``; 5.5 takes
+    ``inputs_embeds`` and an optional ``cache_position``, 5.12 none; 5.24 renamed ``past_key_values`` to
+    ``cache``."""
+    parameters = inspect.signature(_mask_builders()["full_attention"]).parameters
+    embeds = "inputs_embeds" if "inputs_embeds" in parameters else "input_embeds"
+    cache = "cache" if "cache" in parameters else "past_key_values"
+    return embeds, cache, "cache_position" in parameters
+
+
+def _mask_arguments(config: Any, hidden: torch.Tensor, position_ids: torch.Tensor) -> dict[str, Any]:
+    """The keyword arguments of transformers' mask builders for a batch without padding or cache."""
+    embeds, cache, takes_cache_position = _mask_keywords()
+    arguments = {"config": config, embeds: hidden, "attention_mask": None, cache: None, "position_ids": position_ids}
+    if takes_cache_position:
+        arguments["cache_position"] = position_ids[0]
+    return arguments

@@ -32,14 +32,15 @@ TWO = ["--nproc-per-node", "2"]
 class Case:
     argv: tuple[str, ...]  # formatted with the files of ``files`` ({config}, {tmp}, ...)
     expected: tuple[str, ...]  # each must appear in stderr
+    sys_path: str = ""  # a folder put first on sys.path: what a case finds installed ({old_transformers})
 
 
-def case(*argv: str, expect: str | tuple[str, ...]) -> Case:
-    return Case(argv, (expect,) if isinstance(expect, str) else expect)
+def case(*argv: str, expect: str | tuple[str, ...], sys_path: str = "") -> Case:
+    return Case(argv, (expect,) if isinstance(expect, str) else expect, sys_path)
 
 
-def train(*extra: str, expect: str | tuple[str, ...]) -> Case:
-    return case("train", "{config}", *extra, expect=expect)
+def train(*extra: str, expect: str | tuple[str, ...], sys_path: str = "") -> Case:
+    return case("train", "{config}", *extra, expect=expect, sys_path=sys_path)
 
 
 CASES: dict[str, Case] = {
@@ -240,6 +241,12 @@ CASES: dict[str, Case] = {
         "model.pretrained={cut_model}", expect=("cut_model/model.safetensors", "damaged or incomplete")
     ),
     "model.args a list": train("model.args=[1]", expect="model.args"),
+    "transformers release outside the supported range": train(
+        "model.factory=paratrain.models.hf:causal_lm",
+        "model.args={model_type: llama, vocab_size: 64}",
+        sys_path="{old_transformers}",
+        expect=("transformers 4.40.0 is installed", "pip install 'transformers>=4.56"),
+    ),
     # --- data, and data against the model (shape checks) -----------------------------------------
     "data factory that does not import": train("data.factory=nope.data:build", expect=("data.factory", "nope.data")),
     "data factory argument it does not take": train("data.args.nope=1", expect=("data.args", "nope")),
@@ -533,6 +540,10 @@ def files(tmp_path_factory) -> dict[str, str]:
     save_file({"weight": torch.ones(64, 64)}, cut_model / "model.safetensors")
     whole = (cut_model / "model.safetensors").read_bytes()
     (cut_model / "model.safetensors").write_bytes(whole[: len(whole) // 2])
+    # What pip leaves for an installed release, found before the real one: paratrain reads the version from it.
+    old_transformers = tmp / "old-transformers/transformers-4.40.0.dist-info"
+    old_transformers.mkdir(parents=True)
+    (old_transformers / "METADATA").write_text("Metadata-Version: 2.1\nName: transformers\nVersion: 4.40.0\n")
     return {
         "tmp": str(tmp),
         "run": str(run),
@@ -542,6 +553,7 @@ def files(tmp_path_factory) -> dict[str, str]:
         "blocker": str(tmp / "blocker"),
         "cut_model": str(cut_model),
         "locked": str(tmp / "locked"),
+        "old_transformers": str(old_transformers.parent),
         **{name: str(tmp / f"{name}.yaml") for name in ("latin1", "twice", "sections", "not_yaml", "a_list")},
     }
 
@@ -550,6 +562,8 @@ def files(tmp_path_factory) -> dict[str, str]:
 def test_bad_input_exits_2_without_a_traceback_naming_the_key(files, monkeypatch, name):
     monkeypatch.setenv("PATH", files["tmp"])  # no sbatch, whether or not this machine has Slurm
     as_new_user(monkeypatch, Path(files["tmp"]) / "home")  # no tracker variables, no ~/.netrc
+    if CASES[name].sys_path:
+        monkeypatch.syspath_prepend(fill(CASES[name].sys_path, files))
     argv = [fill(part, files) for part in CASES[name].argv]
     code, stderr = run_cli_in_process(argv)
     assert code == 2, f"exit {code}; stderr:\n{stderr}"

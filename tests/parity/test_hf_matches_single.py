@@ -158,7 +158,8 @@ def test_layout_starts_from_the_single_process_weights_and_trains_like_it(runs, 
     expected = load_file(str(reference / "initial-weights.safetensors"))
     actual = load_file(str(laid_out / "initial-weights.safetensors"))
     assert actual.keys() == expected.keys()
-    differences = {name: (actual[name] - expected[name]).abs().max().item() for name in expected}
+    # double: transformers 4.x GPT-2 also holds its causal mask as a bool buffer, which cannot be subtracted
+    differences = {name: (actual[name].double() - expected[name].double()).abs().max().item() for name in expected}
     assert max(differences.values()) == 0, differences
     assert all(tensor.isfinite().all() for tensor in actual.values())
 

@@ -10,7 +10,7 @@ import torch
 
 from paratrain.config.schema import HF_CAUSAL_LM, ModelConfig
 from paratrain.errors import ConfigError
-from paratrain.models.hf import causal_lm
+from paratrain.models.hf import _source_requirements, causal_lm, check_transformers_version, supported_range
 from paratrain.models.init import build_on_meta, materialize
 from paratrain.models.meta import on_meta
 from paratrain.models.plan import plan_of
@@ -128,8 +128,8 @@ def test_tensor_parallel_plan_of_a_transformers_model_is_its_own_tp_plan_inside_
         check_tensor_parallel_plan(plan, 2, sequence_parallel=True)
     with pytest.raises(ConfigError, match="declares no tensor-parallel plan"):  # GPT-2's Conv1D: no tp_plan
         check_tensor_parallel_plan(plan_of(gpt2), 2)
-    llama.tp_plan = {**llama.tp_plan, "model.layers.*.mlp.up_proj": "packed_colwise"}
-    with pytest.raises(ConfigError, match="styles paratrain does not apply .*mlp.up_proj: packed_colwise"):
+    llama.tp_plan = {**llama.tp_plan, "model.layers.*.mlp.up_proj": "grouped_gemm"}
+    with pytest.raises(ConfigError, match="styles paratrain does not apply .*mlp.up_proj: grouped_gemm"):
         check_tensor_parallel_plan(plan_of(llama), 2)
 
 
@@ -179,3 +179,26 @@ def test_transformers_models_that_cannot_be_staged_are_refused_naming_why():
         ConfigError, match="lm_head shares its weight with model.embed_tokens.*tie_word_embeddings=false"
     ):
         pipeline_sequence(tied)
+
+
+def test_a_transformers_release_outside_the_supported_range_is_refused_with_the_pip_command_that_fixes_it():
+    supported = ">=4.56,!=5.0.*,<6"
+    for installed in ("4.56.0", "5.1.0", "5.24.0"):
+        check_transformers_version(installed, supported=supported)  # inside the range: no error
+    for installed in ("4.55.4", "5.0.0", "6.0.0"):
+        with pytest.raises(ConfigError) as refused:
+            check_transformers_version(installed, supported=supported)
+        message = str(refused.value)
+        assert message == (
+            f"transformers {installed} is installed, but paratrain supports transformers>=4.56,!=5.0.*,<6 "
+            "(the versions its tests run): pip install 'transformers>=4.56,!=5.0.*,<6'"
+        )
+
+
+def test_the_supported_transformers_range_is_the_one_the_pyproject_declares():
+    """Read from paratrain's installed metadata, which the pyproject writes: no second copy to drift."""
+    tomllib = pytest.importorskip("tomllib")
+    pyproject = tomllib.loads((Path(__file__).parents[2] / "pyproject.toml").read_text())
+    (declared,) = pyproject["project"]["optional-dependencies"]["hf"]
+    assert declared == f"transformers{supported_range('transformers')}"
+    assert declared in _source_requirements()  # what a source tree run without installing reads instead
