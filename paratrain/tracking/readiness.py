@@ -47,30 +47,42 @@ def wandb_login_problem() -> str | None:
     # Lazy: an optional dependency, imported only where it is used.
     import wandb
 
-    # The mode a new process's wandb.init would read (rank 0 is one): WANDB_MODE, or the settings file
-    # `wandb offline` writes. Read afresh, not from this process's cached wandb settings.
-    settings = wandb.Settings()
-    settings.update_from_system_settings()
-    settings.update_from_env_vars(dict(os.environ))
+    settings = _wandb_settings(wandb)
     if settings.mode in WANDB_LOCAL_MODES:
         return None
+    missing = (
+        "log.trackers names 'wandb' but no W&B login was found (no WANDB_API_KEY, no key from `wandb login`); "
+        "run `wandb login` or set WANDB_API_KEY, or set WANDB_MODE=offline to log on this machine (`wandb sync` later)"
+    )
     # wandb.init's own look-up (WANDB_API_KEY, its settings files, ~/.netrc), without its prompt.
     # Not wandb.login(prompt=False): once it finds a key it asks the server who is logged in, and
     # against an unreachable host that hung for minutes.
     try:
         from wandb.sdk.lib import wbauth  # lazy: part of the optional wandb, like the import above
-    except ImportError:  # a wandb older than this look-up: wandb.init reports a missing key itself
-        return None
+    except ImportError:  # wandb before wbauth (0.19-0.2x): the same look-up, without the key's shape check
+        from wandb.sdk.lib import apikey  # lazy: likewise
+
+        return None if apikey.api_key(settings=settings) else missing
     host = wbauth.HostUrl(settings.base_url, app_url=settings.app_url)
     try:
         if wbauth.authenticate_session(host=host, source="paratrain", prompt=False, update_session=False):
             return None
     except wandb.errors.AuthenticationError as error:  # a key of the wrong shape
         return f"log.trackers names 'wandb' but its login is not usable ({error}); set a valid WANDB_API_KEY or run `wandb login --relogin`"
-    return (
-        "log.trackers names 'wandb' but no W&B login was found (no WANDB_API_KEY, no key from `wandb login`); "
-        "run `wandb login` or set WANDB_API_KEY, or set WANDB_MODE=offline to log on this machine (`wandb sync` later)"
-    )
+    return missing
+
+
+def _wandb_settings(wandb):
+    """The settings a new process's wandb.init would read (rank 0 is one): WANDB_MODE and the rest of the
+    environment, over the settings file `wandb offline` writes; read afresh, not from this process's cache."""
+    settings = wandb.Settings()
+    # The settings file's reader was renamed (update_from_system_config_file before wandb 0.2x).
+    for read_settings_file in ("update_from_system_settings", "update_from_system_config_file"):
+        if hasattr(settings, read_settings_file):
+            getattr(settings, read_settings_file)()
+            break
+    settings.update_from_env_vars(dict(os.environ))
+    return settings
 
 
 def mlflow_store_problem(output_dir: Path) -> str | None:

@@ -5,9 +5,11 @@ first try, with none of the trackers' variables set: MLflow's default store, W&B
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 import signal
 import struct
+from importlib.metadata import version
 from pathlib import Path
 
 import pytest
@@ -25,6 +27,8 @@ from paratrain.tracking.trackers import RunInfo
 from tests.harness import as_new_user, free_loopback_port, read_metrics, run_cli_in_process, tiny_config, write_config
 
 ALL = ["jsonl", "tensorboard", "wandb", "mlflow"]
+
+MLFLOW_MAJOR = int(version("mlflow-skinny").split(".")[0])
 
 
 @pytest.fixture
@@ -186,7 +190,10 @@ def test_mlflow_with_nothing_set_logs_to_a_sqlite_store_in_output_dir_and_says_h
     logged = {metric.step: metric.value for metric in client.get_metric_history(mlrun.info.run_id, "loss")}
     assert logged == pytest.approx({record["step"]: record["loss"] for record in read_metrics(output_dir)})
     assert sorted(logged) == [1, 2, 3]
-    assert list(new_user.iterdir()) == []  # nothing in the working directory: no ./mlflow.db, no ./mlruns
+    # Nothing in the working directory: no ./mlflow.db, no runs. (MLflow 2's client makes its SQLite store's
+    # default artifact root, ./mlruns, when it opens the store; it stays empty.)
+    leftovers = [path for path in new_user.iterdir() if not (path.name == "mlruns" and MLFLOW_MAJOR < 3)]
+    assert leftovers == [] and not any(new_user.glob("mlruns/*"))
 
 
 def test_an_explicit_mlflow_tracking_uri_wins_over_the_default_store(tmp_path, new_user, monkeypatch, caplog):
@@ -200,6 +207,8 @@ def test_an_explicit_mlflow_tracking_uri_wins_over_the_default_store(tmp_path, n
 
 
 def test_mlflow_file_store_without_its_opt_in_stops_before_training(tmp_path, new_user, monkeypatch):
+    if MLFLOW_MAJOR < 3:
+        pytest.skip("MLflow 2 opens its file store without an opt-in (MLFLOW_ALLOW_FILE_STORE came with 3)")
     monkeypatch.setenv("MLFLOW_TRACKING_URI", f"file://{tmp_path}/mlruns")
     code, stderr, output_dir = train_tracked(tmp_path, ["mlflow"])
     assert code == EXIT_USER_ERROR
@@ -222,6 +231,8 @@ def test_wandb_in_a_local_mode_needs_no_login(tmp_path, new_user, monkeypatch, m
 
 
 def test_a_wandb_api_key_of_the_wrong_shape_is_named_before_training(tmp_path, new_user, monkeypatch):
+    if importlib.util.find_spec("wandb.sdk.lib.wbauth") is None:
+        pytest.skip("this wandb release (the floor) has no key-shape check before it contacts its server")
     monkeypatch.setenv("WANDB_API_KEY", "abc")
     with pytest.raises(ConfigError, match="WANDB_API_KEY invalid.*set a valid WANDB_API_KEY"):
         check_trackers_ready(["wandb"], output_dir=tmp_path / "run")
@@ -234,6 +245,10 @@ def test_a_wandb_login_in_netrc_passes_the_check(tmp_path, new_user, monkeypatch
     with pytest.raises(ConfigError, match="no W&B login was found"):
         check_trackers_ready(["wandb"], output_dir=tmp_path / "run")
     netrc = tmp_path / "home" / ".netrc"  # as `wandb login` writes it
-    netrc.write_text(f"machine {host}\n  login user\n  password {'a' * 40}\n")
+    # As `wandb login` writes it: host and port since wandb 0.2x, the host alone before (the floor, 0.19).
+    key = "a" * 40
+    netrc.write_text(
+        f"machine {host}\n  login user\n  password {key}\nmachine 127.0.0.1\n  login user\n  password {key}\n"
+    )
     netrc.chmod(0o600)
     check_trackers_ready(["wandb"], output_dir=tmp_path / "run")
