@@ -50,11 +50,15 @@ class RunLock:
     path: Path
     holder: LockHolder
     notice: str | None = None
+    made_directory: bool = False  # the output directory did not exist before the lock
 
     def release(self) -> None:
-        """Removes the lock file if it still names this holder: never another run's lock."""
+        """Removes the lock file if it still names this holder: never another run's lock. An output directory
+        the lock made is removed too if the run left it empty (refused before writing anything)."""
         if _read(self.path) == self.holder:
             self.path.unlink(missing_ok=True)
+            if self.made_directory and not any(self.path.parent.iterdir()):
+                self.path.parent.rmdir()
 
 
 def acquire_run_lock(output_dir: Path, *, pid: int) -> RunLock:
@@ -63,13 +67,14 @@ def acquire_run_lock(output_dir: Path, *, pid: int) -> RunLock:
     Raises:
         ConfigError: another live run holds it, or a run on another host does, naming it and the fix.
     """
+    made_directory = not output_dir.exists()
     output_dir.mkdir(parents=True, exist_ok=True)
     path = output_dir / LOCK_NAME
     mine = LockHolder(socket.gethostname(), pid, datetime.now().isoformat(timespec="seconds"))
     notice = None
     for _ in range(2):  # a second try after removing a stale lock; losing that race to a third run refuses
         if _create(path, mine):
-            return RunLock(path, mine, notice)
+            return RunLock(path, mine, notice, made_directory)
         held = _read(path)
         if held is None and not path.exists():  # released between our try and our read
             continue

@@ -77,3 +77,14 @@ def test_release_never_removes_another_runs_lock(tmp_path):
 def test_which_worker_holds_the_lock_and_for_whom(environ, expected):
     pids = {"self": os.getpid(), "parent": os.getppid(), None: None}
     assert worker_lock_pid(environ) == pids[expected]
+
+
+def test_an_output_directory_the_lock_made_goes_with_it_when_the_run_wrote_nothing(tmp_path):
+    # A run refused after taking its lock (the memory check, say) leaves no empty run directory behind.
+    lock = acquire_run_lock(tmp_path / "new-run", pid=os.getpid())
+    lock.release()
+    assert not (tmp_path / "new-run").exists()
+    kept = acquire_run_lock(tmp_path / "used-run", pid=os.getpid())
+    (tmp_path / "used-run" / "metrics.jsonl").write_text("{}\n")
+    kept.release()
+    assert (tmp_path / "used-run").is_dir() and not (tmp_path / "used-run" / "paratrain.lock").exists()
