@@ -69,7 +69,19 @@ def wandb_login_problem() -> str | None:
             return None
     except wandb.errors.AuthenticationError as error:  # a key of the wrong shape
         return f"log.trackers names 'wandb' but its login is not usable ({error}); set a valid WANDB_API_KEY or run `wandb login --relogin`"
+    finally:
+        _forget_wandb_setup(wandb)
     return missing
+
+
+def _forget_wandb_setup(wandb) -> None:
+    """Drops the process-wide wandb setup that the look-up above creates, unless a run is using it.
+
+    That setup holds the settings (WANDB_MODE among them) read at its creation, and a later
+    wandb.init in this process (a one-process run trains where preflight ran) would use them rather
+    than the environment it then has."""
+    if wandb.run is None:
+        wandb.teardown()
 
 
 def _wandb_settings(wandb):

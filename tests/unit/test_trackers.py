@@ -252,3 +252,16 @@ def test_a_wandb_login_in_netrc_passes_the_check(tmp_path, new_user, monkeypatch
     )
     netrc.chmod(0o600)
     check_trackers_ready(["wandb"], output_dir=tmp_path / "run")
+
+
+def test_the_login_check_leaves_no_wandb_state_a_later_run_would_read(tmp_path, new_user, monkeypatch):
+    # A one-process run trains where preflight ran: wandb's process-wide setup, if the check left one,
+    # would hold the settings read then (no WANDB_MODE) and send a later offline run to the login prompt.
+    with pytest.raises(ConfigError, match="no W&B login was found"):
+        check_trackers_ready(["wandb"], output_dir=tmp_path / "first")
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    run = RunInfo(name="after-check", output_dir=tmp_path / "second", hparams={})
+    tracker = trackers.WandbTracker(run)
+    tracker.close("success")
+    assert list((tmp_path / "second").glob("wandb/offline-run-*/run-*.wandb"))
