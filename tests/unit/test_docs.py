@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import re
 
+import yaml
+
 from paratrain.config.docs import PAGE, REGENERATE, render_page
 from tests.harness import REPO_ROOT
 
@@ -41,9 +43,25 @@ def test_readme_links_resolve_to_files_and_headings_in_the_repository():
     assert not broken, f"README.md links to files or headings that do not exist: {broken}"
 
 
+def test_every_guide_under_docs_is_in_the_site_nav_and_every_nav_entry_exists():
+    nav = set(nav_pages(yaml.safe_load((REPO_ROOT / "mkdocs.yml").read_text())["nav"]))
+    pages = {path.relative_to(DOCS).as_posix() for path in DOCS.rglob("*.md")}
+    assert pages - nav == set(), "add these pages to mkdocs.yml's nav"
+    assert nav - pages == set(), "mkdocs.yml's nav names pages that do not exist"
+
+
 def heading_slugs(markdown: str) -> set[str]:
     """The anchors GitHub (and mkdocs' toc) give a page's headings: lower case, punctuation dropped,
     spaces as hyphens. Headings inside code blocks are not headings."""
     without_code = re.sub(r"^```.*?^```", "", markdown, flags=re.S | re.M)
     headings = re.findall(r"^#{1,6} +(.+?) *$", without_code, flags=re.M)
     return {re.sub(r"[^\w\- ]", "", heading.lower()).replace(" ", "-") for heading in headings}
+
+
+def nav_pages(entries: list) -> list[str]:
+    """The page files of an mkdocs nav, sections flattened."""
+    pages: list[str] = []
+    for entry in entries:
+        value = next(iter(entry.values())) if isinstance(entry, dict) else entry
+        pages += nav_pages(value) if isinstance(value, list) else [value]
+    return pages
