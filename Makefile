@@ -1,4 +1,4 @@
-# Set-up is part of every target: a fresh clone needs only `make demo` or `make test`.
+# Set-up is part of every target: a fresh clone needs only `make demo`, `make test` or `make docs`.
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
@@ -10,6 +10,9 @@ MLFLOW_SERVER := $(MLFLOW_SERVER_VENV)/.installed
 # The lowest release of every optional extra (constraints-floor.txt), beside the newest in .venv.
 FLOOR_VENV := .venv-floor
 FLOOR_INSTALLED := $(FLOOR_VENV)/.installed
+# The guide's site builder (the docs extra) goes into $(VENV) beside the dev extras, under a stamp of its
+# own: `make test` neither needs nor installs it.
+DOCS_INSTALLED := $(VENV)/.docs-installed
 # The tests that reach into the extras' packages: transformers' plans, masks and rotary inputs, the
 # trackers, tokenized and streamed data.
 FLOOR_TESTS := tests/parity/test_hf_matches_single.py tests/unit/test_hf_models.py \
@@ -17,7 +20,7 @@ FLOOR_TESTS := tests/parity/test_hf_matches_single.py tests/unit/test_hf_models.
 	tests/tools/test_plan.py::test_fsdp_units_counted_for_traffic_include_a_transformers_models_outer_units_without_a_pipeline \
 	tests/unit/test_trackers.py tests/unit/test_lm_data.py tests/unit/test_stream_data.py
 
-.PHONY: demo test test-floor
+.PHONY: demo test test-floor docs
 
 $(INSTALLED): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -47,3 +50,11 @@ $(FLOOR_INSTALLED): pyproject.toml constraints-floor.txt
 
 test-floor: $(FLOOR_INSTALLED)
 	$(FLOOR_VENV)/bin/python -m pytest $(FLOOR_TESTS)
+
+$(DOCS_INSTALLED): $(INSTALLED)
+	$(BIN)/pip install --quiet -c constraints.txt -e '.[docs]'
+	touch $@
+
+# The guide (README.md's links, docs/, mkdocs.yml's nav) as a site in site/; strict: a broken link fails.
+docs: $(DOCS_INSTALLED)
+	$(BIN)/mkdocs build --strict

@@ -1,7 +1,7 @@
 """Every command the docs show, and how the suite runs it (tests/integration/test_documented_commands.py).
 
 The docs are the source: ``commands_in_docs()`` reads the lines of the ```bash (and ```console ``$``) blocks
-of README.md and docs/*.md, and the indented command lines of each examples/*.yaml header. Each must have
+of README.md and docs/ (its sub-folders too), and the indented command lines of each examples/*.yaml header. Each must have
 an entry in ``COMMANDS`` below, written exactly as the docs show it (comments dropped), and the suite fails
 on a command without one. A ``Run`` runs it as written in a fresh directory holding a copy of examples/,
 with only the scale-downs its entry names appended (and says why); commands of one ``recipe`` run in one
@@ -20,7 +20,7 @@ from tests.harness import REPO_ROOT
 
 # docs/benchmarks.md records measurement runs (minutes each) with their output: benchmarks/ is where they
 # run, by hand, as its commands say.
-DOCS = [REPO_ROOT / "README.md", *sorted(p for p in (REPO_ROOT / "docs").glob("*.md") if p.name != "benchmarks.md")]
+DOCS = [REPO_ROOT / "README.md", *sorted(p for p in (REPO_ROOT / "docs").rglob("*.md") if p.name != "benchmarks.md")]
 EXAMPLES = sorted((REPO_ROOT / "examples").glob("*.yaml"))
 SHELL_BLOCK = re.compile(r"^```(bash|sh|shell|console)\n(.*?)^```", re.S | re.M)
 # In an example's leading comments: "#   paratrain train ...", or "#   one process:    paratrain train ...".
@@ -56,14 +56,14 @@ def short(recipe: str | None = None, *, output: str | None = None) -> Run:
 
 
 COMMANDS: dict[str, Run | Elsewhere] = {
-    # --- README: set-up --------------------------------------------------------------------------
+    # --- README and docs/getting-started.md: set-up -----------------------------------------------------
     "make demo": Elsewhere(
         "sets up .venv (the suite runs inside it) and then runs 'paratrain train examples/quickstart.yaml "
         "--nproc-per-node 2' after removing runs/quickstart",
         "the command 'paratrain train examples/quickstart.yaml --nproc-per-node 2' below, run as written",
     ),
     "make test": Elsewhere("is this suite", ".ci/run runs it on a fresh clone"),
-    # --- README: from one device to many machines ------------------------------------------------
+    # --- README, docs/getting-started.md and docs/clusters.md: from one device to many machines ---------
     "paratrain train examples/quickstart.yaml": short(),
     "paratrain train examples/quickstart.yaml parallel.strategy=dp": short(output="layout dp"),
     "paratrain train examples/quickstart.yaml --nproc-per-node 2": short("check", output="layout ddp: dp_replicate=2"),
@@ -80,7 +80,7 @@ COMMANDS: dict[str, Run | Elsewhere] = {
         "needs two machines with 8 GPUs on a network at eth1",
         "tests/integration/test_multinode.py: the same command line on two network namespaces, 2 x 2 processes",
     ),
-    # --- README and docs/layouts.md: sharded, tensor-parallel and pipeline layouts ---------------
+    # --- docs/layouts.md and docs/pipeline.md: sharded, tensor-parallel and pipeline layouts ------------
     "paratrain train examples/quickstart.yaml parallel.dp_replicate=2 parallel.dp_shard=2 --nproc-per-node 4": short(
         output="layout hsdp"
     ),
@@ -105,14 +105,14 @@ COMMANDS: dict[str, Run | Elsewhere] = {
         )
     ),
     "paratrain pipeline show examples/quickstart.yaml parallel.pp=2 --nproc-per-node 2": Run(output="bubble"),
-    # the move of docs/layouts.md: fsdp x4 (also in README's list of layouts), then ddp x2 resumes its checkpoint
+    # the move of docs/layouts.md: fsdp x4 (also in the commands of docs/layouts.md), then ddp x2 resumes its checkpoint
     "paratrain train examples/quickstart.yaml parallel.dp_shard=4 --nproc-per-node 4": short(
         "move", output="layout fsdp"
     ),
     "paratrain train examples/quickstart.yaml parallel.strategy=ddp --nproc-per-node 2": short(
         "move", output="resumed from runs/quickstart/checkpoints/step-2"
     ),
-    # --- README and examples/hf_llama.yaml: a transformers model, exported, loaded, fine-tuned ----
+    # --- docs/models.md and examples/hf_llama.yaml: a transformers model, exported, loaded, fine-tuned ---
     "paratrain train examples/hf_llama.yaml --nproc-per-node 2": Run(
         ("train.max_steps=10",), "export and fine-tuning need a checkpoint, not 200 steps of training", "hf"
     ),
@@ -122,10 +122,10 @@ COMMANDS: dict[str, Run | Elsewhere] = {
     ),
     "paratrain train examples/hf_llama.yaml 'model.args={}' model.pretrained=out/llama run.output_dir=runs/hf_llama_ft "
     "--nproc-per-node 2": short("hf", output="step 2/2"),
-    # --- README and examples/llama_text.yaml: a corpus made locally, then trained on ---------------
+    # --- docs/data.md and examples/llama_text.yaml: a corpus made locally, then trained on --------------
     "python -m paratrain.data.stdlib_corpus runs/llama_text/data": Run(recipe="corpus"),
     "paratrain train examples/llama_text.yaml --nproc-per-node 2": short("corpus"),
-    # --- README: reports, collectives, verify, planning -------------------------------------------
+    # --- docs/tracking.md, docs/clusters.md, docs/planner.md: reports, collectives, verify, planning ----
     "paratrain train examples/quickstart.yaml optim.lr=1e-3 run.output_dir=runs/lr-1e-3": short("report"),
     "paratrain train examples/quickstart.yaml optim.lr=3e-3 run.output_dir=runs/lr-3e-3": short("report"),
     "paratrain report runs/lr-1e-3 runs/lr-3e-3 --out reports/lr": Run(recipe="report", output="report.html"),
@@ -141,7 +141,7 @@ COMMANDS: dict[str, Run | Elsewhere] = {
     "paratrain plan examples/gpt_7b.yaml --gpus 64 --nodes 8 --gpu-memory 80GB": Run(output="recommended:"),
     "paratrain train examples/gpt_7b.yaml --dry-run --nproc-per-node 8 --nnodes 8 parallel.strategy=fsdp "
     "parallel.pp=4 parallel.tp=4": Run(output="dry run: 64 ranks"),
-    # --- examples' headers --------------------------------------------------------------------------
+    # --- examples' headers ------------------------------------------------------------------------------
     "paratrain train examples/gpt_1b.yaml --nproc-per-node 8": Elsewhere(
         "needs 8 GPUs (train.device=cuda, bf16, compile)",
         "benchmarks/gpu_smoke.sh and benchmarks/mfu.py on a lent GPU; its layout at small size in "
