@@ -1,7 +1,7 @@
 """The typed config tree and how it is loaded.
 
 One precedence chain: schema defaults < YAML file < ``dotted.key=value`` overrides. Every field has a
-docstring; README.md's config reference is generated from them (and a test keeps it in step). Unknown keys are
+docstring; docs/reference/config.md is generated from them (and a test keeps it in step). Unknown keys are
 rejected and every error is reported at once, each with its dotted path.
 """
 
@@ -326,7 +326,7 @@ class ModelConfig(FactoryConfig):
 class DataConfig(FactoryConfig):
     factory: str = "paratrain.data.text:build_char_dataset"
     """Import path of a callable returning a map-style Dataset of (inputs, targets) pairs, or the stream of
-    paratrain.data.lm:streamed_text (read in order; see README, Your data)."""
+    paratrain.data.lm:streamed_text (read in order; see docs/data.md)."""
     shuffle: bool = True
     """Shuffle the sample order each epoch (seeded by train.seed and the epoch only)."""
     num_workers: int = Field(0, ge=0)
@@ -432,7 +432,7 @@ class Config(Section):
     """Callbacks called at train start and end, after each step, checkpoint and evaluation, in this order
     on every rank: a list of {factory: 'package.module:Class', args: {...}}. Built-ins:
     paratrain.callbacks.memory:MemoryMonitor, paratrain.callbacks.throughput:ThroughputMonitor,
-    paratrain.callbacks.early_stopping:EarlyStopping (see README, Callbacks, evaluation and profiling)."""
+    paratrain.callbacks.early_stopping:EarlyStopping (see docs/callbacks.md)."""
     eval: EvalConfig = EvalConfig()
     """Evaluation on a validation dataset, its loss averaged over the data-parallel ranks."""
     profile: ProfileConfig = ProfileConfig()
@@ -556,7 +556,7 @@ def _format_validation_errors(error: ValidationError) -> str:
 
 def _describe(item: dict[str, Any]) -> str:
     if item["type"] == "extra_forbidden":
-        return "unknown key; remove it or fix its spelling (valid keys: README.md, Config reference)"
+        return "unknown key; remove it or fix its spelling (valid keys: docs/reference/config.md)"
     message = item["msg"].removeprefix("Value error, ")
     if item["type"] in ("value_error", "assertion_error"):
         return message

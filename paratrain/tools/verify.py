@@ -27,8 +27,8 @@ LOSS_RTOL = 1e-5
 MAX_PROCESSES_PER_CPU = 4  # beyond this a CPU check crawls and gloo's collectives risk their timeout
 _REDUCE_HINT = (
     "to check a layout larger than this machine, scale it down: fewer processes with smaller parallel "
-    "degrees, and a smaller model through overrides (e.g. model.args.n_layer=2); see README, "
-    "'Checking a layout against one process'"
+    "degrees, and a smaller model through overrides (e.g. model.args.n_layer=2); see docs/planner.md, "
+    "'Checking a layout against one process: paratrain verify'"
 )
 # Every step logged, nothing saved: verify compares losses and leaves no checkpoints behind.
 _RUN_OVERRIDES = [
