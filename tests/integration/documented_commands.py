@@ -100,7 +100,7 @@ COMMANDS: dict[str, Run | Elsewhere] = {
     "paratrain train examples/quickstart.yaml parallel.strategy=model_parallel pipeline.devices=[cuda:0,cuda:1]": (
         Elsewhere(
             "needs two GPUs",
-            "benchmarks/gpu_smoke.sh on a lent GPU; on CPU tests/parity/test_pipeline_matches_single.py runs "
+            "tests/gpu (pytest -m gpu) on a lent GPU; on CPU tests/parity/test_pipeline_matches_single.py runs "
             "model_parallel with pipeline.devices=[cpu,cpu]",
         )
     ),
@@ -144,7 +144,7 @@ COMMANDS: dict[str, Run | Elsewhere] = {
     # --- examples' headers ------------------------------------------------------------------------------
     "paratrain train examples/gpt_1b.yaml --nproc-per-node 8": Elsewhere(
         "needs 8 GPUs (train.device=cuda, bf16, compile)",
-        "benchmarks/gpu_smoke.sh and benchmarks/mfu.py on a lent GPU; its layout at small size in "
+        "tests/gpu and benchmarks/mfu.py on a lent GPU; its layout at small size in "
         "tests/integration/test_combination_matrix.py",
     ),
     "paratrain train examples/mlp_regression.yaml": Run(("train.max_steps=20",), "20 of 1600 steps show it trains"),
