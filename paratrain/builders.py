@@ -14,7 +14,8 @@ from torch.utils.data import Dataset
 from paratrain.config.schema import ParallelConfig, PipelineConfig, TrainConfig
 from paratrain.engine import LaidOutModel, LossFn, MicroBatchEngine
 from paratrain.launch.process_group import DistContext
-from paratrain.models.init import build_on_meta, declares_init, is_on_meta, materialize
+from paratrain.models.contract import declares_init, warn_misspelt_hooks
+from paratrain.models.init import build_on_meta, is_on_meta, materialize
 from paratrain.models.plan import plan_of
 from paratrain.parallel.dims import ParallelDims
 from paratrain.parallel.model_parallel import apply_model_parallel
@@ -103,6 +104,8 @@ def build_layout(
         seed=train.seed,
         pretrained=pretrained,
     )
+    if ctx.is_main:
+        warn_misspelt_hooks(built.bare)
     runnable, device = built.runnable, ctx.device
     if dims.model_parallel_enabled:
         runnable = apply_model_parallel(built.bare, pipeline)

@@ -339,7 +339,24 @@ def plan_command(args: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="paratrain", description="PyTorch-native distributed training.")
     commands = parser.add_subparsers(dest="command", required=True)
+    for add_parser in (
+        add_train_parser,
+        add_config_parser,
+        add_export_parser,
+        add_pipeline_parser,
+        add_report_parser,
+        add_bench_parser,
+        add_verify_parser,
+        add_slurm_parser,
+        add_checkpoint_parser,
+        add_plan_parser,
+    ):
+        add_parser(commands)
+    return parser
 
+
+def add_train_parser(commands: argparse._SubParsersAction) -> None:
+    """``paratrain train CONFIG [key=value ...]``: one process, torchrun workers, or ``--dry-run``."""
     train = commands.add_parser("train", help="train from a YAML config")
     train.add_argument("config", help="YAML config file")
     train.add_argument(
@@ -364,6 +381,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     train.set_defaults(handler=train_command)
 
+
+def add_config_parser(commands: argparse._SubParsersAction) -> None:
+    """``paratrain config show CONFIG``: the resolved config."""
     config = commands.add_parser("config", help="inspect configs")
     config_commands = config.add_subparsers(dest="config_command", required=True)
     show = config_commands.add_parser("show", help="print the fully resolved config")
@@ -371,6 +391,9 @@ def build_parser() -> argparse.ArgumentParser:
     show.add_argument("overrides", nargs="*", metavar="key=value")
     show.set_defaults(handler=config_show_command)
 
+
+def add_export_parser(commands: argparse._SubParsersAction) -> None:
+    """``paratrain export CHECKPOINT --out FILE | --hf DIR``: consolidated weights."""
     export = commands.add_parser("export", help="write consolidated model weights from a checkpoint")
     export.add_argument(
         "checkpoint", help="a step-<N> checkpoint directory, or a run directory for its newest complete checkpoint"
@@ -380,6 +403,9 @@ def build_parser() -> argparse.ArgumentParser:
     target.add_argument("--hf", metavar="OUT_DIR", help="output Hugging Face model directory (transformers models)")
     export.set_defaults(handler=export_command)
 
+
+def add_pipeline_parser(commands: argparse._SubParsersAction) -> None:
+    """``paratrain pipeline show CONFIG``: each rank's schedule and its bubble."""
     pipeline = commands.add_parser("pipeline", help="inspect pipeline schedules")
     pipeline_commands = pipeline.add_subparsers(dest="pipeline_command", required=True)
     pipeline_show = pipeline_commands.add_parser(
@@ -393,11 +419,17 @@ def build_parser() -> argparse.ArgumentParser:
     pipeline_show.add_argument("--run", help="run directory whose recorded timelines to measure (default: OUTPUT_DIR)")
     pipeline_show.set_defaults(handler=pipeline_show_command)
 
+
+def add_report_parser(commands: argparse._SubParsersAction) -> None:
+    """``paratrain report RUN_DIR ...``: plots and one HTML page."""
     report = commands.add_parser("report", help="plot runs' metrics (PNG) and write one self-contained HTML page")
     report.add_argument("runs", nargs="+", metavar="RUN_DIR", help="run output directories, overlaid in every plot")
     report.add_argument("--out", help="output directory (default: the first RUN_DIR/report)")
     report.set_defaults(handler=report_command)
 
+
+def add_bench_parser(commands: argparse._SubParsersAction) -> None:
+    """``paratrain bench comm``: collectives over a size sweep."""
     bench = commands.add_parser("bench", help="micro-benchmarks")
     bench_commands = bench.add_subparsers(dest="bench_command", required=True)
     comm = bench_commands.add_parser(
@@ -416,6 +448,9 @@ def build_parser() -> argparse.ArgumentParser:
     comm.add_argument("--out", default="runs/bench-comm", help="directory for comm.json and comm.png")
     comm.set_defaults(handler=bench_comm_command)
 
+
+def add_verify_parser(commands: argparse._SubParsersAction) -> None:
+    """``paratrain verify CONFIG``: the layout against one process, loss by loss."""
     verify = commands.add_parser(
         "verify", help="train the config's layout and one process for a few steps and compare losses"
     )
@@ -427,6 +462,9 @@ def build_parser() -> argparse.ArgumentParser:
     verify.add_argument("--steps", type=int, default=20, help="optimizer steps each run trains (default 20)")
     verify.set_defaults(handler=verify_command)
 
+
+def add_slurm_parser(commands: argparse._SubParsersAction) -> None:
+    """``paratrain slurm CONFIG --nodes N --gpus-per-node G``: an sbatch script."""
     slurm = commands.add_parser(
         "slurm", help="write (and with --submit, submit) an sbatch script: one launcher per node, requeue on 75"
     )
@@ -443,6 +481,9 @@ def build_parser() -> argparse.ArgumentParser:
     slurm.add_argument("--submit", action="store_true", help="submit the script with sbatch")
     slurm.set_defaults(handler=slurm_command)
 
+
+def add_checkpoint_parser(commands: argparse._SubParsersAction) -> None:
+    """``paratrain checkpoint check CHECKPOINT [key=value ...]``: load under a layout without training."""
     checkpoint = commands.add_parser("checkpoint", help="inspect checkpoints")
     checkpoint_commands = checkpoint.add_subparsers(dest="checkpoint_command", required=True)
     check = checkpoint_commands.add_parser(
@@ -456,6 +497,9 @@ def build_parser() -> argparse.ArgumentParser:
     check.add_argument("--nproc-per-node", type=int, default=1, help="processes of the layout to try")
     check.set_defaults(handler=checkpoint_check_command)
 
+
+def add_plan_parser(commands: argparse._SubParsersAction) -> None:
+    """``paratrain plan CONFIG --gpus N --gpu-memory SIZE``: every layout ranked."""
     plan = commands.add_parser(
         "plan", help="memory per GPU of every layout a cluster allows, ranked, with a recommendation"
     )
@@ -467,7 +511,6 @@ def build_parser() -> argparse.ArgumentParser:
         "--nodes", type=int, default=1, help="nodes the GPUs are spread over evenly (tensor parallel stays in one)"
     )
     plan.set_defaults(handler=plan_command)
-    return parser
 
 
 if __name__ == "__main__":

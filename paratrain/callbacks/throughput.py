@@ -25,6 +25,7 @@ from torch import nn
 
 from paratrain.callbacks.base import Callback, CallbackContext
 from paratrain.config.schema import FSDPConfig
+from paratrain.models.contract import CountsFlopsPerSample, CountsFlopsPerToken
 from paratrain.parallel.collectives import all_reduce_sum
 from paratrain.parallel.dims import ParallelDims
 
@@ -95,9 +96,9 @@ def model_flops_per_sample(
 ) -> float:
     """Training FLOPs of one sample (see the module docstring for the order of sources)."""
     tokens = tokens_per_sample or 1
-    if callable(getattr(model, "flops_per_sample", None)):
+    if isinstance(model, CountsFlopsPerSample):
         return float(model.flops_per_sample())
-    if callable(getattr(model, "flops_per_token", None)):
+    if isinstance(model, CountsFlopsPerToken):
         return float(model.flops_per_token(tokens)) * tokens
     # DTensor parameters (fsdp, tp) report their global size; pipeline ranks each hold some of the layers.
     parameters = float(sum(p.numel() for p in model.parameters()))

@@ -2,17 +2,34 @@
 
 from __future__ import annotations
 
+from typing import Protocol
+
 import torch
 
 from paratrain.config.factories import call_factory
-from paratrain.config.schema import Config
+from paratrain.config.schema import ModelConfig, ParallelConfig, PipelineConfig, TrainConfig
 from paratrain.errors import ConfigError
 from paratrain.models.meta import on_meta
 from paratrain.parallel.dims import ParallelDims
 from paratrain.parallel.pipeline.split import cut_stages
 
 
-def check_pipeline(config: Config, dims: ParallelDims, *, model: torch.nn.Module | None = None) -> None:
+class PipelineSections(Protocol):
+    """The sections the pipeline checks read: the root Config has them, and so has the planner's PlanInputs."""
+
+    @property
+    def model(self) -> ModelConfig: ...
+    @property
+    def train(self) -> TrainConfig: ...
+    @property
+    def parallel(self) -> ParallelConfig: ...
+    @property
+    def pipeline(self) -> PipelineConfig: ...
+    @property
+    def precision(self) -> str: ...
+
+
+def check_pipeline(config: PipelineSections, dims: ParallelDims, *, model: torch.nn.Module | None = None) -> None:
     """Raises ConfigError for pipeline settings that cannot run (only when the layout has a pipeline).
 
     Args:
@@ -37,7 +54,7 @@ def check_pipeline(config: Config, dims: ParallelDims, *, model: torch.nn.Module
     cut_stages(model, config.pipeline, shape.num_stages)
 
 
-def _check_microbatches(config: Config, dims: ParallelDims) -> None:
+def _check_microbatches(config: PipelineSections, dims: ParallelDims) -> None:
     microbatches = config.pipeline.microbatches
     per_pipeline = config.train.global_batch_size // dims.dp
     if microbatches and (config.train.global_batch_size % dims.dp or per_pipeline % microbatches):
@@ -48,7 +65,7 @@ def _check_microbatches(config: Config, dims: ParallelDims) -> None:
         )
 
 
-def _check_combinations(config: Config, dims: ParallelDims) -> None:
+def _check_combinations(config: PipelineSections, dims: ParallelDims) -> None:
     options = config.parallel
     if config.precision == "fp16":
         raise ConfigError(
@@ -67,7 +84,7 @@ def _check_combinations(config: Config, dims: ParallelDims) -> None:
         )
 
 
-def _check_model_parallel(config: Config) -> None:
+def _check_model_parallel(config: PipelineSections) -> None:
     # lazy: model_parallel loads torch.distributed.pipelining (torch._dynamo, ~1 s) only for pipelines
     from paratrain.parallel.model_parallel import model_parallel_devices, part_count
 

@@ -7,9 +7,9 @@ time, from one of three sources, so that every layout starts from the same weigh
 1. ``model.pretrained`` (a directory of safetensors files): each tensor read by name from the files.
    Buffers the files do not hold (non-persistent ones such as rotary ``inv_freq``) come from a build of
    the model whose parameters stay on meta, so its constructor computes them as usual.
-2. A model that declares ``init_parameter(name, tensor, generator)`` (paratrain's own): values that
-   depend only on ``(seed, name)``, each full tensor drawn on the CPU from a generator seeded by the
-   two. Nothing holds the whole model at once: the path for models larger than host memory.
+2. A model that declares ``init_parameter(name, tensor, generator)`` (``contract.InitialisesParameters``;
+   paratrain's own models do): values that depend only on ``(seed, name)``, each full tensor drawn on
+   the CPU from a generator seeded by the two. Nothing holds the whole model at once: the path for models larger than host memory.
 3. Any other model (a plain ``nn.Module``, a ``transformers`` model with its ``_init_weights``): built
    once for real on the CPU after ``torch.manual_seed(seed)``, exactly as ``single`` builds it, and each
    rank keeps its slice of what was built. Each rank briefly holds the whole model in host memory.
@@ -37,14 +37,11 @@ from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from paratrain.errors import ConfigError
+from paratrain.models.contract import declares_init
 from paratrain.models.meta import on_meta
 from paratrain.models.weights import LocalPiece, WeightSource, canonical_name
 
 logger = logging.getLogger("paratrain")
-
-
-def declares_init(model: nn.Module) -> bool:
-    return callable(getattr(model, "init_parameter", None))
 
 
 def is_on_meta(model: nn.Module) -> bool:

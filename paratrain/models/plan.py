@@ -8,70 +8,23 @@ between). Layouts read the plan; they never guess at a model's structure.
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping
-from dataclasses import dataclass, field
-from typing import Any, Literal
 
 from torch import nn
 
+from paratrain.models.contract import ParallelPlan, TensorParallelStyle, declared_plan
 from paratrain.models.hf_pipeline import transformers_pipeline
 
-TensorParallelStyle = Literal["colwise", "rowwise"]
-
-
-@dataclass(frozen=True)
-class ParallelPlan:
-    """How a model may be split.
-
-    Attributes:
-        blocks: Module paths (as in ``model.get_submodule``) of the repeated blocks, in forward order.
-        block_tp_plan: Tensor-parallel style of linear layers inside each block, by path relative
-            to the block: "colwise" splits output features, "rowwise" input features (Megatron style:
-            a colwise layer feeds a rowwise one, so each pair needs one all-reduce).
-        block_norms: Paths of each block's norm layers, relative to the block, that sequence
-            parallel shards along the sequence dimension.
-        tp_divisible: Sizes a tensor-parallel degree must divide, by the config key that sets them
-            (e.g. ``{"model.args.n_head": 4}``).
-        pipeline_sequence: Module paths whose chained calls, ``x = module(x)`` in this order, compute
-            exactly what the model's forward computes. Pipeline stages and model-parallel parts are cut
-            between them, so together they must hold every parameter. ``nn.Sequential`` models get
-            their children by default.
-        tp_unsupported: Entries of a transformers model's own tensor-parallel plan inside its blocks
-            whose style paratrain does not apply (``path: style``); tensor parallel is refused naming them.
-        pipeline_layer_inputs: For pieces that take more than ``x`` (transformers' decoder layers: rotary
-            embeddings and causal mask), an object whose ``layers`` names them, whose ``modules`` every
-            stage must hold, and whose ``compute(x)`` gives each one's keyword inputs (see
-            models/hf_pipeline.py). None: every piece takes ``x`` alone.
-        pipeline_refusal: Why the model cannot be cut into pipeline stages, when paratrain knows.
-        outer_units: Groups of modules outside the blocks that FSDP shards as one unit each, before the
-            root takes what is left: a transformers model's input embedding, and its final norm with
-            its head (as Accelerate and torchtitan do), so the embedding is freed after forward instead
-            of staying gathered with the head. Empty: the root holds them.
-    """
-
-    blocks: tuple[str, ...] = ()
-    block_tp_plan: Mapping[str, TensorParallelStyle] = field(default_factory=dict)
-    block_norms: tuple[str, ...] = ()
-    tp_divisible: Mapping[str, int] = field(default_factory=dict)
-    pipeline_sequence: tuple[str, ...] = ()
-    tp_unsupported: tuple[str, ...] = ()
-    pipeline_layer_inputs: Any = None
-    pipeline_refusal: str = ""
-    outer_units: tuple[tuple[str, ...], ...] = ()
-
-    def describe_outer_units(self) -> str:
-        """``model.embed_tokens; model.norm + lm_head``, or "" when there are none (logs, the dry run)."""
-        return "; ".join(" + ".join(group) for group in self.outer_units)
+__all__ = ["ParallelPlan", "TensorParallelStyle", "plan_of"]  # ParallelPlan is defined in models/contract.py
 
 
 def plan_of(model: nn.Module) -> ParallelPlan:
-    """The plan a model declares through a ``parallel_plan()`` method; for an ``nn.Sequential`` without
+    """The plan a model declares (``contract.DeclaresParallelPlan``); for an ``nn.Sequential`` without
     one, its children as the pipeline sequence; for a Hugging Face model, its blocks from
     ``_no_split_modules``, its tensor-parallel styles from ``tp_plan`` and its stages from its pp_plan;
     otherwise an empty plan."""
-    declare = getattr(model, "parallel_plan", None)
-    if callable(declare):
-        return declare()
+    declared = declared_plan(model)
+    if declared is not None:
+        return declared
     if isinstance(model, nn.Sequential):
         return ParallelPlan(pipeline_sequence=tuple(name for name, _ in model.named_children()))
     blocks = no_split_blocks(model)

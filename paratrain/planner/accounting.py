@@ -10,9 +10,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from paratrain.config.schema import Config, FSDPConfig, OptimConfig
+from paratrain.config.schema import FSDPConfig, OptimConfig
 from paratrain.parallel.dims import ParallelDims, micro_batch_size
 from paratrain.planner.activations import ActivationShape, head_bytes, layer_bytes, recompute_bytes
+from paratrain.planner.inputs import PlanInputs
 from paratrain.planner.model_facts import ModelFacts, ParamFacts
 
 FP32 = 4
@@ -76,7 +77,7 @@ def optimizer_bytes(numel: int, *, num_tensors: int, optim: OptimConfig) -> int:
     return FP32 * numel if optim.momentum > 0 else 0
 
 
-def stage_shares(facts: ModelFacts, config: Config, dims: ParallelDims) -> list[StageShare]:
+def stage_shares(facts: ModelFacts, inputs: PlanInputs, dims: ParallelDims) -> list[StageShare]:
     """Each pipeline rank's share; one share holding everything without a pipeline."""
     sequence = facts.plan.pipeline_sequence
     if dims.pp == 1:
@@ -85,8 +86,8 @@ def stage_shares(facts: ModelFacts, config: Config, dims: ParallelDims) -> list[
     from paratrain.parallel.pipeline.build import pipeline_shape  # loads torch.distributed.pipelining: pp only
     from paratrain.parallel.pipeline.split import cut_stages
 
-    shape = pipeline_shape(config.pipeline, dims=dims, train=config.train)
-    stages = cut_stages(facts.model, config.pipeline, shape.num_stages)
+    shape = pipeline_shape(inputs.pipeline, dims=dims, train=inputs.train)
+    stages = cut_stages(facts.model, inputs.pipeline, shape.num_stages)
     shares = []
     for pp_rank in range(dims.pp):
         pieces = tuple(piece for index in shape.stages_of_rank(pp_rank) for piece in stages[index])
@@ -96,34 +97,34 @@ def stage_shares(facts: ModelFacts, config: Config, dims: ParallelDims) -> list[
     return shares
 
 
-def micro_batches_in_flight(config: Config, dims: ParallelDims) -> int:
+def micro_batches_in_flight(inputs: PlanInputs, dims: ParallelDims) -> int:
     """Micro-batches whose activations a rank holds at once: 1 without a pipeline (each backward frees
     its micro-batch), all m under GPipe, at most p under 1F1B and the other schedules (first stage)."""
     if dims.pp == 1:
         return 1
-    microbatches = config.train.global_batch_size // (
-        micro_batch_size(config.train, config.pipeline, dims=dims) * dims.dp
+    microbatches = inputs.train.global_batch_size // (
+        micro_batch_size(inputs.train, inputs.pipeline, dims=dims) * dims.dp
     )
-    return microbatches if config.pipeline.schedule == "GPipe" else min(dims.pp, microbatches)
+    return microbatches if inputs.pipeline.schedule == "GPipe" else min(dims.pp, microbatches)
 
 
-def activation_shape(config: Config, dims: ParallelDims) -> ActivationShape:
+def activation_shape(inputs: PlanInputs, dims: ParallelDims) -> ActivationShape:
     return ActivationShape(
-        micro_batch=micro_batch_size(config.train, config.pipeline, dims=dims),
-        element_bytes=DTYPE_BYTES[config.precision],
+        micro_batch=micro_batch_size(inputs.train, inputs.pipeline, dims=dims),
+        element_bytes=DTYPE_BYTES[inputs.precision],
         tp=dims.tp,
-        sequence_parallel=config.parallel.sequence_parallel and dims.tp > 1,
-        checkpointing=config.parallel.activation_checkpointing,
+        sequence_parallel=inputs.parallel.sequence_parallel and dims.tp > 1,
+        checkpointing=inputs.parallel.activation_checkpointing,
     )
 
 
 def activation_bytes(
-    facts: ModelFacts, share: StageShare, config: Config, dims: ParallelDims, *, measured_per_sample: float | None
+    facts: ModelFacts, share: StageShare, inputs: PlanInputs, dims: ParallelDims, *, measured_per_sample: float | None
 ) -> int:
     """Activations of one pipeline rank: the transformer formula, or for other models the bytes measured
     per sample on the meta device (fp32), scaled by micro-batch, compute dtype and the share of parameters."""
-    shape = activation_shape(config, dims)
-    in_flight = micro_batches_in_flight(config, dims)
+    shape = activation_shape(inputs, dims)
+    in_flight = micro_batches_in_flight(inputs, dims)
     sizes = facts.transformer
     if sizes is not None:
         held = share.layers * layer_bytes(sizes, shape) * in_flight
@@ -134,17 +135,17 @@ def activation_bytes(
     return int(measured_per_sample * shape.micro_batch * shape.element_bytes / FP32 * fraction * in_flight)
 
 
-def working_bytes(facts: ModelFacts, share: StageShare, config: Config, dims: ParallelDims) -> int:
+def working_bytes(facts: ModelFacts, share: StageShare, inputs: PlanInputs, dims: ParallelDims) -> int:
     """FSDP: the root's parameters (kept gathered from forward into backward), two blocks gathered at once
     (the one computing and the one prefetched), and one block's unsharded gradient before its reduce-scatter;
     under grad_sync=last_micro_batch with accumulation, every unsharded gradient between micro-batches.
     DDP without gradient_as_bucket_view: a second copy of the gradients in its buckets."""
-    parallel = config.parallel
+    parallel = inputs.parallel
     if dims.ddp_enabled and not parallel.ddp.gradient_as_bucket_view:
         return FP32 * sum(param.numel for param in share.params)
     if not dims.fsdp_enabled:
         return 0
-    return _fsdp_working_bytes(facts, share, parallel.fsdp, dims=dims, accumulating=_accumulates(config, dims))
+    return _fsdp_working_bytes(facts, share, parallel.fsdp, dims=dims, accumulating=_accumulates(inputs, dims))
 
 
 def _fsdp_working_bytes(
@@ -174,21 +175,21 @@ def _tp_numel(params, tp: int) -> int:
     return sum(param.local_numel(tp=tp) for param in params)
 
 
-def _accumulates(config: Config, dims: ParallelDims) -> bool:
+def _accumulates(inputs: PlanInputs, dims: ParallelDims) -> bool:
     """More than one micro-batch per step on a rank (outside a pipeline, which accumulates itself)."""
-    return dims.pp == 1 and config.train.global_batch_size > config.train.micro_batch_size * dims.dp
+    return dims.pp == 1 and inputs.train.global_batch_size > inputs.train.micro_batch_size * dims.dp
 
 
 def rank_memory(
-    facts: ModelFacts, share: StageShare, config: Config, dims: ParallelDims, *, measured_per_sample: float | None
+    facts: ModelFacts, share: StageShare, inputs: PlanInputs, dims: ParallelDims, *, measured_per_sample: float | None
 ) -> RankMemory:
     """Everything one rank of this pipeline rank's share holds (the same on every data/tensor-parallel rank,
     up to FSDP's padding: this is rank 0's, the largest)."""
-    params, grads, optimizer = model_state_bytes(share.params, dims=dims, optim=config.optim)
+    params, grads, optimizer = model_state_bytes(share.params, dims=dims, optim=inputs.optim)
     return RankMemory(
         params,
         grads,
         optimizer,
-        activation_bytes(facts, share, config, dims, measured_per_sample=measured_per_sample),
-        working_bytes(facts, share, config, dims),
+        activation_bytes(facts, share, inputs, dims, measured_per_sample=measured_per_sample),
+        working_bytes(facts, share, inputs, dims),
     )

@@ -13,9 +13,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from paratrain.config.schema import Config
 from paratrain.parallel.dims import ParallelDims, micro_batch_size
 from paratrain.planner.accounting import DTYPE_BYTES, FP32, StageShare, activation_shape
+from paratrain.planner.inputs import PlanInputs
 from paratrain.planner.model_facts import ModelFacts
 
 # Nominal per-GPU bandwidths (bytes/s): NVLink-class within a node, one 200 Gb/s NIC per GPU across nodes.
@@ -72,19 +72,19 @@ def ring_factor(n: int, *, all_reduce: bool) -> float:
 
 
 def step_traffic(
-    facts: ModelFacts, share: StageShare, config: Config, dims: ParallelDims, *, gpus_per_node: int
+    facts: ModelFacts, share: StageShare, inputs: PlanInputs, dims: ParallelDims, *, gpus_per_node: int
 ) -> Traffic:
     """What one rank of this pipeline share sends in one optimizer step."""
-    micro_batches = config.train.global_batch_size // (
-        micro_batch_size(config.train, config.pipeline, dims=dims) * dims.dp
+    micro_batches = inputs.train.global_batch_size // (
+        micro_batch_size(inputs.train, inputs.pipeline, dims=dims) * dims.dp
     )
     numel = sum(param.local_numel(tp=dims.tp) for param in share.params)  # before FSDP cuts it
     units = fsdp_units(facts, share)
     traffic = _data_parallel_traffic(
-        numel, config, dims, micro_batches=micro_batches, units=units, gpus_per_node=gpus_per_node
+        numel, inputs, dims, micro_batches=micro_batches, units=units, gpus_per_node=gpus_per_node
     )
     return traffic + _activation_traffic(
-        facts, share, config, dims, micro_batches=micro_batches, gpus_per_node=gpus_per_node
+        facts, share, inputs, dims, micro_batches=micro_batches, gpus_per_node=gpus_per_node
     )
 
 
@@ -96,7 +96,7 @@ def fsdp_units(facts: ModelFacts, share: StageShare) -> int:
 
 
 def _data_parallel_traffic(
-    numel: int, config: Config, dims: ParallelDims, *, micro_batches: int, units: int, gpus_per_node: int
+    numel: int, inputs: PlanInputs, dims: ParallelDims, *, micro_batches: int, units: int, gpus_per_node: int
 ) -> Traffic:
     """DDP all-reduces fp32 gradients once per step. FSDP all-gathers parameters for every micro-batch's
     forward (and again for backward when it reshards after forward) and reduce-scatters gradients (every
@@ -112,7 +112,7 @@ def _data_parallel_traffic(
         )
     if not dims.fsdp_enabled:
         return Traffic()
-    fsdp = config.parallel.fsdp
+    fsdp = inputs.parallel.fsdp
     gathered = DTYPE_BYTES[fsdp.param_dtype] if fsdp.param_dtype else FP32
     reduced = DTYPE_BYTES[fsdp.resolved_reduce_dtype() or "fp32"]
     accumulation = micro_batches if dims.pp == 1 else 1  # a pipeline's stages gather once per step
@@ -133,14 +133,20 @@ def _data_parallel_traffic(
 
 
 def _activation_traffic(
-    facts: ModelFacts, share: StageShare, config: Config, dims: ParallelDims, *, micro_batches: int, gpus_per_node: int
+    facts: ModelFacts,
+    share: StageShare,
+    inputs: PlanInputs,
+    dims: ParallelDims,
+    *,
+    micro_batches: int,
+    gpus_per_node: int,
 ) -> Traffic:
     """Tensor parallel all-reduces each layer's activations; a pipeline sends each micro-batch's activations
     forward and their gradients back. Needs the transformer sizes (other models: no tp plan, pp not counted)."""
     sizes = facts.transformer
     if sizes is None:
         return Traffic()
-    shape = activation_shape(config, dims)
+    shape = activation_shape(inputs, dims)
     activation = sizes.seq_len * shape.micro_batch * sizes.hidden * shape.element_bytes
     tp_messages = TP_ALL_REDUCES_PER_LAYER * share.layers * micro_batches
     tp_bytes = tp_messages * ring_factor(dims.tp, all_reduce=True) * activation if dims.tp > 1 else 0.0

@@ -19,11 +19,13 @@ from torch.distributed.tensor import DTensor
 from paratrain.config.factories import call_factory
 from paratrain.config.schema import Config
 from paratrain.errors import ConfigError
+from paratrain.models.contract import HOOKS, DeclaresParallelPlan, hook_name, misspelt_hooks, provided_hooks
 from paratrain.models.meta import on_meta
 from paratrain.models.plan import ParallelPlan, plan_of
 from paratrain.parallel.dims import MESH_DIMS, ParallelDims
 from paratrain.parallel.parallelize import parallelize
 from paratrain.planner.accounting import FP32, StageShare, rank_memory, stage_shares
+from paratrain.planner.inputs import PlanInputs, plan_inputs
 from paratrain.planner.layouts import check_layout
 from paratrain.planner.model_facts import read_model_facts
 from paratrain.planner.plan import activation_source
@@ -54,21 +56,23 @@ def dry_run(config: Config, *, nproc_per_node: int, nnodes: int) -> str:
     if nproc_per_node < 1 or nnodes < 1:
         raise ConfigError("--nproc-per-node and --nnodes must be >= 1")
     world_size = nproc_per_node * nnodes
-    facts = read_model_facts(config.model, seq_len=config.data.args.get("block_size"))
-    dims = check_layout(config, facts, world_size=world_size, gpus_per_node=nproc_per_node)
-    measured, source = activation_source(facts, config, read_data_sample=False)
-    shares = stage_shares(facts, config, dims)
-    memory = [rank_memory(facts, share, config, dims, measured_per_sample=measured) for share in shares]
+    inputs = plan_inputs(config)
+    facts = read_model_facts(inputs.model, seq_len=inputs.seq_len)
+    dims = check_layout(inputs, facts, world_size=world_size, gpus_per_node=nproc_per_node)
+    measured, source = activation_source(facts, inputs.data, read_data_sample=False)
+    shares = stage_shares(facts, inputs, dims)
+    memory = [rank_memory(facts, share, inputs, dims, measured_per_sample=measured) for share in shares]
     lines = [
         f"dry run: {world_size} ranks ({nnodes} node(s) x {nproc_per_node}), layout "
         f"{dims.strategy}: {dims.describe()}; nothing trained (no data read, nothing written)",
         *plan_lines(facts.plan, facts.model),
+        *hook_lines(facts.model),
     ]
     if not dims.needs_process_group:
         return "\n".join([*lines, "one process, no process group", *_memory_lines(shares, memory, source)])
     with fake_process_group(world_size):
         dims = dims.with_mesh("cpu")
-        model = build_rank0_on_meta(config, dims)
+        model = build_rank0_on_meta(inputs, dims)
         ranks = dims.mesh.mesh.clone()
     lines += _parameter_lines(model, dims)
     lines += [
@@ -84,7 +88,7 @@ def dry_run(config: Config, *, nproc_per_node: int, nnodes: int) -> str:
 def plan_lines(plan: ParallelPlan, model: nn.Module) -> list[str]:
     """The parallel plan the layouts read, and where it came from (declared, or derived from a transformers
     model's ``_no_split_modules``, ``tp_plan`` and ``pp_plan``)."""
-    if callable(getattr(model, "parallel_plan", None)):
+    if isinstance(model, DeclaresParallelPlan):
         source = "declared by the model"
     elif isinstance(model, nn.Sequential):
         source = "an nn.Sequential's children as the pipeline sequence"
@@ -107,21 +111,31 @@ def plan_lines(plan: ParallelPlan, model: nn.Module) -> list[str]:
     ]
 
 
-def build_rank0_on_meta(config: Config, dims: ParallelDims) -> nn.Module:
+def hook_lines(model: nn.Module) -> list[str]:
+    """Which of the model contract's hooks (models/contract.py) the model defines, and any method whose
+    name is one letter away from a hook's, which paratrain ignores."""
+    provided = provided_hooks(model)
+    missing = [hook_name(hook) for hook in HOOKS if hook_name(hook) not in provided]
+    line = f"model hooks: {', '.join(f'{name}()' for name in provided) or 'none'}"
+    line += f"; not defined: {', '.join(f'{name}()' for name in missing)}" if missing else ""
+    return [line, *(f"  warning: {message}" for message in misspelt_hooks(model))]
+
+
+def build_rank0_on_meta(inputs: PlanInputs, dims: ParallelDims) -> nn.Module:
     """Rank 0's model on meta, laid out by the functions training uses, stopped before materialising."""
 
     def factory() -> nn.Module:
-        return call_factory(config.model, key="model")
+        return call_factory(inputs.model, key="model")
 
     if dims.pp > 1:
         # lazy: pipeline building and torch's fake store load only for the dry run's layouts that use them
         from paratrain.parallel.pipeline.build import lay_out_stages, pipeline_shape
 
-        shape = pipeline_shape(config.pipeline, dims=dims, train=config.train)
-        return lay_out_stages(factory, dims, parallel=config.parallel, pipeline=config.pipeline, shape=shape).model
+        shape = pipeline_shape(inputs.pipeline, dims=dims, train=inputs.train)
+        return lay_out_stages(factory, dims, parallel=inputs.parallel, pipeline=inputs.pipeline, shape=shape).model
     with on_meta():
         model = factory()
-    parallelize(model, dims, plan=plan_of(model), options=config.parallel)
+    parallelize(model, dims, plan=plan_of(model), options=inputs.parallel)
     return model
 
 

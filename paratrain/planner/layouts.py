@@ -11,9 +11,9 @@ from __future__ import annotations
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from paratrain.config.schema import Config
 from paratrain.errors import ConfigError
 from paratrain.parallel.dims import MESH_DIMS, ParallelDims, resolve_parallel_dims
+from paratrain.planner.inputs import PlanInputs
 from paratrain.planner.model_facts import ModelFacts
 
 
@@ -77,38 +77,31 @@ def describe_layout(dims: ParallelDims) -> str:
     return " ".join([dims.strategy, *degrees])
 
 
-def with_layout(config: Config, dims: ParallelDims) -> Config:
-    """The config with its parallel degrees and strategy replaced by this layout's."""
-    degrees = {name: getattr(dims, name) for name in MESH_DIMS}
-    return config.model_copy(
-        update={"parallel": config.parallel.model_copy(update={"strategy": dims.strategy, **degrees})}
-    )
-
-
-def layout_problem(config: Config, facts: ModelFacts, dims: ParallelDims, *, gpus_per_node: int) -> str | None:
+def layout_problem(inputs: PlanInputs, facts: ModelFacts, dims: ParallelDims, *, gpus_per_node: int) -> str | None:
     """Why ``paratrain train`` would refuse this layout, or None when it would start."""
     try:
-        check_layout(with_layout(config, dims), facts, world_size=dims.world_size, gpus_per_node=gpus_per_node)
+        check_layout(inputs.with_layout(dims), facts, world_size=dims.world_size, gpus_per_node=gpus_per_node)
     except ConfigError as error:
         return str(error)
     return None
 
 
-def check_layout(config: Config, facts: ModelFacts, *, world_size: int, gpus_per_node: int) -> ParallelDims:
+def check_layout(inputs: PlanInputs, facts: ModelFacts, *, world_size: int, gpus_per_node: int) -> ParallelDims:
     """The checks preflight makes of a layout, without those about this machine (devices, output_dir).
 
     Returns:
-        The layout resolved from the config's parallel section (degrees filled in).
+        The layout resolved from the inputs' parallel section (degrees filled in).
 
     Raises:
         ConfigError: naming the key and the fix.
     """
-    resolved = resolve_parallel_dims(config.parallel, world_size=world_size, local_world_size=gpus_per_node)
-    step_unit = config.train.micro_batch_size * resolved.dp
-    if config.train.global_batch_size % step_unit:
+    resolved = resolve_parallel_dims(inputs.parallel, world_size=world_size, local_world_size=gpus_per_node)
+    train = inputs.train
+    step_unit = train.micro_batch_size * resolved.dp
+    if train.global_batch_size % step_unit:
         raise ConfigError(
-            f"train.global_batch_size={config.train.global_batch_size} is not divisible by train.micro_batch_size="
-            f"{config.train.micro_batch_size} x data-parallel size {resolved.dp}; use a multiple of {step_unit}"
+            f"train.global_batch_size={train.global_batch_size} is not divisible by train.micro_batch_size="
+            f"{train.micro_batch_size} x data-parallel size {resolved.dp}; use a multiple of {step_unit}"
         )
     if resolved.tp > 1:
         # lazy: pipeline and tensor-parallel checks load their torch modules only for layouts that use them
@@ -119,5 +112,5 @@ def check_layout(config: Config, facts: ModelFacts, *, world_size: int, gpus_per
         # lazy: pipeline and tensor-parallel checks load their torch modules only for layouts that use them
         from paratrain.config.pipeline_checks import check_pipeline
 
-        check_pipeline(config, resolved, model=facts.model)
+        check_pipeline(inputs, resolved, model=facts.model)
     return resolved

@@ -17,7 +17,8 @@ from paratrain.config.schema import Config
 from paratrain.errors import ConfigError
 from paratrain.launch.process_group import pick_device
 from paratrain.parallel.dims import MESH_DIMS, ParallelDims
-from paratrain.planner.layouts import Cluster, describe_layout, with_layout
+from paratrain.planner.inputs import PlanInputs, parallel_with_layout, plan_inputs
+from paratrain.planner.layouts import Cluster, describe_layout
 from paratrain.planner.model_facts import ModelFacts, read_model_facts
 from paratrain.planner.ranking import LayoutEstimate, estimate_layout, rank_layouts
 from paratrain.planner.report import run_command
@@ -87,46 +88,49 @@ def check_memory_fits(
     if dims.strategy in _NOT_ESTIMATED:
         logger.info("memory check skipped: the planner does not estimate parallel.strategy=%s", dims.strategy)
         return None
-    facts = _facts_or_none(config)
+    inputs = plan_inputs(config)
+    facts = _facts_or_none(inputs)
     if facts is None:
         return None
-    estimate = estimate_layout(facts, config, dims, gpus_per_node=dims.world_size // nnodes, measured_per_sample=None)
+    estimate = estimate_layout(facts, inputs, dims, gpus_per_node=dims.world_size // nnodes, measured_per_sample=None)
     if estimate.peak.total > free.bytes:
-        message = _refusal(facts, config, estimate, free, nnodes=nnodes, config_path=config_path)
+        message = _refusal(facts, inputs, estimate, free, nnodes=nnodes, config_path=config_path)
         raise MemoryRefused(message, needed=estimate.peak.total, free=free)
     return estimate
 
 
-def _facts_or_none(config: Config) -> ModelFacts | None:
+def _facts_or_none(inputs: PlanInputs) -> ModelFacts | None:
     try:
-        return read_model_facts(config.model, seq_len=config.data.args.get("block_size"))
+        return read_model_facts(inputs.model, seq_len=inputs.seq_len)
     except ConfigError as error:  # a model the planner cannot read may still train: say why it is not checked
         logger.warning("warning: memory check skipped: %s", error)
         return None
 
 
 def _refusal(
-    facts: ModelFacts, config: Config, estimate: LayoutEstimate, free: FreeMemory, *, nnodes: int, config_path: str
+    facts: ModelFacts, inputs: PlanInputs, estimate: LayoutEstimate, free: FreeMemory, *, nnodes: int, config_path: str
 ) -> str:
     peak = estimate.peak
     lines = [
-        f"the model ({config.model.factory}, {facts.num_params:,} parameters) does not fit: the layout "
+        f"the model ({inputs.model.factory}, {facts.num_params:,} parameters) does not fit: the layout "
         f"{describe_layout(estimate.dims)} needs an estimated {format_bytes(peak.total)} per process (parameters "
         f"{format_bytes(peak.params)}, gradients {format_bytes(peak.grads)}, optimizer state "
         f"{format_bytes(peak.optimizer)}, activations {format_bytes(peak.activations)}, working "
         f"{format_bytes(peak.working)}), but only {format_bytes(free.bytes)} is free ({free.source})",
-        _recommendation(facts, config, free.bytes, processes=estimate.dims.world_size, nnodes=nnodes, path=config_path),
+        _recommendation(facts, inputs, free.bytes, processes=estimate.dims.world_size, nnodes=nnodes, path=config_path),
         "To start anyway, pass --skip-memory-check (or set train.check_memory=false).",
     ]
     return "\n".join(lines)
 
 
-def _recommendation(facts: ModelFacts, config: Config, memory: int, *, processes: int, nnodes: int, path: str) -> str:
+def _recommendation(
+    facts: ModelFacts, inputs: PlanInputs, memory: int, *, processes: int, nnodes: int, path: str
+) -> str:
     """The planner's layout for these processes, else for the fewest more nodes of the same size."""
     per_node = processes // nnodes
     for nodes in _node_counts(nnodes):
         cluster = Cluster(per_node * nodes, nodes, memory)
-        best = rank_layouts(facts, config, cluster, measured_per_sample=None).fitting
+        best = rank_layouts(facts, inputs, cluster, measured_per_sample=None).fitting
         if best:
             where = "with these processes" if nodes == nnodes else f"on {nodes} nodes of {per_node} process(es)"
             return (
@@ -164,14 +168,15 @@ def resolve_auto_layout(config: Config, *, world_size: int, nnodes: int, memory:
             f"parallel.strategy=auto chooses every degree, but {', '.join(given)} is set; remove the degrees "
             f"or name a strategy"
         )
-    facts = read_model_facts(config.model, seq_len=config.data.args.get("block_size"))
-    plan = rank_layouts(facts, config, Cluster(world_size, nnodes, memory), measured_per_sample=None)
+    inputs = plan_inputs(config)
+    facts = read_model_facts(inputs.model, seq_len=inputs.seq_len)
+    plan = rank_layouts(facts, inputs, Cluster(world_size, nnodes, memory), measured_per_sample=None)
     # None fits: take the least memory, and let the memory check say why it does not fit.
     chosen = plan.recommended or min(plan.ranked, key=lambda estimate: estimate.peak.total, default=None)
     if chosen is None:
         reasons = "; ".join(f"{describe_layout(dims)}: {reason.splitlines()[0]}" for dims, reason in plan.refused)
         raise ConfigError(f"parallel.strategy=auto: no layout of {world_size} process(es) can run: {reasons}")
-    return with_layout(config, chosen.dims)
+    return config.model_copy(update={"parallel": parallel_with_layout(parallel, chosen.dims)})
 
 
 def maybe_resolve_auto(config: Config, *, world_size: int, nproc_per_node: int) -> Config:

@@ -5,9 +5,10 @@ from __future__ import annotations
 import torch
 
 from paratrain.config.factories import call_factory
-from paratrain.config.schema import Config
+from paratrain.config.schema import Config, DataConfig
 from paratrain.errors import ConfigError
 from paratrain.planner.activations import measure_saved_bytes
+from paratrain.planner.inputs import plan_inputs
 from paratrain.planner.layouts import Cluster
 from paratrain.planner.model_facts import ModelFacts, read_model_facts
 from paratrain.planner.ranking import Plan, rank_layouts
@@ -33,12 +34,13 @@ def plan_layouts(
     """
     cluster = Cluster(gpus, nodes, parse_memory(gpu_memory, argument="--gpu-memory"))
     cluster.check()
-    facts = read_model_facts(config.model, seq_len=config.data.args.get("block_size"))
-    measured, source = activation_source(facts, config, read_data_sample=read_data_sample)
-    return rank_layouts(facts, config, cluster, measured_per_sample=measured), facts, source
+    inputs = plan_inputs(config)
+    facts = read_model_facts(inputs.model, seq_len=inputs.seq_len)
+    measured, source = activation_source(facts, inputs.data, read_data_sample=read_data_sample)
+    return rank_layouts(facts, inputs, cluster, measured_per_sample=measured), facts, source
 
 
-def activation_source(facts: ModelFacts, config: Config, *, read_data_sample: bool) -> tuple[float | None, str]:
+def activation_source(facts: ModelFacts, data: DataConfig, *, read_data_sample: bool) -> tuple[float | None, str]:
     """Bytes per sample measured on the meta device for models the formula does not cover, and how it was found."""
     sizes = facts.transformer
     if sizes is not None:
@@ -48,10 +50,10 @@ def activation_source(facts: ModelFacts, config: Config, *, read_data_sample: bo
         )
     if not read_data_sample:
         return None, "not estimated (the model is not GPT-like; `paratrain plan` measures them from one data sample)"
-    inputs = call_factory(config.data, key="data")[0][0]
+    inputs = call_factory(data, key="data")[0][0]
     if not isinstance(inputs, torch.Tensor):
         raise ConfigError(
-            f"data.factory={config.data.factory!r}: the planner measures activations of models that are "
+            f"data.factory={data.factory!r}: the planner measures activations of models that are "
             f"not GPT-like from one sample, which must be a tensor (got {type(inputs).__name__})"
         )
     per_sample = measure_saved_bytes(facts.model, inputs.unsqueeze(0).to("meta"))
@@ -61,5 +63,5 @@ def activation_source(facts: ModelFacts, config: Config, *, read_data_sample: bo
 def plan_command_text(config: Config, *, config_path: str, gpus: int, gpu_memory: str, nodes: int) -> tuple[str, int]:
     """The report, and the exit code: 0 when a layout fits, 1 when none does."""
     plan, facts, source = plan_layouts(config, gpus=gpus, gpu_memory=gpu_memory, nodes=nodes)
-    text = format_plan(plan, facts, config, config_path=config_path, activation_source=source)
+    text = format_plan(plan, facts, plan_inputs(config), config_path=config_path, activation_source=source)
     return text, 0 if plan.recommended else 1

@@ -16,11 +16,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from paratrain.config.schema import Config
 from paratrain.parallel.dims import ParallelDims
 from paratrain.planner.accounting import RankMemory, rank_memory, stage_shares
 from paratrain.planner.communication import Traffic, step_traffic
-from paratrain.planner.layouts import Cluster, candidate_layouts, describe_layout, layout_problem, with_layout
+from paratrain.planner.inputs import PlanInputs
+from paratrain.planner.layouts import Cluster, candidate_layouts, describe_layout, layout_problem
 from paratrain.planner.model_facts import ModelFacts
 from paratrain.planner.units import format_seconds
 
@@ -70,49 +70,49 @@ class Plan:
 
 
 def estimate_layout(
-    facts: ModelFacts, config: Config, dims: ParallelDims, *, gpus_per_node: int, measured_per_sample: float | None
+    facts: ModelFacts, inputs: PlanInputs, dims: ParallelDims, *, gpus_per_node: int, measured_per_sample: float | None
 ) -> LayoutEstimate:
-    """Memory and traffic of one layout (config's parallel section is replaced by it)."""
-    config = with_layout(config, dims)
-    shares = stage_shares(facts, config, dims)
-    memory = tuple(rank_memory(facts, share, config, dims, measured_per_sample=measured_per_sample) for share in shares)
+    """Memory and traffic of one layout (the inputs' parallel section is replaced by it)."""
+    inputs = inputs.with_layout(dims)
+    shares = stage_shares(facts, inputs, dims)
+    memory = tuple(rank_memory(facts, share, inputs, dims, measured_per_sample=measured_per_sample) for share in shares)
     traffic = max(
-        (step_traffic(facts, share, config, dims, gpus_per_node=gpus_per_node) for share in shares),
+        (step_traffic(facts, share, inputs, dims, gpus_per_node=gpus_per_node) for share in shares),
         key=lambda sent: sent.seconds,
     )
-    return LayoutEstimate(dims, memory, traffic, bubble_fraction(config, dims) * compute_seconds(facts, config, dims))
+    return LayoutEstimate(dims, memory, traffic, bubble_fraction(inputs, dims) * compute_seconds(facts, inputs, dims))
 
 
-def compute_seconds(facts: ModelFacts, config: Config, dims: ParallelDims) -> float:
+def compute_seconds(facts: ModelFacts, inputs: PlanInputs, dims: ParallelDims) -> float:
     """Forward and backward time of one step on each GPU at NOMINAL_FLOPS (6Ψ FLOPs per token, or per sample)."""
     per_sample = facts.transformer.seq_len if facts.transformer else 1
-    work = 6.0 * facts.num_params * config.train.global_batch_size * per_sample
+    work = 6.0 * facts.num_params * inputs.train.global_batch_size * per_sample
     return work / (dims.world_size * NOMINAL_FLOPS)
 
 
-def bubble_fraction(config: Config, dims: ParallelDims) -> float:
+def bubble_fraction(inputs: PlanInputs, dims: ParallelDims) -> float:
     """Idle share of a pipeline step: (p-1)/(v·m + p-1), REFERENCE.md's GPipe/1F1B/interleaved formula."""
     if dims.pp == 1:
         return 0.0
     # lazy: pipeline building loads torch.distributed.pipelining (torch._dynamo) only for pp layouts
     from paratrain.parallel.pipeline.build import pipeline_shape  # loads torch.distributed.pipelining: pp only
 
-    shape = pipeline_shape(config.pipeline, dims=dims, train=config.train)
+    shape = pipeline_shape(inputs.pipeline, dims=dims, train=inputs.train)
     return (dims.pp - 1) / (shape.stages_per_rank * shape.microbatches + dims.pp - 1)
 
 
-def rank_layouts(facts: ModelFacts, config: Config, cluster: Cluster, *, measured_per_sample: float | None) -> Plan:
+def rank_layouts(facts: ModelFacts, inputs: PlanInputs, cluster: Cluster, *, measured_per_sample: float | None) -> Plan:
     """Estimates every runnable candidate layout and ranks them (see the module docstring)."""
     cluster.check()
     estimates, refused = [], []
     for dims in candidate_layouts(cluster):
-        problem = layout_problem(config, facts, dims, gpus_per_node=cluster.gpus_per_node)
+        problem = layout_problem(inputs, facts, dims, gpus_per_node=cluster.gpus_per_node)
         if problem:
             refused.append((dims, problem))
             continue
         estimates.append(
             estimate_layout(
-                facts, config, dims, gpus_per_node=cluster.gpus_per_node, measured_per_sample=measured_per_sample
+                facts, inputs, dims, gpus_per_node=cluster.gpus_per_node, measured_per_sample=measured_per_sample
             )
         )
     estimates.sort(key=lambda estimate: estimate.sort_key(cluster.gpu_memory))

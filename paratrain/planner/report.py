@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from paratrain.config.schema import Config
 from paratrain.parallel.dims import MESH_DIMS, ParallelDims
+from paratrain.planner.inputs import PlanInputs
 from paratrain.planner.layouts import Cluster, describe_layout, layout_overrides
 from paratrain.planner.model_facts import ModelFacts
 from paratrain.planner.ranking import USABLE_FRACTION, LayoutEstimate, Plan, recommendation_reason
@@ -12,9 +12,9 @@ from paratrain.planner.units import format_bytes, format_seconds
 SHOWN_LAYOUTS = 12
 
 
-def format_plan(plan: Plan, facts: ModelFacts, config: Config, *, config_path: str, activation_source: str) -> str:
+def format_plan(plan: Plan, facts: ModelFacts, inputs: PlanInputs, *, config_path: str, activation_source: str) -> str:
     lines = [
-        *_header(plan, facts, config, activation_source),
+        *_header(plan, facts, inputs, activation_source),
         "",
         *_table(plan),
         *_refused(plan),
@@ -35,14 +35,14 @@ def _refused(plan: Plan, shown: int = 3) -> list[str]:
     return lines
 
 
-def _header(plan: Plan, facts: ModelFacts, config: Config, activation_source: str) -> list[str]:
+def _header(plan: Plan, facts: ModelFacts, inputs: PlanInputs, activation_source: str) -> list[str]:
     cluster = plan.cluster
-    optimizer = config.optim.name + (f" (momentum {config.optim.momentum})" if config.optim.name == "sgd" else "")
+    optimizer = inputs.optim.name + (f" (momentum {inputs.optim.momentum})" if inputs.optim.name == "sgd" else "")
     return [
-        f"model: {config.model.factory}, {facts.num_params:,} parameters ({len(facts.params)} tensors); "
-        f"optimizer {optimizer}; precision {config.precision} (weights, gradients, optimizer state fp32)",
-        f"batch: global {config.train.global_batch_size}, micro {config.train.micro_batch_size}; activation "
-        f"checkpointing {'on' if config.parallel.activation_checkpointing else 'off'}; activations: {activation_source}",
+        f"model: {inputs.model.factory}, {facts.num_params:,} parameters ({len(facts.params)} tensors); "
+        f"optimizer {optimizer}; precision {inputs.precision} (weights, gradients, optimizer state fp32)",
+        f"batch: global {inputs.train.global_batch_size}, micro {inputs.train.micro_batch_size}; activation "
+        f"checkpointing {'on' if inputs.parallel.activation_checkpointing else 'off'}; activations: {activation_source}",
         f"cluster: {cluster.gpus} GPU(s) on {cluster.nodes} node(s), {format_bytes(cluster.gpu_memory)} each "
         f"({USABLE_FRACTION:.0%} usable: {format_bytes(USABLE_FRACTION * cluster.gpu_memory)})",
         f"{len(plan.ranked)} layout(s) estimated, {len(plan.fitting)} fit; {len(plan.refused)} refused by "

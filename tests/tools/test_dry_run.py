@@ -124,3 +124,18 @@ def test_the_dry_run_prints_the_parallel_plan_and_where_it_came_from(capsys, con
         "tensor parallel per block: self_attn.q_proj: colwise" in out
         and "pipeline sequence: 6 pieces (model.embed_tokens ... lm_head), decoder layers fed rotary" in out
     )
+
+
+def test_the_dry_run_lists_the_hooks_the_model_defines_and_warns_of_a_misspelt_one(capsys, config_path):
+    code, out, err = dry_run(capsys, config_path, nproc=1, nnodes=1)
+    assert code == 0, err
+    assert "model hooks: parallel_plan(), init_parameter(), flops_per_token(); not defined: flops_per_sample()" in out
+    assert "warning:" not in out
+    mlp = ["model.factory=tests.unit.hook_models:build_misspelt_mlp", "model.args={}"]
+    code, out, err = dry_run(capsys, config_path, *mlp, nproc=1, nnodes=1)
+    assert code == 0, err
+    assert (
+        "model hooks: none; not defined: parallel_plan(), init_parameter(), flops_per_sample(), flops_per_token()"
+        in out
+    )
+    assert "  warning: model MisspeltMLP defines paralel_plan(), one letter away from the hook parallel_plan()" in out

@@ -16,6 +16,7 @@ from paratrain.parallel.dims import ParallelDims, resolve_parallel_dims
 from paratrain.planner.accounting import model_state_bytes, stage_shares
 from paratrain.planner.activations import ActivationShape, head_bytes, layer_bytes, measure_saved_bytes
 from paratrain.planner.communication import fsdp_units
+from paratrain.planner.inputs import plan_inputs
 from paratrain.planner.model_facts import ParamFacts, read_model_facts, transformer_sizes
 from paratrain.planner.plan import plan_layouts
 from paratrain.planner.units import parse_memory
@@ -204,5 +205,5 @@ def test_fsdp_units_counted_for_traffic_include_a_transformers_models_outer_unit
     for args, expected in ((llama, 3 + 2 + 1), (gpt2, 3 + 1)):  # GPT-2: tied head, no pipeline sequence
         config = load_config(None, ["model.factory=paratrain.models.hf:causal_lm", f"model.args={args}"])
         facts = read_model_facts(config.model)
-        share = stage_shares(facts, config, resolve_parallel_dims(config.parallel, world_size=1))[0]
+        share = stage_shares(facts, plan_inputs(config), resolve_parallel_dims(config.parallel, world_size=1))[0]
         assert fsdp_units(facts, share) == expected

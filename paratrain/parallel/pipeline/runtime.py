@@ -16,6 +16,7 @@ from torch.utils.data import Dataset
 from paratrain.config.schema import ParallelConfig, PipelineConfig, TrainConfig
 from paratrain.engine import LaidOutModel, LossFn
 from paratrain.launch.process_group import DistContext
+from paratrain.models.contract import warn_misspelt_hooks
 from paratrain.parallel.collectives import broadcast_object
 from paratrain.parallel.dims import ParallelDims, micro_batch_size
 from paratrain.parallel.pipeline.build import build_pipeline_stages, measure_piece_costs, pipeline_shape
@@ -57,6 +58,8 @@ def build_pipeline_runtime(
         costs=costs,
         pretrained=pretrained,
     )
+    if ctx.rank == 0:
+        warn_misspelt_hooks(part.model)
     logger.info(
         "pipeline %s; this rank holds stage(s) %s: %s",
         shape.describe(),
