@@ -11,7 +11,6 @@ from paratrain.checkpoint.checkpointer import staging_pins_memory
 from paratrain.config.preflight import _dims, check_compile
 from paratrain.config.schema import FSDPConfig, OptimConfig, PipelineConfig, load_config
 from paratrain.cuda_settings import apply_kernel_settings
-from paratrain.engine import output_device
 from paratrain.errors import ConfigError
 from paratrain.launch.process_group import process_group_backend
 from paratrain.optim import build_optimizer, use_fused_kernel
@@ -20,6 +19,7 @@ from paratrain.parallel.dims import ParallelDims
 from paratrain.parallel.fsdp import _mixed_precision, resolved_reduce_dtype
 from paratrain.parallel.model_parallel import ModelParallel
 from paratrain.parallel.pipeline.runtime import records_timeline
+from paratrain.tensors import output_device
 
 
 def test_cpu_offload_on_cuda_gets_gloo_beside_nccl_for_collectives_on_cpu_gradients():
