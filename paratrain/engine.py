@@ -8,7 +8,6 @@ place without the loop changing.
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
@@ -27,23 +26,6 @@ class Engine(Protocol):
 
     def flush(self) -> None:
         """Writes whatever the engine recorded; called when training stops."""
-
-
-@dataclass(frozen=True)
-class LaidOutModel:
-    """A rank's model under its layout (flat or pipelined), and the engine that runs a step on it.
-
-    Attributes:
-        bare: Parameters under the model's own names (this rank's pieces, under a pipeline): what the
-            optimizer and checkpoints see.
-        runnable: What forward runs through: the same module for fsdp/tp, a DDP or DataParallel wrapper,
-            or a ModuleList of this rank's pipeline stage modules.
-        engine: Runs one step's forwards and backwards.
-    """
-
-    bare: nn.Module
-    runnable: nn.Module
-    engine: Engine
 
 
 class MicroBatchEngine:

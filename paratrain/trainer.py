@@ -17,7 +17,6 @@ import torch
 from torch import nn
 from torch.utils.data import Dataset, default_collate
 
-from paratrain.builders import build_layout, tokens_per_sample
 from paratrain.callbacks.base import Callback, CallbackList
 from paratrain.callbacks.build import build_callbacks
 from paratrain.callbacks.profiling import maybe_profiler
@@ -46,6 +45,7 @@ from paratrain.launch.process_group import (
     world_size_from_env,
 )
 from paratrain.launch.watchdog import StepWatchdog
+from paratrain.layout import build_layout, tokens_per_sample
 from paratrain.losses import LossFn
 from paratrain.models.meta import maybe_build_on_meta
 from paratrain.nonfinite import NonFiniteGuard, PendingVerdicts, step_unless_nonfinite, weights_are_finite

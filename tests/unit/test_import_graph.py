@@ -164,7 +164,7 @@ def test_the_rules_see_what_they_check():
     assert "paratrain.parallel.dims" in GRAPH["paratrain.parallel.parallelize"]
     assert ("paratrain.parallel.dims", "paratrain.config.schema", "ParallelConfig") in imports_of("paratrain.parallel")
     assert any(entry[1] == "paratrain.models.plan" for entry in imports_of("paratrain.models"))
-    assert "paratrain.parallel.parallelize" in GRAPH["paratrain.builders"]
+    assert "paratrain.parallel.parallelize" in GRAPH["paratrain.layout.build"]
     GRAPH["paratrain.errors"].add("paratrain.trainer")  # a planted cycle must be found
     try:
         assert cycle_through("paratrain.errors")
