@@ -12,8 +12,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from paratrain.checkpoint.manifest import named_checkpoint
+from paratrain.checks.warnings import ineffective_options
 from paratrain.config.schema import Config, config_to_yaml, load_config
-from paratrain.config.warnings import ineffective_options
 from paratrain.errors import (
     EXIT_NONFINITE,
     EXIT_REQUEUE,
@@ -79,7 +79,7 @@ def train_command(args: argparse.Namespace) -> int:
     options.validate()
     config = load_config(args.config, args.overrides)
     # Lazy: imported once the config parses; preflight loads torch.distributed and the planner loads torch.
-    from paratrain.config.preflight import preflight
+    from paratrain.checks.preflight import preflight
     from paratrain.parallel.dims import resolve_parallel_dims
     from paratrain.planner.memory_check import describe_auto_choice, maybe_resolve_auto
 
@@ -115,7 +115,7 @@ def run_or_launch(
 ) -> int:
     """Trains in this process (one process, no restarts), or launches the workers under torchrun."""
     # lazy: each command loads only what it runs, so every `paratrain` call starts fast
-    from paratrain.config.preflight import PREFLIGHT_DONE_ENV
+    from paratrain.checks.preflight import PREFLIGHT_DONE_ENV
     from paratrain.planner.layouts import layout_overrides
 
     if options.world_size == 1 and options.max_restarts == 0:

@@ -13,9 +13,9 @@ import sys
 from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
 
-from paratrain.config.preflight import PREFLIGHT_DONE_ENV, preflight
+from paratrain.checks.preflight import PREFLIGHT_DONE_ENV, preflight
+from paratrain.checks.warnings import ineffective_options
 from paratrain.config.schema import Config, load_config
-from paratrain.config.warnings import ineffective_options
 from paratrain.errors import (
     EXIT_NONFINITE,
     EXIT_REQUEUE,

@@ -117,7 +117,7 @@ def check_layout(config: Config, facts: ModelFacts, *, world_size: int, gpus_per
         check_tensor_parallel_plan(facts.plan, resolved.tp)
     if resolved.pp > 1:
         # lazy: pipeline and tensor-parallel checks load their torch modules only for layouts that use them
-        from paratrain.config.pipeline_checks import check_pipeline
+        from paratrain.checks.pipeline import check_pipeline
 
         check_pipeline(config, resolved, model=facts.model)
     return resolved

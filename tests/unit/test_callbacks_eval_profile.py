@@ -11,7 +11,7 @@ import torch
 
 import paratrain
 from paratrain.callbacks.throughput import peak_flops_of
-from paratrain.config.preflight import preflight
+from paratrain.checks.preflight import preflight
 from paratrain.config.schema import load_config
 from paratrain.data.regression import build_regression_dataset
 from paratrain.errors import ConfigError
@@ -244,7 +244,7 @@ def test_the_trainer_refuses_an_object_that_is_not_a_callback_before_training(tm
 
 
 def test_eval_and_profile_options_without_their_switch_are_warned_about():
-    from paratrain.config.warnings import ineffective_options
+    from paratrain.checks.warnings import ineffective_options
     from paratrain.parallel.dims import resolve_parallel_dims
 
     config = load_config(None, ["eval.every_steps=5", "profile.active=3"])

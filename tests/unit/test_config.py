@@ -54,7 +54,7 @@ def test_top_level_yaml_must_be_a_mapping(tmp_path):
 
 
 def warnings_at(world_size: int, *overrides: str) -> list[str]:
-    from paratrain.config.warnings import ineffective_options
+    from paratrain.checks.warnings import ineffective_options
     from paratrain.parallel.dims import resolve_parallel_dims
 
     config = load_config(None, list(overrides))

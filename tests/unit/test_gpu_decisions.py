@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from paratrain.checkpoint.checkpointer import staging_pins_memory
-from paratrain.config.preflight import _dims, check_compile
+from paratrain.checks.preflight import _dims, check_compile
 from paratrain.config.schema import FSDPConfig, OptimConfig, PipelineConfig, load_config
 from paratrain.cuda_settings import apply_kernel_settings
 from paratrain.errors import ConfigError
