@@ -93,6 +93,11 @@ def test_callbacks_fire_in_order_and_only_at_their_steps(run):
     ]
 
 
+def test_the_trainer_passed_to_callbacks_has_every_attribute_their_view_promises(run):
+    _, recorder, _ = run
+    assert recorder.missing_from_view == []
+
+
 def test_early_stopping_ends_the_run_with_a_final_checkpoint(run):
     output_dir, _, result = run
     assert result.steps == 4 and result.last_checkpoint == output_dir / "checkpoints" / "step-4"
