@@ -14,18 +14,7 @@ from typing import TYPE_CHECKING
 from paratrain.checkpoint.manifest import named_checkpoint
 from paratrain.checks.warnings import ineffective_options
 from paratrain.config.schema import Config, config_to_yaml, load_config
-from paratrain.errors import (
-    EXIT_NONFINITE,
-    EXIT_REQUEUE,
-    EXIT_SAVE_FAILED,
-    EXIT_USER_ERROR,
-    CheckpointError,
-    CheckpointWriteError,
-    ConfigError,
-    NonFiniteStop,
-    Preempted,
-    UserCodeError,
-)
+from paratrain.errors import RUN_ENDINGS, CheckpointWriteError, ConfigError, Preempted, exit_code_of
 from paratrain.launch.launcher import LaunchOptions
 
 if TYPE_CHECKING:
@@ -38,17 +27,17 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     try:
         return args.handler(args)
-    except (ConfigError, CheckpointError, UserCodeError) as error:
-        print(f"paratrain: error: {error}", file=sys.stderr)
-        return EXIT_USER_ERROR
-    except Preempted as stopped:  # one process, trained in this one
-        print(f"paratrain: {stopped}", file=sys.stderr)
-        return EXIT_REQUEUE
-    except NonFiniteStop as stopped:  # one process, trained in this one
-        print(f"paratrain: error: {stopped}", file=sys.stderr)
-        return EXIT_NONFINITE
-    except CheckpointWriteError:  # one process, trained in this one: the checkpointer said what failed
-        return EXIT_SAVE_FAILED
+    except RUN_ENDINGS as error:
+        say_how_it_ended(error)
+        return exit_code_of(error)
+
+
+def say_how_it_ended(error: Exception) -> None:
+    """The message alone, no traceback: it already names the key and the fix (a stop in a one-process run
+    trained in this one says where it stopped; a failed save was reported by the checkpointer)."""
+    if isinstance(error, CheckpointWriteError):
+        return
+    print(f"paratrain: {error}" if isinstance(error, Preempted) else f"paratrain: error: {error}", file=sys.stderr)
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
