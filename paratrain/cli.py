@@ -325,15 +325,20 @@ def plan_command(args: argparse.Namespace) -> int:
     return code
 
 
+def add_config_arguments(
+    parser: argparse.ArgumentParser, *, overrides_help: str = "dotted config overrides, as for train"
+) -> None:
+    """The YAML file and its ``key=value`` overrides, as every command that reads a config takes them."""
+    parser.add_argument("config", help="YAML config file")
+    parser.add_argument("overrides", nargs="*", metavar="key=value", help=overrides_help)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="paratrain", description="PyTorch-native distributed training.")
     commands = parser.add_subparsers(dest="command", required=True)
 
     train = commands.add_parser("train", help="train from a YAML config")
-    train.add_argument("config", help="YAML config file")
-    train.add_argument(
-        "overrides", nargs="*", metavar="key=value", help="dotted config overrides, e.g. train.max_steps=50"
-    )
+    add_config_arguments(train, overrides_help="dotted config overrides, e.g. train.max_steps=50")
     train.add_argument("--nproc-per-node", type=int, default=1, help="processes on this node (one per GPU)")
     train.add_argument("--nnodes", type=int, help="number of nodes (default 1; inside srun: SLURM_NNODES)")
     train.add_argument("--node-rank", type=int, default=0, help="this node's rank, 0..nnodes-1")
@@ -356,8 +361,7 @@ def build_parser() -> argparse.ArgumentParser:
     config = commands.add_parser("config", help="inspect configs")
     config_commands = config.add_subparsers(dest="config_command", required=True)
     show = config_commands.add_parser("show", help="print the fully resolved config")
-    show.add_argument("config", help="YAML config file")
-    show.add_argument("overrides", nargs="*", metavar="key=value")
+    add_config_arguments(show)
     show.set_defaults(handler=config_show_command)
 
     export = commands.add_parser("export", help="write consolidated model weights from a checkpoint")
@@ -374,8 +378,7 @@ def build_parser() -> argparse.ArgumentParser:
     pipeline_show = pipeline_commands.add_parser(
         "show", help="print each rank's schedule timeline and bubble, and draw it as a PNG"
     )
-    pipeline_show.add_argument("config", help="YAML config file")
-    pipeline_show.add_argument("overrides", nargs="*", metavar="key=value")
+    add_config_arguments(pipeline_show)
     pipeline_show.add_argument("--nproc-per-node", type=int, default=1, help="processes per node, as for train")
     pipeline_show.add_argument("--nnodes", type=int, default=1, help="number of nodes, as for train")
     pipeline_show.add_argument("--out", help="PNG path (default: OUTPUT_DIR/pipeline/schedule.png)")
@@ -408,8 +411,7 @@ def build_parser() -> argparse.ArgumentParser:
     verify = commands.add_parser(
         "verify", help="train the config's layout and one process for a few steps and compare losses"
     )
-    verify.add_argument("config", help="YAML config file")
-    verify.add_argument("overrides", nargs="*", metavar="key=value", help="dotted config overrides, as for train")
+    add_config_arguments(verify)
     verify.add_argument(
         "--nproc-per-node", type=int, help="processes for the layout (default: 2, or 1 for single, dp, model_parallel)"
     )
@@ -419,8 +421,7 @@ def build_parser() -> argparse.ArgumentParser:
     slurm = commands.add_parser(
         "slurm", help="write (and with --submit, submit) an sbatch script: one launcher per node, requeue on 75"
     )
-    slurm.add_argument("config", help="YAML config file")
-    slurm.add_argument("overrides", nargs="*", metavar="key=value", help="dotted config overrides, as for train")
+    add_config_arguments(slurm)
     slurm.add_argument("--nodes", type=int, required=True, help="nodes to request")
     slurm.add_argument("--gpus-per-node", type=int, required=True, help="GPUs per node, one process each")
     slurm.add_argument("--time", help="time limit, as sbatch --time (e.g. 24:00:00)")
@@ -448,8 +449,7 @@ def build_parser() -> argparse.ArgumentParser:
     plan = commands.add_parser(
         "plan", help="memory per GPU of every layout a cluster allows, ranked, with a recommendation"
     )
-    plan.add_argument("config", help="YAML config file")
-    plan.add_argument("overrides", nargs="*", metavar="key=value", help="dotted config overrides, as for train")
+    add_config_arguments(plan)
     plan.add_argument("--gpus", type=int, required=True, help="GPUs in the cluster (all nodes)")
     plan.add_argument("--gpu-memory", required=True, help="memory per GPU, e.g. 80GB (10^9 B) or 80GiB (2^30 B)")
     plan.add_argument(
