@@ -2,7 +2,7 @@
 config names. It imports only leaves (``errors``); the checks that read the whole config against the
 packages it configures live above them, in ``paratrain.checks``.
 
-The root :class:`Config` is seen only by the CLI, the per-rank entry and the Trainer; everything
+The root :class:`Config` is seen only by the CLI, the per-rank entry, the Trainer and the checks; everything
 else receives its own section.
 """
 
