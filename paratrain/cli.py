@@ -12,20 +12,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from paratrain.checkpoint.manifest import named_checkpoint
+from paratrain.checks.warnings import ineffective_options
 from paratrain.config.schema import Config, config_to_yaml, load_config
-from paratrain.config.warnings import ineffective_options
-from paratrain.errors import (
-    EXIT_NONFINITE,
-    EXIT_REQUEUE,
-    EXIT_SAVE_FAILED,
-    EXIT_USER_ERROR,
-    CheckpointError,
-    CheckpointWriteError,
-    ConfigError,
-    NonFiniteStop,
-    Preempted,
-    UserCodeError,
-)
+from paratrain.errors import RUN_ENDINGS, CheckpointWriteError, ConfigError, Preempted, exit_code_of
 from paratrain.launch.launcher import LaunchOptions
 
 if TYPE_CHECKING:
@@ -38,17 +27,17 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     try:
         return args.handler(args)
-    except (ConfigError, CheckpointError, UserCodeError) as error:
-        print(f"paratrain: error: {error}", file=sys.stderr)
-        return EXIT_USER_ERROR
-    except Preempted as stopped:  # one process, trained in this one
-        print(f"paratrain: {stopped}", file=sys.stderr)
-        return EXIT_REQUEUE
-    except NonFiniteStop as stopped:  # one process, trained in this one
-        print(f"paratrain: error: {stopped}", file=sys.stderr)
-        return EXIT_NONFINITE
-    except CheckpointWriteError:  # one process, trained in this one: the checkpointer said what failed
-        return EXIT_SAVE_FAILED
+    except RUN_ENDINGS as error:
+        say_how_it_ended(error)
+        return exit_code_of(error)
+
+
+def say_how_it_ended(error: Exception) -> None:
+    """The message alone, no traceback: it already names the key and the fix (a stop in a one-process run
+    trained in this one says where it stopped; a failed save was reported by the checkpointer)."""
+    if isinstance(error, CheckpointWriteError):
+        return
+    print(f"paratrain: {error}" if isinstance(error, Preempted) else f"paratrain: error: {error}", file=sys.stderr)
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -79,7 +68,7 @@ def train_command(args: argparse.Namespace) -> int:
     options.validate()
     config = load_config(args.config, args.overrides)
     # Lazy: imported once the config parses; preflight loads torch.distributed and the planner loads torch.
-    from paratrain.config.preflight import preflight
+    from paratrain.checks.preflight import preflight
     from paratrain.parallel.dims import resolve_parallel_dims
     from paratrain.planner.memory_check import describe_auto_choice, maybe_resolve_auto
 
@@ -115,7 +104,7 @@ def run_or_launch(
 ) -> int:
     """Trains in this process (one process, no restarts), or launches the workers under torchrun."""
     # lazy: each command loads only what it runs, so every `paratrain` call starts fast
-    from paratrain.config.preflight import PREFLIGHT_DONE_ENV
+    from paratrain.checks.preflight import PREFLIGHT_DONE_ENV
     from paratrain.planner.layouts import layout_overrides
 
     if options.world_size == 1 and options.max_restarts == 0:
@@ -336,6 +325,14 @@ def plan_command(args: argparse.Namespace) -> int:
     return code
 
 
+def add_config_arguments(
+    parser: argparse.ArgumentParser, *, overrides_help: str = "dotted config overrides, as for train"
+) -> None:
+    """The YAML file and its ``key=value`` overrides, as every command that reads a config takes them."""
+    parser.add_argument("config", help="YAML config file")
+    parser.add_argument("overrides", nargs="*", metavar="key=value", help=overrides_help)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="paratrain", description="PyTorch-native distributed training.")
     commands = parser.add_subparsers(dest="command", required=True)
@@ -358,10 +355,7 @@ def build_parser() -> argparse.ArgumentParser:
 def add_train_parser(commands: argparse._SubParsersAction) -> None:
     """``paratrain train CONFIG [key=value ...]``: one process, torchrun workers, or ``--dry-run``."""
     train = commands.add_parser("train", help="train from a YAML config")
-    train.add_argument("config", help="YAML config file")
-    train.add_argument(
-        "overrides", nargs="*", metavar="key=value", help="dotted config overrides, e.g. train.max_steps=50"
-    )
+    add_config_arguments(train, overrides_help="dotted config overrides, e.g. train.max_steps=50")
     train.add_argument("--nproc-per-node", type=int, default=1, help="processes on this node (one per GPU)")
     train.add_argument("--nnodes", type=int, help="number of nodes (default 1; inside srun: SLURM_NNODES)")
     train.add_argument("--node-rank", type=int, default=0, help="this node's rank, 0..nnodes-1")
@@ -387,8 +381,7 @@ def add_config_parser(commands: argparse._SubParsersAction) -> None:
     config = commands.add_parser("config", help="inspect configs")
     config_commands = config.add_subparsers(dest="config_command", required=True)
     show = config_commands.add_parser("show", help="print the fully resolved config")
-    show.add_argument("config", help="YAML config file")
-    show.add_argument("overrides", nargs="*", metavar="key=value")
+    add_config_arguments(show)
     show.set_defaults(handler=config_show_command)
 
 
@@ -411,8 +404,7 @@ def add_pipeline_parser(commands: argparse._SubParsersAction) -> None:
     pipeline_show = pipeline_commands.add_parser(
         "show", help="print each rank's schedule timeline and bubble, and draw it as a PNG"
     )
-    pipeline_show.add_argument("config", help="YAML config file")
-    pipeline_show.add_argument("overrides", nargs="*", metavar="key=value")
+    add_config_arguments(pipeline_show)
     pipeline_show.add_argument("--nproc-per-node", type=int, default=1, help="processes per node, as for train")
     pipeline_show.add_argument("--nnodes", type=int, default=1, help="number of nodes, as for train")
     pipeline_show.add_argument("--out", help="PNG path (default: OUTPUT_DIR/pipeline/schedule.png)")
@@ -454,8 +446,7 @@ def add_verify_parser(commands: argparse._SubParsersAction) -> None:
     verify = commands.add_parser(
         "verify", help="train the config's layout and one process for a few steps and compare losses"
     )
-    verify.add_argument("config", help="YAML config file")
-    verify.add_argument("overrides", nargs="*", metavar="key=value", help="dotted config overrides, as for train")
+    add_config_arguments(verify)
     verify.add_argument(
         "--nproc-per-node", type=int, help="processes for the layout (default: 2, or 1 for single, dp, model_parallel)"
     )
@@ -468,8 +459,7 @@ def add_slurm_parser(commands: argparse._SubParsersAction) -> None:
     slurm = commands.add_parser(
         "slurm", help="write (and with --submit, submit) an sbatch script: one launcher per node, requeue on 75"
     )
-    slurm.add_argument("config", help="YAML config file")
-    slurm.add_argument("overrides", nargs="*", metavar="key=value", help="dotted config overrides, as for train")
+    add_config_arguments(slurm)
     slurm.add_argument("--nodes", type=int, required=True, help="nodes to request")
     slurm.add_argument("--gpus-per-node", type=int, required=True, help="GPUs per node, one process each")
     slurm.add_argument("--time", help="time limit, as sbatch --time (e.g. 24:00:00)")
@@ -503,8 +493,7 @@ def add_plan_parser(commands: argparse._SubParsersAction) -> None:
     plan = commands.add_parser(
         "plan", help="memory per GPU of every layout a cluster allows, ranked, with a recommendation"
     )
-    plan.add_argument("config", help="YAML config file")
-    plan.add_argument("overrides", nargs="*", metavar="key=value", help="dotted config overrides, as for train")
+    add_config_arguments(plan)
     plan.add_argument("--gpus", type=int, required=True, help="GPUs in the cluster (all nodes)")
     plan.add_argument("--gpu-memory", required=True, help="memory per GPU, e.g. 80GB (10^9 B) or 80GiB (2^30 B)")
     plan.add_argument(

@@ -8,26 +8,16 @@ place without the loop changing.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
-from torch.utils._pytree import tree_leaves
 
+from paratrain.losses import LossFn
 from paratrain.parallel.fsdp import set_gradient_sync
 from paratrain.precision import MixedPrecision
-
-LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
-
-
-def output_device(outputs: Any, *, default: torch.device) -> torch.device:
-    """Where the model's outputs are (its first tensor's device): under model_parallel the last part's
-    GPU, where the targets must go for the loss."""
-    tensors = [leaf for leaf in tree_leaves(outputs) if isinstance(leaf, torch.Tensor)]
-    return tensors[0].device if tensors else default
+from paratrain.tensors import move_to, output_device
 
 
 class Engine(Protocol):
@@ -36,23 +26,6 @@ class Engine(Protocol):
 
     def flush(self) -> None:
         """Writes whatever the engine recorded; called when training stops."""
-
-
-@dataclass(frozen=True)
-class LaidOutModel:
-    """A rank's model under its layout (flat or pipelined), and the engine that runs a step on it.
-
-    Attributes:
-        bare: Parameters under the model's own names (this rank's pieces, under a pipeline): what the
-            optimizer and checkpoints see.
-        runnable: What forward runs through: the same module for fsdp/tp, a DDP or DataParallel wrapper,
-            or a ModuleList of this rank's pipeline stage modules.
-        engine: Runs one step's forwards and backwards.
-    """
-
-    bare: nn.Module
-    runnable: nn.Module
-    engine: Engine
 
 
 class MicroBatchEngine:
@@ -105,14 +78,3 @@ class MicroBatchEngine:
         if not enabled and isinstance(self.model, DistributedDataParallel):
             return self.model.no_sync()
         return contextlib.nullcontext()
-
-
-def move_to(batch: Any, device: torch.device) -> Any:
-    """Moves tensors in a (nested) tuple, list or dict to device."""
-    if isinstance(batch, torch.Tensor):
-        return batch.to(device, non_blocking=True)
-    if isinstance(batch, (tuple, list)):
-        return type(batch)(move_to(item, device) for item in batch)
-    if isinstance(batch, dict):
-        return {key: move_to(value, device) for key, value in batch.items()}
-    return batch

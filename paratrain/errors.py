@@ -94,3 +94,21 @@ class CheckpointWriteError(Exception):
 
 def _errno_name(number: int) -> str:
     return errno_module.errorcode.get(number, str(number))
+
+
+# How each way a run ends early leaves the process: the one map both entries (the CLI, and each rank of a
+# launched job) exit by.
+EXIT_CODES: dict[type[Exception], int] = {
+    ConfigError: EXIT_USER_ERROR,
+    CheckpointError: EXIT_USER_ERROR,
+    UserCodeError: EXIT_USER_ERROR,
+    Preempted: EXIT_REQUEUE,
+    NonFiniteStop: EXIT_NONFINITE,
+    CheckpointWriteError: EXIT_SAVE_FAILED,
+}
+RUN_ENDINGS = tuple(EXIT_CODES)
+
+
+def exit_code_of(error: Exception) -> int:
+    """The documented exit code of an error in RUN_ENDINGS."""
+    return next(code for kind, code in EXIT_CODES.items() if isinstance(error, kind))

@@ -22,6 +22,7 @@ from paratrain.errors import ConfigError
 from paratrain.losses import LossFn
 from paratrain.parallel.collectives import all_reduce_sum
 from paratrain.parallel.dims import ParallelDims
+from paratrain.tensors import move_to
 
 
 def check_evaluation(options: EvalConfig, dims: ParallelDims, *, has_dataset: bool = False) -> None:
@@ -107,8 +108,6 @@ class Evaluator:
     @torch.no_grad()
     def evaluate(self) -> float:
         """The mean loss over the validation samples of every rank (the same value on every rank)."""
-        from paratrain.engine import move_to  # lazy: the engine loads FSDP; preflight imports this module without it
-
         was_training = self.model.training
         self.model.eval()
         totals = torch.zeros(2, dtype=torch.float64, device=self.device)  # loss x samples, samples

@@ -13,21 +13,10 @@ import sys
 from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
 
-from paratrain.config.preflight import PREFLIGHT_DONE_ENV, preflight
+from paratrain.checks.preflight import PREFLIGHT_DONE_ENV, preflight
+from paratrain.checks.warnings import ineffective_options
 from paratrain.config.schema import Config, load_config
-from paratrain.config.warnings import ineffective_options
-from paratrain.errors import (
-    EXIT_NONFINITE,
-    EXIT_REQUEUE,
-    EXIT_SAVE_FAILED,
-    EXIT_USER_ERROR,
-    CheckpointError,
-    CheckpointWriteError,
-    ConfigError,
-    NonFiniteStop,
-    Preempted,
-    UserCodeError,
-)
+from paratrain.errors import EXIT_USER_ERROR, RUN_ENDINGS, exit_code_of
 from paratrain.launch.process_group import local_world_size_from_env, pick_device, world_size_from_env
 from paratrain.launch.run_lock import holding_run_lock, worker_lock_pid
 from paratrain.parallel.dims import resolve_parallel_dims
@@ -87,15 +76,11 @@ def main(argv: list[str] | None = None) -> int:
                 logging.getLogger("paratrain").warning("warning: %s", warning)
         with maybe_holding_run_lock(config.run.output_dir):
             run(config, config_path=args.config)
-    except (ConfigError, CheckpointError, UserCodeError) as error:
-        report_user_error(error, rank=rank)
-        return EXIT_USER_ERROR
-    except Preempted:  # the Trainer said where it stopped before the launcher could end the group
-        return EXIT_REQUEUE
-    except NonFiniteStop:  # the Trainer said why and where before any rank could exit
-        return EXIT_NONFINITE
-    except CheckpointWriteError:  # rank 0 said what failed and what is safe before any rank could exit
-        return EXIT_SAVE_FAILED
+    except RUN_ENDINGS as error:
+        # A stop (preempted, non-finite, a failed save) was reported by the Trainer before any rank could exit.
+        if exit_code_of(error) == EXIT_USER_ERROR:
+            report_user_error(error, rank=rank)
+        return exit_code_of(error)
     return 0
 
 

@@ -17,7 +17,6 @@ import torch
 from torch import nn
 from torch.utils.data import Dataset, default_collate
 
-from paratrain.builders import build_layout, tokens_per_sample
 from paratrain.callbacks.base import Callback, CallbackList
 from paratrain.callbacks.build import build_callbacks
 from paratrain.callbacks.profiling import maybe_profiler
@@ -33,7 +32,6 @@ from paratrain.data.loader import StepBatches
 from paratrain.data.sampler import DataPosition, GlobalBatchSampler, build_sampler
 from paratrain.data.stream import StreamBatches, StreamedTokens, check_streaming
 from paratrain.debug import dump_gradients, dump_weights
-from paratrain.engine import LossFn
 from paratrain.errors import CheckpointError, ConfigError, NonFiniteStop, Preempted, UserCodeError
 from paratrain.evaluation import build_evaluator, check_evaluation
 from paratrain.gradients import clip_grad_norm
@@ -47,6 +45,8 @@ from paratrain.launch.process_group import (
     world_size_from_env,
 )
 from paratrain.launch.watchdog import StepWatchdog
+from paratrain.layout import build_layout, tokens_per_sample
+from paratrain.losses import LossFn
 from paratrain.models.meta import maybe_build_on_meta
 from paratrain.nonfinite import NonFiniteGuard, PendingVerdicts, step_unless_nonfinite, weights_are_finite
 from paratrain.optim import build_lr_scheduler, build_optimizer

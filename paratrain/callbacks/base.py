@@ -11,10 +11,45 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
-if TYPE_CHECKING:
-    from paratrain.trainer import Trainer
+if TYPE_CHECKING:  # types only: the interface loads neither torch.distributed nor the trainer
+    import torch
+    from torch import nn
+
+    from paratrain.checkpoint.state import Progress
+    from paratrain.config.schema import Config
+    from paratrain.launch.process_group import DistContext
+    from paratrain.parallel.dims import ParallelDims
+
+
+class TrainerView(Protocol):
+    """What a callback sees of the trainer: the attributes the built-in callbacks read and the ones this
+    interface promises users' callbacks. The object passed is the Trainer itself; this view is how the
+    callbacks name it without importing it (the trainer imports callbacks, never the other way round).
+
+    Attributes:
+        config: The resolved root config.
+        ctx: This rank's process: ``rank``, ``world_size``, ``device``, ``is_main``.
+        dims: The parallel degrees and their meshes.
+        model: What forward runs through (the layout's wrapper, if any).
+        bare_model: The parameters under the model's own names (this rank's pieces under a pipeline).
+        optimizer: The optimizer over ``bare_model``'s parameters.
+        devices: The devices this rank computes on, its own first.
+        tokens_per_sample: Tokens in one sample when inputs are token ids, else None.
+        progress: Optimizer steps done (``progress.step``).
+    """
+
+    config: Config
+    ctx: DistContext
+    dims: ParallelDims
+    model: nn.Module
+    bare_model: nn.Module
+    optimizer: torch.optim.Optimizer
+    devices: list[torch.device]
+    tokens_per_sample: int | None
+    progress: Progress
+
 
 HOOKS = ("on_train_start", "on_step_end", "on_checkpoint_saved", "on_evaluation", "on_train_end")
 
@@ -24,7 +59,8 @@ class CallbackContext:
     """What a hook sees.
 
     Attributes:
-        trainer: The Trainer (its model, optimizer, ``ctx`` with rank and device, ``config``).
+        trainer: The Trainer, seen through :class:`TrainerView` (its model, optimizer, ``ctx`` with rank
+            and device, ``config``).
         step: Optimizer steps done so far.
         record: On log steps, the metrics record (already reduced across ranks) that rank 0 writes to
             metrics.jsonl and TensorBoard: fields a callback adds are logged with it. None otherwise.
@@ -33,7 +69,7 @@ class CallbackContext:
         eval_loss: ``on_evaluation``: the validation loss, the same on every rank.
     """
 
-    trainer: Trainer
+    trainer: TrainerView
     step: int
     record: dict[str, Any] | None = None
     checkpoint: Path | None = None
@@ -68,7 +104,7 @@ class _Control:
 class CallbackList:
     """Calls each hook on every callback in order, and holds a stop requested by one of them."""
 
-    def __init__(self, callbacks: list[Callback], trainer: Trainer):
+    def __init__(self, callbacks: list[Callback], trainer: TrainerView):
         self.callbacks, self.trainer, self._control = list(callbacks), trainer, _Control()
 
     @property

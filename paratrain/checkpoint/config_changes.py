@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from paratrain.config.schema import flatten_dotted
 from paratrain.errors import ConfigError
 
 logger = logging.getLogger("paratrain")
@@ -46,7 +47,7 @@ class ConfigChanges:
 def compare_configs(saved: dict[str, Any], current: dict[str, Any]) -> ConfigChanges:
     """The keys whose values differ, factory arguments one by one. A schema key missing on one side
     (a config written by another paratrain version) is skipped: that version behaved as the default."""
-    old, new = _flatten(saved), _flatten(current)
+    old, new = flatten_dotted(saved), flatten_dotted(current)
     math, harmless = [], []
     for key in sorted(old.keys() | new.keys()):
         before, after = old.get(key, _UNSET), new.get(key, _UNSET)
@@ -107,14 +108,3 @@ def _alters_math(key: str, current: dict[str, Any]) -> bool:
 
 def _is_factory_argument(key: str) -> bool:
     return ".args." in key
-
-
-def _flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
-    """Dotted key -> value; nested dicts (sections, factory args) are walked, an empty one adds nothing."""
-    flat: dict[str, Any] = {}
-    for name, value in tree.items():
-        if isinstance(value, dict):
-            flat.update(_flatten(value, f"{prefix}{name}."))
-        else:
-            flat[f"{prefix}{name}"] = value
-    return flat

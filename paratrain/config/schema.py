@@ -546,6 +546,18 @@ def _set_dotted(tree: dict[str, Any], dotted_key: str, value: Any) -> None:
     node[leaf] = value
 
 
+def flatten_dotted(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """Dotted key -> value, the inverse of overrides' ``section.key=value``: {"optim": {"lr": 1}} ->
+    {"optim.lr": 1}. Nested dicts (sections, factory args) are walked; an empty one adds nothing."""
+    flat: dict[str, Any] = {}
+    for name, value in tree.items():
+        if isinstance(value, dict):
+            flat.update(flatten_dotted(value, f"{prefix}{name}."))
+        else:
+            flat[f"{prefix}{name}"] = value
+    return flat
+
+
 def _format_validation_errors(error: ValidationError) -> str:
     lines = [f"invalid config ({error.error_count()} problem{'s' if error.error_count() > 1 else ''}):"]
     for item in error.errors():

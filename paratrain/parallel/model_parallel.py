@@ -15,11 +15,11 @@ import torch
 from torch import nn
 
 from paratrain.config.schema import PipelineConfig
-from paratrain.engine import move_to
 from paratrain.errors import ConfigError
 from paratrain.models.plan import plan_of
 from paratrain.parallel.pipeline.split import cut_stages
 from paratrain.parallel.pipeline.stages import StageModule, stage_modules
+from paratrain.tensors import move_to
 
 logger = logging.getLogger("paratrain")
 

@@ -110,7 +110,7 @@ def check_layout(inputs: PlanInputs, facts: ModelFacts, *, world_size: int, gpus
         check_tensor_parallel_plan(facts.plan, resolved.tp)
     if resolved.pp > 1:
         # lazy: pipeline and tensor-parallel checks load their torch modules only for layouts that use them
-        from paratrain.config.pipeline_checks import check_pipeline
+        from paratrain.checks.pipeline import check_pipeline
 
         check_pipeline(inputs, resolved, model=facts.model)
     return resolved

@@ -149,7 +149,7 @@ def check_machine_can_run(config: Config, *, nproc_per_node: int, steps: int) ->
 
 
 def _preflight(config: Config, nproc: int, *, part: str) -> None:
-    from paratrain.config.preflight import preflight  # lazy: loads torch.distributed
+    from paratrain.checks.preflight import preflight  # lazy: loads torch.distributed
 
     try:
         preflight(config, world_size=nproc, nproc_per_node=nproc)

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, Protocol
 
+from paratrain.config.schema import flatten_dotted
 from paratrain.errors import ConfigError
 
 Outcome = Literal["success", "failed", "preempted"]
@@ -94,17 +95,6 @@ def _scalars(metrics: dict[str, Any]) -> dict[str, float]:
         for name, value in metrics.items()
         if isinstance(value, (int, float)) and not isinstance(value, bool) and name != "step"
     }
-
-
-def _flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
-    # MLflow and TensorBoard take flat key/value parameters: {"optim": {"lr": 1}} -> {"optim.lr": 1}.
-    flat: dict[str, Any] = {}
-    for key, value in tree.items():
-        if isinstance(value, dict):
-            flat.update(_flatten(value, f"{prefix}{key}."))
-        else:
-            flat[f"{prefix}{key}"] = value
-    return flat
 
 
 class JsonlTracker:
@@ -201,7 +191,7 @@ class MlflowTracker:
         )
         tags = {"mlflow.runName": run.name, "output_dir": str(run.output_dir)}
         self._run_id = self._client.create_run(experiment_id, run_name=run.name, tags=tags).info.run_id
-        params = _flatten(run.hparams)
+        params = flatten_dotted(run.hparams)  # MLflow takes flat key/value parameters
         # MLflow caps a param value at 6000 characters and a batch at 100 params.
         items = [(key, str(value)[:6000]) for key, value in params.items()]
         for start in range(0, len(items), 100):

@@ -15,6 +15,7 @@ from torch.distributed.tensor import DTensor
 from torch.utils.data import TensorDataset
 
 from paratrain.callbacks import Callback, CallbackContext
+from paratrain.callbacks.base import TrainerView
 
 
 class RecordingCallback(Callback):
@@ -41,9 +42,12 @@ class RecordingCallback(Callback):
         self.events_path, self.probe, self.max_samples = events_path, probe, max_samples
         self.events: list[list[Any]] = []
         self.evaluations: list[dict[str, float]] = []
+        self.missing_from_view: list[str] | None = None
 
     def on_train_start(self, context: CallbackContext) -> None:
         self.events.append(["train_start", context.step, None])
+        # What TrainerView promises callbacks, read off the trainer actually passed.
+        self.missing_from_view = [name for name in TrainerView.__annotations__ if not hasattr(context.trainer, name)]
 
     def on_step_end(self, context: CallbackContext) -> None:
         if context.record is not None and self.probe is not None:

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from paratrain.config.preflight import preflight
+from paratrain.checks.preflight import preflight
 from paratrain.config.schema import load_config
 from paratrain.errors import ConfigError
 from paratrain.train import run as train_in_this_process

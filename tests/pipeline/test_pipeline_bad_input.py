@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from paratrain.config.preflight import preflight
+from paratrain.checks.preflight import preflight
 from paratrain.config.schema import load_config
 from paratrain.errors import ConfigError
 from tests.harness import tiny_config, write_config

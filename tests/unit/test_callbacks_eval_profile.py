@@ -11,7 +11,7 @@ import torch
 
 import paratrain
 from paratrain.callbacks.throughput import peak_flops_of
-from paratrain.config.preflight import preflight
+from paratrain.checks.preflight import preflight
 from paratrain.config.schema import load_config
 from paratrain.data.regression import build_regression_dataset
 from paratrain.errors import ConfigError
@@ -91,6 +91,11 @@ def test_callbacks_fire_in_order_and_only_at_their_steps(run):
         ["checkpoint_saved", 4, "step-4"],
         ["train_end", 4, None],
     ]
+
+
+def test_the_trainer_passed_to_callbacks_has_every_attribute_their_view_promises(run):
+    _, recorder, _ = run
+    assert recorder.missing_from_view == []
 
 
 def test_early_stopping_ends_the_run_with_a_final_checkpoint(run):
@@ -244,7 +249,7 @@ def test_the_trainer_refuses_an_object_that_is_not_a_callback_before_training(tm
 
 
 def test_eval_and_profile_options_without_their_switch_are_warned_about():
-    from paratrain.config.warnings import ineffective_options
+    from paratrain.checks.warnings import ineffective_options
     from paratrain.parallel.dims import resolve_parallel_dims
 
     config = load_config(None, ["eval.every_steps=5", "profile.active=3"])

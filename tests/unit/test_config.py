@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import pytest
 
-from paratrain.config.schema import Config, config_to_yaml, load_config
+from paratrain.config.schema import Config, config_to_yaml, flatten_dotted, load_config
 from paratrain.errors import ConfigError
 
 
@@ -54,7 +54,7 @@ def test_top_level_yaml_must_be_a_mapping(tmp_path):
 
 
 def warnings_at(world_size: int, *overrides: str) -> list[str]:
-    from paratrain.config.warnings import ineffective_options
+    from paratrain.checks.warnings import ineffective_options
     from paratrain.parallel.dims import resolve_parallel_dims
 
     config = load_config(None, list(overrides))
@@ -99,3 +99,8 @@ def test_pretrained_args_override_its_config_fields_and_other_factories_keep_the
     assert config.model.args == {"config_dir": "weights", "n_layer": 2}
     gpt = Config.model_validate({"model": {"factory": "paratrain.models.gpt:build_gpt", "pretrained": "w"}})
     assert gpt.model.args == {}
+
+
+def test_flatten_dotted_gives_override_keys_and_drops_empty_sections():
+    tree = {"optim": {"lr": 0.1, "betas": [0.9, 0.95]}, "model": {"args": {}}, "run": {"output_dir": "runs/x"}}
+    assert flatten_dotted(tree) == {"optim.lr": 0.1, "optim.betas": [0.9, 0.95], "run.output_dir": "runs/x"}

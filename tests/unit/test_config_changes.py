@@ -10,7 +10,7 @@ import torch
 from paratrain.checkpoint import Checkpointer
 from paratrain.checkpoint.config_changes import check_resume_config, compare_configs
 from paratrain.checkpoint.state import ModelState, Progress
-from paratrain.config.preflight import preflight
+from paratrain.checks.preflight import preflight
 from paratrain.config.schema import load_config
 from paratrain.errors import ConfigError
 from paratrain.trainer import Trainer

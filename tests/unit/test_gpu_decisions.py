@@ -8,18 +8,18 @@ import pytest
 import torch
 
 from paratrain.checkpoint.checkpointer import staging_pins_memory
-from paratrain.config.preflight import _dims, check_compile
+from paratrain.checks.preflight import _dims, check_compile
 from paratrain.config.schema import FSDPConfig, OptimConfig, PipelineConfig, load_config
 from paratrain.cuda_settings import apply_kernel_settings
-from paratrain.engine import output_device
 from paratrain.errors import ConfigError
 from paratrain.launch.process_group import process_group_backend
+from paratrain.layout.pipeline import records_timeline
 from paratrain.optim import build_optimizer, use_fused_kernel
 from paratrain.parallel.devices import devices_computed_on
 from paratrain.parallel.dims import ParallelDims
 from paratrain.parallel.fsdp import _mixed_precision, resolved_reduce_dtype
 from paratrain.parallel.model_parallel import ModelParallel
-from paratrain.parallel.pipeline.runtime import records_timeline
+from paratrain.tensors import output_device
 
 
 def test_cpu_offload_on_cuda_gets_gloo_beside_nccl_for_collectives_on_cpu_gradients():
@@ -112,7 +112,7 @@ def test_compile_with_single_process_data_parallel_is_refused_naming_the_keys():
 
 
 def test_model_parallel_is_built_in_host_memory_before_its_parts_move_to_their_devices():
-    from paratrain.builders import build_device
+    from paratrain.layout.build import build_device
 
     gpu = torch.device("cuda", 0)
     assert build_device(ParallelDims.resolve("model_parallel", world_size=1), gpu) == torch.device("cpu")

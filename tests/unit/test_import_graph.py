@@ -1,7 +1,7 @@
-"""The layering rules of docs/architecture.md, read from the source with the stdlib ast module: no
-import cycles between paratrain's modules, the allowed directions between packages, nothing on the
-training path reaching tools/, and imports inside functions only where a comment says they are
-deliberately lazy."""
+"""The layering rules of docs/architecture.md, read from the source with the stdlib ast module: the
+packages in one order (each imports only those below it: no two-way pairs, no circles), no import cycles
+between modules, nothing on the training path reaching tools/, and imports inside functions only where a
+comment says they are deliberately lazy."""
 
 from __future__ import annotations
 
@@ -10,6 +10,45 @@ from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[2] / "paratrain"
 TRAINING_ENTRIES = ("paratrain.train", "paratrain.trainer")
+
+# paratrain's top-level packages and modules, bottom to top: each may import only those before it (and
+# its own modules). Every import counts: module-level, under TYPE_CHECKING, and lazy inside a function.
+# A new package is placed here where it belongs; docs/architecture.md explains the order.
+LAYERS = (
+    # leaves: no paratrain imports beyond errors
+    "errors",
+    "losses",
+    "precision",
+    "gradients",
+    "cuda_settings",
+    "tensors",
+    # the typed config tree: schema, loading, reference docs, factories
+    "config",
+    # models and their plans as data; then the layouts' transforms, meshes and collectives
+    "models",
+    "parallel",
+    # what runs a step, and the units the loop uses (each takes its own config section)
+    "engine",
+    "nonfinite",
+    "launch",
+    "data",
+    "checkpoint",
+    "tracking",
+    "optim",
+    "evaluation",
+    "debug",
+    "callbacks",
+    "layout",
+    # whole-config checks, above everything they check; the planner, which uses them
+    "checks",
+    "planner",
+    # the loop, the per-rank entry, the tools, the command line, the public API
+    "trainer",
+    "train",
+    "tools",
+    "cli",
+    "paratrain",
+)
 
 
 def module_name(path: Path) -> str:
@@ -102,6 +141,60 @@ def imports_of(package: str) -> list[tuple[str, str, str | None]]:
     return found
 
 
+def package_of(module: str) -> str:
+    """``paratrain.checks.preflight`` -> ``checks``; the root package itself is ``paratrain``."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else parts[0]
+
+
+def import_kind(tree: ast.Module, node: ast.stmt) -> str:
+    if node in module_level_imports(tree):
+        return "module-level"
+    if any(isinstance(block, ast.If) and is_type_checking(block) and node in ast.walk(block) for block in tree.body):
+        return "under TYPE_CHECKING"
+    return "inside a function"
+
+
+def all_imports() -> list[tuple[str, str, str, int]]:
+    """(importer, imported module, kind, line) for every paratrain import anywhere in paratrain."""
+    found = []
+    for importer, tree in TREES.items():
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.Import, ast.ImportFrom)):
+                kind = import_kind(tree, node)
+                found += [(importer, target, kind, node.lineno) for target in sorted(targets(importer, node))]
+    return found
+
+
+def layering_violations(imports: list[tuple[str, str, str, int]]) -> list[str]:
+    """Each import that points up LAYERS (or at a package LAYERS does not place), as one sentence."""
+    rank = {name: index for index, name in enumerate(LAYERS)}
+    found = []
+    for importer, target, kind, line in imports:
+        low, high = package_of(importer), package_of(target)
+        if low == high:
+            continue
+        if low not in rank or high not in rank:
+            unplaced = low if low not in rank else high
+            found.append(f"{importer} imports {target}: package {unplaced!r} has no place in LAYERS; add it")
+        elif rank[high] > rank[low]:
+            found.append(
+                f"{importer} (line {line}, {kind}) imports {target}: {high!r} is above {low!r} in LAYERS, and a "
+                f"package imports only the packages below it; move what both need down, or pass it in"
+            )
+    return found
+
+
+def test_every_import_points_down_the_layers():
+    violations = layering_violations(all_imports())
+    assert not violations, "\n".join(violations)
+
+
+def test_every_package_has_a_place_in_the_layers():
+    packages = {package_of(name) for name in MODULES}
+    assert sorted(packages - set(LAYERS)) == [] and sorted(set(LAYERS) - packages) == []
+
+
 def test_parallel_imports_no_trainer_data_or_root_config():
     forbidden = [
         (importer, module, name)
@@ -164,7 +257,16 @@ def test_the_rules_see_what_they_check():
     assert "paratrain.parallel.dims" in GRAPH["paratrain.parallel.parallelize"]
     assert ("paratrain.parallel.dims", "paratrain.config.schema", "ParallelConfig") in imports_of("paratrain.parallel")
     assert any(entry[1] == "paratrain.models.plan" for entry in imports_of("paratrain.models"))
-    assert "paratrain.parallel.parallelize" in GRAPH["paratrain.builders"]
+    assert "paratrain.parallel.parallelize" in GRAPH["paratrain.layout.build"]
+    kinds = {(importer, target): kind for importer, target, kind, _ in all_imports()}
+    assert kinds["paratrain.callbacks.base", "paratrain.checkpoint.state"] == "under TYPE_CHECKING"
+    assert kinds["paratrain.layout.build", "paratrain.layout.pipeline"] == "inside a function"
+    planted = ("paratrain.parallel.dims", "paratrain.engine", "under TYPE_CHECKING", 1)  # a back-edge must be found
+    assert layering_violations([planted]) == [
+        "paratrain.parallel.dims (line 1, under TYPE_CHECKING) imports paratrain.engine: 'engine' is above "
+        "'parallel' in LAYERS, and a package imports only the packages below it; move what both need down, or "
+        "pass it in"
+    ]
     GRAPH["paratrain.errors"].add("paratrain.trainer")  # a planted cycle must be found
     try:
         assert cycle_through("paratrain.errors")

@@ -18,9 +18,10 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.pipelining import PipelineStage
 
-from paratrain.engine import LossFn, move_to
+from paratrain.losses import LossFn
 from paratrain.parallel.pipeline.recorder import TimelineRecorder
 from paratrain.parallel.pipeline.schedules import PipelineShape, is_multi_stage, schedule_class
+from paratrain.tensors import move_to
 
 
 class PipelineEngine:

@@ -1,10 +1,11 @@
-"""Building a rank's model under its layout: the flat layouts here, the pipeline through
-``parallel.pipeline.runtime``. Both lay the model out with ``parallel.parallelize``."""
+"""Building a rank's model under its layout: the flat layouts here, the pipeline in ``layout.pipeline``.
+Both lay the model out with ``parallel.parallelize``."""
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -12,8 +13,9 @@ from torch import nn
 from torch.utils.data import Dataset
 
 from paratrain.config.schema import ParallelConfig, PipelineConfig, TrainConfig
-from paratrain.engine import LaidOutModel, LossFn, MicroBatchEngine
+from paratrain.engine import Engine, MicroBatchEngine
 from paratrain.launch.process_group import DistContext
+from paratrain.losses import LossFn
 from paratrain.models.contract import declares_init, warn_misspelt_hooks
 from paratrain.models.init import build_on_meta, is_on_meta, materialize
 from paratrain.models.plan import plan_of
@@ -23,6 +25,23 @@ from paratrain.parallel.parallelize import maybe_wrap_replicas, parallelize
 from paratrain.precision import MixedPrecision
 
 logger = logging.getLogger("paratrain")
+
+
+@dataclass(frozen=True)
+class LaidOutModel:
+    """A rank's model under its layout (flat or pipelined), and the engine that runs a step on it.
+
+    Attributes:
+        bare: Parameters under the model's own names (this rank's pieces, under a pipeline): what the
+            optimizer and checkpoints see.
+        runnable: What forward runs through: the same module for fsdp/tp, a DDP or DataParallel wrapper,
+            or a ModuleList of this rank's pipeline stage modules.
+        engine: Runs one step's forwards and backwards.
+    """
+
+    bare: nn.Module
+    runnable: nn.Module
+    engine: Engine
 
 
 def build_model(
@@ -81,7 +100,7 @@ def build_layout(
     if dims.pp_enabled:
         # Deliberately lazy: torch.distributed.pipelining loads torch._dynamo, a second at start-up
         # that layouts without a pipeline would pay for nothing.
-        from paratrain.parallel.pipeline.runtime import build_pipeline_runtime
+        from paratrain.layout.pipeline import build_pipeline_runtime
 
         return build_pipeline_runtime(
             model_factory,

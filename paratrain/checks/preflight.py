@@ -15,8 +15,8 @@ from paratrain.callbacks.build import check_callback_configs
 from paratrain.checkpoint import find_checkpoints, verify_checkpoint
 from paratrain.checkpoint.config_changes import check_resume_config
 from paratrain.checkpoint.manifest import is_complete, read_manifest
+from paratrain.checks.pipeline import check_pipeline
 from paratrain.config.factories import call_factory, check_factory_args
-from paratrain.config.pipeline_checks import check_pipeline
 from paratrain.config.schema import Config
 from paratrain.data.checks import check_data_fits_model
 from paratrain.errors import CheckpointError, ConfigError

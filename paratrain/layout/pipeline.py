@@ -14,8 +14,9 @@ from torch import nn
 from torch.utils.data import Dataset
 
 from paratrain.config.schema import ParallelConfig, PipelineConfig, TrainConfig
-from paratrain.engine import LaidOutModel, LossFn
 from paratrain.launch.process_group import DistContext
+from paratrain.layout.build import LaidOutModel
+from paratrain.losses import LossFn
 from paratrain.models.contract import warn_misspelt_hooks
 from paratrain.parallel.collectives import broadcast_object
 from paratrain.parallel.dims import ParallelDims, micro_batch_size
@@ -41,7 +42,7 @@ def build_pipeline_runtime(
     timeline_dir: Path,
     pretrained: Path | None = None,
 ) -> LaidOutModel:
-    """This rank's stages and the schedule's engine (arguments as ``builders.build_layout``'s)."""
+    """This rank's stages and the schedule's engine (arguments as ``layout.build.build_layout``'s)."""
     shape = pipeline_shape(pipeline, dims=dims, train=train)
     costs = _measured_piece_costs(
         model_factory, pipeline, sample_dataset, train=train, dims=dims, device=ctx.device, is_main=ctx.rank == 0
