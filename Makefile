@@ -41,7 +41,7 @@ demo: $(INSTALLED)
 test: $(INSTALLED) $(MLFLOW_SERVER)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
-	$(BIN)/python -m pytest
+	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile
 
 $(FLOOR_INSTALLED): pyproject.toml constraints-floor.txt
 	$(PYTHON) -m venv $(FLOOR_VENV)
