@@ -1,27 +1,176 @@
-"""Building a rank's model under its layout: the flat layouts here, the pipeline through
-``parallel.pipeline.runtime``. Both lay the model out with ``parallel.parallelize``."""
+"""Building what a rank trains: its process and mesh (``resolve_dims``, ``init_rank``), then its model under
+its layout (``build_rank_model``): the flat layouts here, the pipeline through ``parallel.pipeline.runtime``.
+Both lay the model out with ``parallel.parallelize``. Each function takes its config sections."""
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from torch import nn
 from torch.utils.data import Dataset
 
-from paratrain.config.schema import ParallelConfig, PipelineConfig, TrainConfig
+from paratrain.config.schema import (
+    DataConfig,
+    DebugConfig,
+    FactoryConfig,
+    ModelConfig,
+    ParallelConfig,
+    PipelineConfig,
+    TrainConfig,
+)
+from paratrain.cuda_settings import apply_kernel_settings
+from paratrain.data.checks import SampleSources, check_dataset_fits_model
+from paratrain.data.feed import DataFeed
+from paratrain.debug import dump_weights
 from paratrain.engine import LaidOutModel, LossFn, MicroBatchEngine
-from paratrain.launch.process_group import DistContext
+from paratrain.launch.process_group import (
+    DistContext,
+    init_distributed,
+    local_world_size_from_env,
+    world_size_from_env,
+)
 from paratrain.models.init import build_on_meta, declares_init, is_on_meta, materialize
+from paratrain.models.meta import maybe_build_on_meta
 from paratrain.models.plan import plan_of
-from paratrain.parallel.dims import ParallelDims
+from paratrain.parallel.activation import compile_loss
+from paratrain.parallel.devices import devices_computed_on
+from paratrain.parallel.dims import ParallelDims, micro_batch_size, resolve_parallel_dims
 from paratrain.parallel.model_parallel import apply_model_parallel
 from paratrain.parallel.parallelize import maybe_wrap_replicas, parallelize
-from paratrain.precision import MixedPrecision
+from paratrain.precision import MixedPrecision, Precision, build_mixed_precision
 
 logger = logging.getLogger("paratrain")
+
+
+def resolve_dims(parallel: ParallelConfig) -> ParallelDims:
+    """The ``parallel`` section's degrees for the world the launcher started (no process group yet)."""
+    return resolve_parallel_dims(
+        parallel, world_size=world_size_from_env(), local_world_size=local_world_size_from_env()
+    )
+
+
+def init_rank(dims: ParallelDims, *, parallel: ParallelConfig, train: TrainConfig) -> DistContext:
+    """This process's device and, when the layout needs one, its process group; then the device's kernel
+    settings (``train.deterministic``)."""
+    ctx = init_distributed(
+        device_kind=train.device,
+        needs_group=dims.needs_process_group,
+        timeout_s=parallel.collective_timeout_s,
+        cpu_collectives=dims.fsdp_enabled and parallel.fsdp.cpu_offload,
+    )
+    apply_kernel_settings(ctx.device, deterministic=train.deterministic)
+    return ctx
+
+
+def describe_sources(
+    *, data: FactoryConfig, model: FactoryConfig, loss: FactoryConfig, given: tuple[bool, bool, bool]
+) -> SampleSources:
+    """How the user named the data, model and loss, for messages: the object given to the Trainer
+    (``given`` says which of data, model, loss were), else the config's factory."""
+    names = [("the dataset given to Trainer", data, "data"), ("the model_factory given to Trainer", model, "model")]
+    names.append(("the loss_fn given to Trainer", loss, "loss"))
+    return SampleSources(
+        *(
+            said if was_given else f"{key}.factory={section.factory!r}"
+            for (said, section, key), was_given in zip(names, given, strict=True)
+        )
+    )
+
+
+def build_feed(
+    dataset: Dataset,
+    *,
+    data: DataConfig,
+    train: TrainConfig,
+    pipeline: PipelineConfig,
+    dims: ParallelDims,
+    device: torch.device,
+) -> DataFeed:
+    """This rank's share of each global batch (micro-batches of train.micro_batch_size, or as many as
+    pipeline.microbatches asks for)."""
+    return DataFeed(
+        dataset,
+        data,
+        global_batch_size=train.global_batch_size,
+        micro_batch_size=micro_batch_size(train, pipeline, dims=dims),
+        seed=train.seed,
+        dp_rank=dims.dp_rank,
+        dp_size=dims.dp,
+        pipeline_stages=dims.pp,
+        pin_memory=device.type == "cuda",
+    )
+
+
+@dataclass(frozen=True)
+class RankModel:
+    """What this rank trains: the laid-out model and engine, their mixed precision, the loss they use
+    (compiled beside the blocks when ``parallel.compile`` is on; evaluation uses it too), and the devices
+    the model computes on (several under dp and model_parallel)."""
+
+    layout: LaidOutModel
+    precision: MixedPrecision
+    loss_fn: LossFn
+    devices: list[torch.device]
+
+
+def build_rank_model(
+    model_factory: Callable[[], nn.Module],
+    loss_fn: LossFn,
+    dataset: Dataset,
+    *,
+    sources: SampleSources | None,
+    dims: ParallelDims,
+    ctx: DistContext,
+    sections: RankSections,
+    output_dir: Path,
+) -> RankModel:
+    """Checks one sample against the model on meta (shapes and token ids, before allocating; skipped when
+    ``sources`` is None, as for a stream), compiles the loss if asked, lays the model out, and writes its
+    initial weights when ``debug.dump_initial_weights`` asks.
+
+    Args:
+        dataset: Where the sample check and pipeline.balance=time read samples.
+        output_dir: ``run.output_dir``: the pipeline's timelines and the initial weights go under it.
+    """
+    if sources is not None:
+        check_dataset_fits_model(dataset, maybe_build_on_meta(model_factory), loss_fn, sources=sources)
+    parallel, pretrained = sections.parallel, sections.model.pretrained
+    precision = build_mixed_precision(sections.precision, device=ctx.device, sharded=dims.is_sharded)
+    loss_fn = compile_loss(loss_fn, compile=parallel.compile, backend=parallel.compile_backend)
+    layout = build_layout(
+        model_factory,
+        loss_fn,
+        dims=dims,
+        ctx=ctx,
+        precision=precision,
+        parallel=parallel,
+        pipeline=sections.pipeline,
+        train=sections.train,
+        sample_dataset=dataset,
+        timeline_dir=output_dir / "pipeline",
+        pretrained=Path(pretrained) if pretrained else None,
+    )
+    if sections.debug.dump_initial_weights:
+        pipeline_group = dims.pp_mesh.get_group() if dims.pp_enabled else None
+        path = output_dir / "initial-weights.safetensors"
+        dump_weights(layout.bare, path, is_main=ctx.is_main, pipeline_group=pipeline_group)
+    return RankModel(layout, precision, loss_fn, devices_computed_on(layout.runnable, own=ctx.device))
+
+
+@dataclass(frozen=True)
+class RankSections:
+    """The config sections that decide how a rank's model is built and laid out."""
+
+    model: ModelConfig
+    parallel: ParallelConfig
+    pipeline: PipelineConfig
+    train: TrainConfig
+    debug: DebugConfig
+    precision: Precision  # the root's "precision" key: fp32, bf16 or fp16
 
 
 def build_model(
@@ -111,13 +260,6 @@ def build_layout(
     every_micro_batch = dims.fsdp_enabled and parallel.fsdp.grad_sync == "every_micro_batch"
     engine = MicroBatchEngine(runnable, loss_fn, precision, device=device, sync_every_micro_batch=every_micro_batch)
     return LaidOutModel(built.bare, runnable, engine)
-
-
-def tokens_per_sample(dataset: Dataset) -> int | None:
-    """Token count of one sample when its inputs are token ids (integer tensors), else None."""
-    inputs = dataset[0][0]
-    is_tokens = isinstance(inputs, torch.Tensor) and not inputs.is_floating_point()
-    return inputs.numel() if is_tokens else None
 
 
 def build_device(dims: ParallelDims, device: torch.device) -> torch.device:

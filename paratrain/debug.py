@@ -26,6 +26,21 @@ def dump_gradients(
     _write_gathered(gradients, path, is_main=is_main, pipeline_group=pipeline_group, dtype=torch.float32)
 
 
+def maybe_dump_gradients(
+    model: nn.Module,
+    *,
+    at_steps: list[int],
+    step: int,
+    directory: Path,
+    is_main: bool,
+    pipeline_group: dist.ProcessGroup | None = None,
+) -> None:
+    """``dump_gradients`` to ``directory/step-<step>.safetensors`` when ``step`` is one of ``at_steps``
+    (``debug.dump_gradients_at_steps``); every rank calls it."""
+    if step in at_steps:
+        dump_gradients(model, directory / f"step-{step}.safetensors", is_main=is_main, pipeline_group=pipeline_group)
+
+
 def dump_weights(
     model: nn.Module, path: Path, *, is_main: bool, pipeline_group: dist.ProcessGroup | None = None
 ) -> None:

@@ -17,13 +17,16 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
 from paratrain.parallel.collectives import all_reduce_sum
+
+if TYPE_CHECKING:
+    from paratrain.precision import MixedPrecision
 
 logger = logging.getLogger("paratrain")
 
@@ -131,3 +134,16 @@ def weights_are_finite(model: nn.Module) -> bool:
     for tensor in local:
         bad += (~torch.isfinite(tensor.detach())).any()
     return all_reduce_sum(bad).item() == 0
+
+
+def step_optimizer(
+    optimizer: torch.optim.Optimizer, grad_norm: torch.Tensor, *, precision: MixedPrecision
+) -> torch.Tensor:
+    """Applies the step unless its gradients are not finite; returns that verdict, on the device.
+
+    fp16's scaler skips overflowed steps itself (and shrinks its scale): expected, so not counted here.
+    """
+    if precision.scaler is not None:
+        precision.step(optimizer)
+        return torch.ones((), dtype=torch.bool, device=grad_norm.device)
+    return step_unless_nonfinite(optimizer, grad_norm)
