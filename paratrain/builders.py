@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 from torch import nn
-from torch.utils.data import Dataset
+from torch.utils.data import Dataset, default_collate
 
 from paratrain.config.schema import (
     DataConfig,
@@ -37,6 +37,7 @@ from paratrain.models.init import build_on_meta, declares_init, is_on_meta, mate
 from paratrain.models.meta import maybe_build_on_meta
 from paratrain.models.plan import plan_of
 from paratrain.parallel.activation import compile_loss
+from paratrain.parallel.ddp import settle_buckets
 from paratrain.parallel.devices import devices_computed_on
 from paratrain.parallel.dims import ParallelDims, micro_batch_size, resolve_parallel_dims
 from paratrain.parallel.model_parallel import apply_model_parallel
@@ -260,6 +261,17 @@ def build_layout(
     every_micro_batch = dims.fsdp_enabled and parallel.fsdp.grad_sync == "every_micro_batch"
     engine = MicroBatchEngine(runnable, loss_fn, precision, device=device, sync_every_micro_batch=every_micro_batch)
     return LaidOutModel(built.bare, runnable, engine)
+
+
+def settle_resumed_layout(
+    model: nn.Module, engine: MicroBatchEngine, feed: DataFeed, *, dims: ParallelDims, device: torch.device
+) -> None:
+    """Brings DDP past its first iteration after a resume, changing nothing (see settle_buckets). Any samples
+    do: only the order in which gradients become ready matters. One micro-batch, or a whole step's worth
+    for a pipeline's schedule."""
+    micro_batch = default_collate(feed.first_samples(feed.micro_batch_size))
+    count = feed.micro_batches_per_step if dims.pp > 1 else 1
+    settle_buckets(model, lambda: engine.forward_backward([micro_batch] * count), device=device)
 
 
 def build_device(dims: ParallelDims, device: torch.device) -> torch.device:

@@ -17,9 +17,17 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils.data import Dataset, default_collate
+from torch.utils.data import Dataset
 
-from paratrain.builders import RankSections, build_feed, build_rank_model, describe_sources, init_rank, resolve_dims
+from paratrain.builders import (
+    RankSections,
+    build_feed,
+    build_rank_model,
+    describe_sources,
+    init_rank,
+    resolve_dims,
+    settle_resumed_layout,
+)
 from paratrain.callbacks.base import Callback, CallbackList
 from paratrain.callbacks.build import build_callbacks
 from paratrain.callbacks.profiling import maybe_profiler
@@ -39,12 +47,10 @@ from paratrain.launch.watchdog import StepWatchdog
 from paratrain.nonfinite import NonFiniteGuard, PendingVerdicts, step_optimizer, weights_are_finite
 from paratrain.optim import build_lr_scheduler, build_optimizer
 from paratrain.parallel.collectives import all_reduce_sum, barrier
-from paratrain.parallel.ddp import settle_buckets
 from paratrain.tracking.metrics import (
     LogWindow,
     MetricsLogger,
     NoMetrics,
-    RunInfo,
     build_record,
     open_metrics,
     should_log,
@@ -142,12 +148,7 @@ class Trainer:
         )
         self.callbacks = CallbackList([*profiler, *user_callbacks], self)
         self.checkpointer = build_checkpointer(
-            config.checkpoint,
-            directory=output_dir / "checkpoints",
-            rank=self.ctx.rank,
-            world_size=self.ctx.world_size,
-            config=config.model_dump(mode="json"),
-            device=self.ctx.device,
+            config.checkpoint, directory=output_dir / "checkpoints", ctx=self.ctx, config=config.model_dump(mode="json")
         )
         # Chosen and checked now, so a changed config is refused before anything runs; loaded by train().
         resume = choose_resume(
@@ -159,59 +160,39 @@ class Trainer:
         """Runs from the current step to ``train.max_steps`` (or until a callback stops it), evaluating,
         logging and checkpointing on the way."""
         self._maybe_start()
-        max_steps, rank = self.config.train.max_steps, self.ctx.rank
-        batches, window, last_loss, last_checkpoint = (
-            self.feed.step_batches(),
-            LogWindow.open(self.ctx.device),
-            None,
-            None,
-        )
+        config, ctx, max_steps = self.config, self.ctx, self.config.train.max_steps
+        hparams, step_now = config.model_dump(mode="json"), self.progress.step
         metrics = open_metrics(
-            self.config.log,
-            RunInfo(self.config.run.name, self.config.run.output_dir, self.config.model_dump(mode="json")),
-            is_main=self.ctx.is_main,
-            start_step=self.progress.step,
-            max_steps=max_steps,
+            config.log, config.run, hparams, is_main=ctx.is_main, start_step=step_now, max_steps=max_steps
         )
-        stop = StopSignals.install(self.ctx.device)
-        hang_dir = self.config.run.output_dir / "hang"
+        batches, window, last_loss, last_checkpoint = self.feed.step_batches(), LogWindow.open(ctx.device), None, None
+        stop = StopSignals.install(ctx.device)
         watchdog = StepWatchdog(
-            self.config.debug.step_timeout_s, directory=hang_dir, rank=rank, world_size=self.ctx.world_size
+            config.debug.step_timeout_s,
+            directory=config.run.output_dir / "hang",
+            rank=ctx.rank,
+            world_size=ctx.world_size,
         )
         self.callbacks.call("on_train_start")
         outcome = "failed"  # what the trackers record unless the loop ends otherwise
         try:
             while self.progress.step < max_steps:
                 step = self._first_step_or_next(window.next_batch(batches))
-                self.progress.step += 1
-                self.feed.step_done()
-                window.add_step(step.loss, finite=step.finite)
-                self.verdicts.add(self.progress.step, step.finite)
-                self._settle_verdicts(keep_newest=True)  # the previous step's, while this one runs
+                self._count_step(step, window)
                 metrics.step_done()
                 evaluated = self._maybe_evaluate(window)
-                if (
-                    should_log(self.progress.step, every_steps=self.config.log.every_steps, max_steps=max_steps)
-                    or evaluated
-                ):
-                    last_loss, window = (
-                        self._log(metrics, window, step, evaluated=evaluated),
-                        LogWindow.open(self.ctx.device),
-                    )
+                if should_log(self.progress.step, every_steps=config.log.every_steps, max_steps=max_steps) or evaluated:
+                    last_loss = self._log(metrics, window, step, evaluated=evaluated)
+                    window = LogWindow.open(ctx.device)
                 else:
                     self.callbacks.call("on_step_end")
                 stop_signal = stop.agreed_signal() if self.progress.step < max_steps else None
                 last_checkpoint = self._maybe_save(preempted=stop_signal is not None) or last_checkpoint
-                faults.maybe_kill("after_step", step=self.progress.step, rank=rank)
+                faults.maybe_kill("after_step", step=self.progress.step, rank=ctx.rank)
                 if stop_signal is not None:
                     outcome = "preempted"
                     raise end_on_signal(
-                        stop_signal.name,
-                        last_checkpoint,
-                        step=self.progress.step,
-                        rank=rank,
-                        local_rank=self.ctx.local_rank,
-                        received=stop.received_name,
+                        stop_signal.name, last_checkpoint, step=self.progress.step, ctx=ctx, received=stop.received_name
                     )
                 watchdog.step_done(self.progress.step)
                 if self.callbacks.stop_reason:
@@ -226,7 +207,7 @@ class Trainer:
             stop.uninstall()
             metrics.close(outcome)
             self.engine.flush()
-        return TrainResult(self.progress.step, last_loss, self.config.run.output_dir, last_checkpoint)
+        return TrainResult(self.progress.step, last_loss, config.run.output_dir, last_checkpoint)
 
     def train_step(self, micro_batches: list[Any]) -> StepOutput:
         """One optimizer step over a global batch."""
@@ -253,6 +234,14 @@ class Trainer:
         finite = step_optimizer(self.optimizer, grad_norm, precision=self.precision)
         self.lr_scheduler.step()
         return StepOutput(loss, grad_norm, lr, finite)
+
+    def _count_step(self, step: StepOutput, window: LogWindow) -> None:
+        """Moves the run past a step: its count, the data position, the log window and its pending verdict."""
+        self.progress.step += 1
+        self.feed.step_done()
+        window.add_step(step.loss, finite=step.finite)
+        self.verdicts.add(self.progress.step, step.finite)
+        self._settle_verdicts(keep_newest=True)  # the previous step's, while this one runs
 
     def _settle_verdicts(self, *, keep_newest: bool = False) -> None:
         """Reads the guard's pending verdicts (see PendingVerdicts); raises if the run must stop."""
@@ -331,20 +320,18 @@ class Trainer:
         if self.dims.mesh is not None:
             loss = all_reduce_sum(loss, group=self.dims.loss_mesh.get_group()) / self.dims.dp
         record = build_record(
+            window,
             step=self.progress.step,
             loss=loss.item() if applied else float("nan"),
             lr=step.lr,
             grad_norm=step.grad_norm.item(),
-            step_time_s=window.seconds_per_step(),
-            window_steps=window.steps,
-            data_wait_s=window.data_wait,
-            global_batch_size=self.config.train.global_batch_size,
+            samples_per_step=self.config.train.global_batch_size,
             tokens_per_sample=self.tokens_per_sample,
             epoch=self.feed.position.epoch,
             world_size=self.ctx.world_size,
             skipped_steps=len(self.nonfinite.skipped_steps),
-            evaluated=evaluated,
         )
+        record.update(evaluated)
         self.callbacks.call("on_step_end", record=record)  # callbacks may add fields to what is logged
         if self.ctx.is_main:
             metrics.log(record)
@@ -384,22 +371,13 @@ class Trainer:
                 "resumed from %s at step %d (epoch %d)", self._resume_from, self.progress.step, self.feed.position.epoch
             )
             self.last_healthy_checkpoint = self._resume_from
-            self._settle_buckets()
+            settle_resumed_layout(self.model, self.engine, self.feed, dims=self.dims, device=self.ctx.device)
         if self.progress.step >= self.config.train.max_steps:
             logger.info(
                 "already at step %d of train.max_steps=%d: nothing to train",
                 self.progress.step,
                 self.config.train.max_steps,
             )
-
-    def _settle_buckets(self) -> None:
-        """Brings DDP past its first iteration after a resume (see settle_buckets). Any samples do: only the
-        order in which gradients become ready matters."""
-        micro_batch = default_collate(self.feed.first_samples(self.feed.micro_batch_size))
-        # A pipeline's schedule needs a whole step's micro-batches; one does elsewhere.
-        step_micro_batches = self.config.train.global_batch_size // (self.feed.micro_batch_size * self.dp_size)
-        count = step_micro_batches if self.dims.pp > 1 else 1
-        settle_buckets(self.model, lambda: self.engine.forward_backward([micro_batch] * count), device=self.ctx.device)
 
     def _first_step_or_next(self, batch: Any) -> Any:
         """A step; the run's first is where the user's forward and loss meet real data first, so what it

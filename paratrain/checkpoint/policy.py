@@ -8,14 +8,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import torch
-
 from paratrain.checkpoint.checkpointer import Checkpointer
 from paratrain.checkpoint.config_changes import check_resume_config, log_resume_changes
 from paratrain.checkpoint.manifest import read_manifest
 
 if TYPE_CHECKING:
     from paratrain.config.schema import CheckpointConfig
+    from paratrain.launch.process_group import DistContext
 
 
 @dataclass(frozen=True)
@@ -72,21 +71,16 @@ def choose_resume(
 
 
 def build_checkpointer(
-    options: CheckpointConfig,
-    *,
-    directory: Path,
-    rank: int,
-    world_size: int,
-    config: dict[str, Any],
-    device: torch.device,
+    options: CheckpointConfig, *, directory: Path, ctx: DistContext, config: dict[str, Any]
 ) -> Checkpointer:
-    """The run's checkpointer for the ``checkpoint`` section (keep_last, async_save); see Checkpointer."""
+    """The run's checkpointer for the ``checkpoint`` section (keep_last, async_save) on this rank's process
+    and device (see Checkpointer); ``config``, the resolved config, goes into every manifest."""
     return Checkpointer(
         directory,
         keep_last=options.keep_last,
-        rank=rank,
-        world_size=world_size,
+        rank=ctx.rank,
+        world_size=ctx.world_size,
         config=config,
         async_save=options.async_save,
-        device=device,
+        device=ctx.device,
     )

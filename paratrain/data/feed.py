@@ -67,6 +67,11 @@ class DataFeed:
             self.position = DataPosition()
             self.tokens_per_sample = tokens_per_sample(dataset)
 
+    @property
+    def micro_batches_per_step(self) -> int:
+        """This rank's micro-batches in one optimizer step."""
+        return self.global_batch_size // (self.micro_batch_size * self.dp_size)
+
     def step_batches(self) -> Iterator[list[Any]]:
         """This rank's micro-batches, one list per optimizer step, from the current position."""
         if self.streaming:

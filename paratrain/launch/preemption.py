@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 from paratrain.errors import Preempted
+from paratrain.launch.process_group import DistContext
 from paratrain.parallel.collectives import barrier, is_distributed
 
 logger = logging.getLogger("paratrain")
@@ -105,17 +106,17 @@ def announce_stop(*, local_rank: int) -> None:
 
 
 def end_on_signal(
-    signal_name: str, checkpoint: Path, *, step: int, rank: int, local_rank: int, received: str | None
+    signal_name: str, checkpoint: Path, *, step: int, ctx: DistContext, received: str | None
 ) -> Preempted:
     """Says that every rank agreed to stop after ``step`` on ``signal_name`` (``checkpoint`` is complete),
     tells the launcher, and returns the exception the run ends with. ``received``: the signal this rank
     itself received, if any."""
     if received:
-        logger.warning("rank %d received %s", rank, received)
+        logger.warning("rank %d received %s", ctx.rank, received)
     logger.info("stopping at step %d on %s: checkpoint %s is complete", step, signal_name, checkpoint)
     stopped = Preempted(step=step, checkpoint=checkpoint, signal_name=signal_name)
     # Said before announcing: once the launcher knows, it may stop this process with the group, and
     # a message left for after the exception had reached the caller was lost in about 1 run in 6.
     logger.info("%s", stopped)
-    announce_stop(local_rank=local_rank)
+    announce_stop(local_rank=ctx.local_rank)
     return stopped

@@ -34,7 +34,7 @@ __all__ = [
 ]
 
 if TYPE_CHECKING:
-    from paratrain.config.schema import LogConfig
+    from paratrain.config.schema import LogConfig, RunConfig
 
 logger = logging.getLogger("paratrain")
 
@@ -88,39 +88,35 @@ class LogWindow:
 
 
 def build_record(
+    window: LogWindow,
     *,
     step: int,
     loss: float,
     lr: float,
     grad_norm: float,
-    step_time_s: float,
-    window_steps: int,
-    data_wait_s: float,
-    global_batch_size: int,
+    samples_per_step: int,
     tokens_per_sample: int | None,
     epoch: int,
     world_size: int,
     skipped_steps: int,
-    evaluated: dict[str, float],
 ) -> dict[str, Any]:
-    """What a logged step writes: metrics.jsonl's line and every tracker's record.
+    """What a logged step writes: metrics.jsonl's line and every tracker's record (the loop adds
+    ``eval_loss`` and ``eval_time_s`` on evaluation steps, callbacks their own fields).
 
     Args:
+        window: The steps since the last logged one: their time and their wait for data.
         step: The step just taken.
         loss: Mean loss over the window's applied steps, across data-parallel ranks (NaN if none applied).
         lr: Learning rate the step used.
         grad_norm: Global gradient norm of the step, before clipping.
-        step_time_s: Mean seconds per step over the window, evaluation left out.
-        window_steps: Steps in the window.
-        data_wait_s: Seconds rank 0 waited for data over the window.
-        global_batch_size: Samples per step.
+        samples_per_step: ``train.global_batch_size``.
         tokens_per_sample: Tokens in a sample, or None when samples are not token ids.
         epoch: Epoch of the data position.
         world_size: Processes in the run.
         skipped_steps: Steps skipped over the whole run for non-finite gradients.
-        evaluated: ``eval_loss`` and ``eval_time_s`` on an evaluation step, else empty.
     """
-    samples_per_s = global_batch_size / step_time_s
+    step_time_s = window.seconds_per_step()
+    samples_per_s = samples_per_step / step_time_s
     record = {
         "step": step,
         "loss": loss,
@@ -129,7 +125,7 @@ def build_record(
         "step_time_s": step_time_s,
         "samples_per_s": samples_per_s,
         # Rank 0's share of the step spent waiting for data: the loader keeps up when it is near 0.
-        "data_wait_fraction": data_wait_s / (step_time_s * window_steps),
+        "data_wait_fraction": window.data_wait / (step_time_s * window.steps),
         "epoch": epoch,
         "world_size": world_size,
         "time": time.time(),
@@ -138,7 +134,7 @@ def build_record(
         record["skipped_steps"] = skipped_steps  # over the run, not the window
     if tokens_per_sample:
         record["tokens_per_s"] = samples_per_s * tokens_per_sample
-    return record | evaluated
+    return record
 
 
 class MetricsLogger:
@@ -223,13 +219,14 @@ def _format_line(metrics: dict[str, Any], max_steps: int) -> str:
 
 
 def open_metrics(
-    log: LogConfig, run: RunInfo, *, is_main: bool, start_step: int, max_steps: int
+    log: LogConfig, run: RunConfig, hparams: dict[str, Any], *, is_main: bool, start_step: int, max_steps: int
 ) -> MetricsLogger | NoMetrics:
     """Rank 0's metrics for the ``log`` section's trackers and progress bar; nothing on other ranks.
 
     Args:
         log: The ``log`` section.
-        run: Name, output_dir and resolved config, recorded by every tracker.
+        run: The ``run`` section: its name and output_dir, recorded by every tracker.
+        hparams: The resolved config, recorded by every tracker.
         is_main: Whether this is rank 0, the only rank that writes metrics.
         start_step: Steps already done (non-zero on resume).
         max_steps: Steps the run ends at.
@@ -237,7 +234,7 @@ def open_metrics(
     if not is_main:
         return NoMetrics()
     return MetricsLogger(
-        run,
+        RunInfo(name=run.name, output_dir=run.output_dir, hparams=hparams),
         trackers=log.tracker_names(),
         progress_bar=log.progress_bar,
         start_step=start_step,
