@@ -45,9 +45,9 @@ def unguarded_step(trainer, window, micro_batches) -> None:
     trainer.precision.unscale_(trainer.optimizer)
     maybe_dump_gradients(
         trainer.bare_model,
-        at_steps=trainer.config.debug.dump_gradients_at_steps,
+        trainer.config.debug,
+        trainer.config.run.output_dir,
         step=trainer.progress.step + 1,
-        directory=trainer.config.run.output_dir / "gradients",
         is_main=trainer.ctx.is_main,
         pipeline_group=trainer.pipeline_group,
     )

@@ -13,6 +13,7 @@ import torch
 from torch import nn
 from torch.utils.data import Dataset, default_collate
 
+from paratrain.config.factories import call_factory
 from paratrain.config.schema import (
     DataConfig,
     DebugConfig,
@@ -83,7 +84,7 @@ def describe_sources(
 
 
 def build_feed(
-    dataset: Dataset,
+    dataset: Dataset | None,
     *,
     data: DataConfig,
     train: TrainConfig,
@@ -92,9 +93,9 @@ def build_feed(
     device: torch.device,
 ) -> DataFeed:
     """This rank's share of each global batch (micro-batches of train.micro_batch_size, or as many as
-    pipeline.microbatches asks for)."""
+    pipeline.microbatches asks for) of ``dataset``, or of ``data.factory``'s when it is None."""
     return DataFeed(
-        dataset,
+        dataset if dataset is not None else call_factory(data, key="data"),
         data,
         global_batch_size=train.global_batch_size,
         micro_batch_size=micro_batch_size(train, pipeline, dims=dims),
@@ -123,21 +124,25 @@ def build_rank_model(
     loss_fn: LossFn,
     dataset: Dataset,
     *,
-    sources: SampleSources | None,
+    given: tuple[bool, bool, bool],
+    check_sample: bool,
     dims: ParallelDims,
     ctx: DistContext,
     sections: RankSections,
     output_dir: Path,
 ) -> RankModel:
-    """Checks one sample against the model on meta (shapes and token ids, before allocating; skipped when
-    ``sources`` is None, as for a stream), compiles the loss if asked, lays the model out, and writes its
-    initial weights when ``debug.dump_initial_weights`` asks.
+    """Checks one sample against the model on meta (shapes and token ids, before allocating), compiles the
+    loss if asked, lays the model out, and writes its initial weights when ``debug.dump_initial_weights`` asks.
 
     Args:
         dataset: Where the sample check and pipeline.balance=time read samples.
+        given: Whether the dataset, the model factory and the loss came from the caller (not the config's
+            factories), for messages.
+        check_sample: Run the sample check (a stream's samples cannot be read by index).
         output_dir: ``run.output_dir``: the pipeline's timelines and the initial weights go under it.
     """
-    if sources is not None:
+    if check_sample:
+        sources = describe_sources(data=sections.data, model=sections.model, loss=sections.loss, given=given)
         check_dataset_fits_model(dataset, maybe_build_on_meta(model_factory), loss_fn, sources=sources)
     parallel, pretrained = sections.parallel, sections.model.pretrained
     precision = build_mixed_precision(sections.precision, device=ctx.device, sharded=dims.is_sharded)
@@ -167,6 +172,8 @@ class RankSections:
     """The config sections that decide how a rank's model is built and laid out."""
 
     model: ModelConfig
+    loss: FactoryConfig
+    data: DataConfig
     parallel: ParallelConfig
     pipeline: PipelineConfig
     train: TrainConfig

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -11,6 +12,9 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from paratrain.models.weights import canonical_name
+
+if TYPE_CHECKING:
+    from paratrain.config.schema import DebugConfig
 
 
 def dump_gradients(
@@ -28,17 +32,18 @@ def dump_gradients(
 
 def maybe_dump_gradients(
     model: nn.Module,
+    debug: DebugConfig,
+    output_dir: Path,
     *,
-    at_steps: list[int],
     step: int,
-    directory: Path,
     is_main: bool,
     pipeline_group: dist.ProcessGroup | None = None,
 ) -> None:
-    """``dump_gradients`` to ``directory/step-<step>.safetensors`` when ``step`` is one of ``at_steps``
-    (``debug.dump_gradients_at_steps``); every rank calls it."""
-    if step in at_steps:
-        dump_gradients(model, directory / f"step-{step}.safetensors", is_main=is_main, pipeline_group=pipeline_group)
+    """``dump_gradients`` to ``output_dir/gradients/step-<step>.safetensors`` when ``step`` is one of
+    ``debug.dump_gradients_at_steps``; every rank calls it."""
+    if step in debug.dump_gradients_at_steps:
+        path = output_dir / "gradients" / f"step-{step}.safetensors"
+        dump_gradients(model, path, is_main=is_main, pipeline_group=pipeline_group)
 
 
 def dump_weights(

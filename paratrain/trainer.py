@@ -11,7 +11,7 @@ import gc
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +23,6 @@ from paratrain.builders import (
     RankSections,
     build_feed,
     build_rank_model,
-    describe_sources,
     init_rank,
     resolve_dims,
     settle_resumed_layout,
@@ -44,17 +43,9 @@ from paratrain.launch import faults
 from paratrain.launch.preemption import StopSignals, end_on_signal
 from paratrain.launch.process_group import destroy_distributed
 from paratrain.launch.watchdog import StepWatchdog
-from paratrain.nonfinite import NonFiniteGuard, PendingVerdicts, step_optimizer, weights_are_finite
+from paratrain.nonfinite import NonFiniteGuard, PendingVerdicts, step_optimizer, stop_on_nonfinite, weights_are_finite
 from paratrain.optim import build_lr_scheduler, build_optimizer
-from paratrain.parallel.collectives import all_reduce_sum, barrier
-from paratrain.tracking.metrics import (
-    LogWindow,
-    MetricsLogger,
-    NoMetrics,
-    build_record,
-    open_metrics,
-    should_log,
-)
+from paratrain.tracking.metrics import LogWindow, MetricsLogger, NoMetrics, build_record, open_metrics, should_log
 
 logger = logging.getLogger("paratrain")
 
@@ -111,12 +102,7 @@ class Trainer:
         self.dp_rank, self.dp_size = self.dims.dp_rank, self.dims.dp
         self.pipeline_group = self.dims.pp_mesh.get_group() if self.dims.pp_enabled else None  # other stages' ranks
         self.feed = build_feed(
-            dataset if dataset is not None else call_factory(config.data, key="data"),
-            data=config.data,
-            train=train,
-            pipeline=config.pipeline,
-            dims=self.dims,
-            device=self.ctx.device,
+            dataset, data=config.data, train=train, pipeline=config.pipeline, dims=self.dims, device=self.ctx.device
         )
         self.tokens_per_sample = self.feed.tokens_per_sample
         loss_fn = self._build_model(
@@ -211,24 +197,22 @@ class Trainer:
 
     def train_step(self, micro_batches: list[Any]) -> StepOutput:
         """One optimizer step over a global batch."""
-        step, rank = self.progress.step + 1, self.ctx.rank  # the step being taken
+        step, rank, model = self.progress.step + 1, self.ctx.rank, self.bare_model  # the step being taken
         faults.maybe_stall("stall_in_step", step=step, rank=rank)
         self.optimizer.zero_grad(set_to_none=True)
         loss = self.engine.forward_backward(micro_batches)
         self.precision.unscale_(self.optimizer)
-        faults.maybe_poison_gradients("nan_grad", self.bare_model, step=step, rank=rank)
+        faults.maybe_poison_gradients("nan_grad", model, step=step, rank=rank)
         maybe_dump_gradients(
-            self.bare_model,
-            at_steps=self.config.debug.dump_gradients_at_steps,
+            model,
+            self.config.debug,
+            self.config.run.output_dir,
             step=step,
-            directory=self.config.run.output_dir / "gradients",
             is_main=self.ctx.is_main,
             pipeline_group=self.pipeline_group,
         )
         # Pipeline ranks hold different parameters: their squared norms add up to the global one.
-        grad_norm = clip_grad_norm(
-            list(self.bare_model.parameters()), self.config.train.grad_clip, sum_over=self.pipeline_group
-        )
+        grad_norm = clip_grad_norm(list(model.parameters()), self.config.train.grad_clip, sum_over=self.pipeline_group)
         lr = self.optimizer.param_groups[0]["lr"]
         # The schedule follows the step count (as with fp16's scaler), so a skipped step uses up its learning rate.
         finite = step_optimizer(self.optimizer, grad_norm, precision=self.precision)
@@ -283,15 +267,11 @@ class Trainer:
             model_factory or (lambda: call_factory(config.model, key="model")),
             loss_fn or call_factory(config.loss, key="loss"),
             self.feed.dataset,
-            # A stream's samples are not checked on meta (the check reads samples by index).
-            sources=None
-            if self.feed.streaming
-            else describe_sources(data=config.data, model=config.model, loss=config.loss, given=given),
+            given=given,
+            check_sample=not self.feed.streaming,
             dims=self.dims,
             ctx=self.ctx,
-            sections=RankSections(
-                config.model, config.parallel, config.pipeline, config.train, config.debug, config.precision
-            ),
+            sections=RankSections(*(getattr(config, field.name) for field in fields(RankSections))),  # same names
             output_dir=config.run.output_dir,
         )
         self.bare_model, self.model, self.engine = built.layout.bare, built.layout.runnable, built.layout.engine
@@ -314,15 +294,11 @@ class Trainer:
     ) -> float:
         self._settle_verdicts()  # skipped steps' losses are left out of loss_sum: every verdict is read first
         applied = window.steps - self.nonfinite.skipped_after(self.progress.step - window.steps)
-        # Only ranks holding the last pipeline stage have a loss (all ranks, without a pipeline); the
-        # others add zero. The reduction also waits for the window's work, for the step time.
-        loss = window.mean_loss(applied)
-        if self.dims.mesh is not None:
-            loss = all_reduce_sum(loss, group=self.dims.loss_mesh.get_group()) / self.dims.dp
+        group = self.dims.loss_mesh.get_group() if self.dims.mesh is not None else None
         record = build_record(
             window,
             step=self.progress.step,
-            loss=loss.item() if applied else float("nan"),
+            loss=window.mean_loss(applied, group=group, dp=self.dims.dp),
             lr=step.lr,
             grad_norm=step.grad_norm.item(),
             samples_per_step=self.config.train.global_batch_size,
@@ -359,25 +335,20 @@ class Trainer:
 
     def _maybe_start(self) -> None:
         """What a run does once, when training starts: its output directory, then the resume."""
-        if self._started:
-            return
-        self._started = True
-        if self.ctx.is_main:
-            self.config.run.output_dir.mkdir(parents=True, exist_ok=True)
-            (self.config.run.output_dir / "config.yaml").write_text(config_to_yaml(self.config))
-        if self._resume_from is not None:
-            self.load_checkpoint(self._resume_from)
-            logger.info(
-                "resumed from %s at step %d (epoch %d)", self._resume_from, self.progress.step, self.feed.position.epoch
-            )
-            self.last_healthy_checkpoint = self._resume_from
-            settle_resumed_layout(self.model, self.engine, self.feed, dims=self.dims, device=self.ctx.device)
-        if self.progress.step >= self.config.train.max_steps:
-            logger.info(
-                "already at step %d of train.max_steps=%d: nothing to train",
-                self.progress.step,
-                self.config.train.max_steps,
-            )
+        config, step = self.config, self.progress.step
+        if not self._started:
+            self._started = True
+            if self.ctx.is_main:
+                config.run.output_dir.mkdir(parents=True, exist_ok=True)
+                (config.run.output_dir / "config.yaml").write_text(config_to_yaml(config))
+            if self._resume_from is not None:
+                self.load_checkpoint(self._resume_from)
+                step, epoch = self.progress.step, self.feed.position.epoch
+                logger.info("resumed from %s at step %d (epoch %d)", self._resume_from, step, epoch)
+                self.last_healthy_checkpoint = self._resume_from
+                settle_resumed_layout(self.model, self.engine, self.feed, dims=self.dims, device=self.ctx.device)
+        if step >= config.train.max_steps:
+            logger.info("already at step %d of train.max_steps=%d: nothing to train", step, config.train.max_steps)
 
     def _first_step_or_next(self, batch: Any) -> Any:
         """A step; the run's first is where the user's forward and loss meet real data first, so what it
@@ -407,9 +378,4 @@ class Trainer:
         same on every rank). An asynchronous save still in flight is finished first: its weights were
         checked before it began."""
         self.checkpointer.wait()
-        stopped = NonFiniteStop(step=step, reason=reason, checkpoint=self.last_healthy_checkpoint)
-        # Said here, and every rank waits for it: the first rank to exit makes the launcher stop the others,
-        # and rank 0 could be stopped before printing a message left for after the exception.
-        logger.info("error: %s", stopped)
-        barrier()
-        return stopped
+        return stop_on_nonfinite(reason, step=step, checkpoint=self.last_healthy_checkpoint)

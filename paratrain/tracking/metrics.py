@@ -16,9 +16,11 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
 import torch
+import torch.distributed as dist
 from tqdm import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
 
+from paratrain.parallel.collectives import all_reduce_sum
 from paratrain.tracking.trackers import Outcome, RunInfo, build_trackers
 
 __all__ = [
@@ -79,9 +81,21 @@ class LogWindow:
         """Excludes time spent on something else (evaluation): step time measures training alone."""
         self.started += seconds
 
-    def mean_loss(self, applied: int) -> torch.Tensor:
-        """This rank's mean loss over the window's ``applied`` (not skipped) steps."""
-        return self.loss_sum / max(applied, 1)
+    def mean_loss(self, applied: int, *, group: dist.ProcessGroup | None = None, dp: int = 1) -> float:
+        """The mean loss over the window's ``applied`` (not skipped) steps, NaN when none was applied.
+
+        Args:
+            applied: Steps of the window whose update was applied.
+            group: The loss mesh's group (data-parallel ranks and the last pipeline stage), or None in
+                one process. Only ranks holding the last pipeline stage have a loss (all ranks, without a
+                pipeline); the others add zero. The reduction also waits for the window's work, for the
+                step time.
+            dp: Data-parallel degree: the sum over ``group`` is divided by it.
+        """
+        loss = self.loss_sum / max(applied, 1)
+        if group is not None:
+            loss = all_reduce_sum(loss, group=group) / dp
+        return loss.item() if applied else float("nan")
 
     def seconds_per_step(self) -> float:
         return (time.perf_counter() - self.started) / self.steps
