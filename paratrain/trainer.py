@@ -1,15 +1,13 @@
 """The training loop: ``train()`` (loop, evaluation, callbacks, checkpoints), ``train_step()`` (one optimizer
-step) and the engine's ``forward_backward()`` (the step's micro-batches). The loop never asks which layout
-runs underneath: the layout is applied once, in ``build_rank_model``. The loop acts; what it asks about (is
-this step logged, is a save due, which checkpoint to resume, the next step's batches) is answered by
-``tracking.window``, ``checkpoint.policy`` and ``data.feed`` from plain values.
+step) and the engine's ``forward_backward()`` (the step's micro-batches), on a layout applied once
+(``builders``). The loop acts; what it asks (is this step logged, is a save due, which checkpoint to resume,
+the step's batches) is answered from plain values by ``tracking.metrics``, ``checkpoint.policy``, ``data.feed``.
 """
 
 from __future__ import annotations
 
 import gc
 import logging
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, fields
 from pathlib import Path
@@ -31,7 +29,7 @@ from paratrain.callbacks.base import Callback, CallbackList
 from paratrain.callbacks.build import build_callbacks
 from paratrain.callbacks.profiling import maybe_profiler
 from paratrain.checkpoint.policy import build_checkpointer, choose_resume, save_due
-from paratrain.checkpoint.state import ModelState, OptimizerState, Progress, RNGState
+from paratrain.checkpoint.state import Progress, RNGState, training_state
 from paratrain.config.factories import call_factory, describe_user_error
 from paratrain.config.schema import Config, config_to_yaml
 from paratrain.debug import maybe_dump_gradients
@@ -96,22 +94,20 @@ class Trainer:
         dims = resolve_dims(config.parallel)
         check_evaluation(config.eval, dims, has_dataset=eval_dataset is not None)
         user_callbacks = build_callbacks(config.callbacks, callbacks)
-        self.ctx = init_rank(dims, parallel=config.parallel, train=train)
-        self.dims = dims.with_mesh(self.ctx.device.type)
-        logger.info("layout %s on %s", self.dims.describe_layout(), self.ctx.device)
-        self.dp_rank, self.dp_size = self.dims.dp_rank, self.dims.dp
+        self.ctx = ctx = init_rank(dims, parallel=config.parallel, train=train)
+        self.dims = dims.with_mesh(ctx.device.type)
+        logger.info("layout %s on %s", self.dims.describe_layout(), ctx.device)
         self.pipeline_group = self.dims.pp_mesh.get_group() if self.dims.pp_enabled else None  # other stages' ranks
         self.feed = build_feed(
-            dataset, data=config.data, train=train, pipeline=config.pipeline, dims=self.dims, device=self.ctx.device
+            dataset, data=config.data, train=train, pipeline=config.pipeline, dims=self.dims, device=ctx.device
         )
         self.tokens_per_sample = self.feed.tokens_per_sample
-        loss_fn = self._build_model(
-            model_factory, loss_fn, given=(dataset is not None, bool(model_factory), bool(loss_fn))
-        )
+        given = (dataset is not None, bool(model_factory), bool(loss_fn))  # for messages naming what the user gave
+        loss_fn = self._build_model(model_factory, loss_fn, given=given)
         # Data-parallel ranks draw different random numbers (e.g. dropout masks); tensor-parallel
         # ranks of one replica must draw the same, since they compute on the same activations.
-        torch.manual_seed(train.seed + self.dp_rank)
-        self.optimizer = build_optimizer(self.bare_model, config.optim, dp_size=self.dp_size)
+        torch.manual_seed(train.seed + self.dims.dp_rank)
+        self.optimizer = build_optimizer(self.bare_model, config.optim, dp_size=self.dims.dp)
         self.lr_scheduler = build_lr_scheduler(self.optimizer, config.optim, max_steps=train.max_steps)
         self.progress = Progress()
         self.nonfinite = NonFiniteGuard(train.nonfinite, train.nonfinite_max_skips)
@@ -124,22 +120,16 @@ class Trainer:
             model=self.model,
             device=self.engine.device,
             autocast=self.precision.autocast,
-            dp_rank=self.dp_rank,
-            dp_size=self.dp_size,
-            group=self.dims.batch_mesh.get_group() if self.dims.mesh is not None else None,
+            dims=self.dims,
             train=train,
         )
-        profiler = maybe_profiler(
-            config.profile, directory=output_dir / "profile", rank=self.ctx.rank, device=self.ctx.device
-        )
+        profiler = maybe_profiler(config.profile, directory=output_dir / "profile", rank=ctx.rank, device=ctx.device)
         self.callbacks = CallbackList([*profiler, *user_callbacks], self)
-        self.checkpointer = build_checkpointer(
-            config.checkpoint, directory=output_dir / "checkpoints", ctx=self.ctx, config=config.model_dump(mode="json")
+        self.checkpointer = checkpointer = build_checkpointer(
+            config.checkpoint, directory=output_dir / "checkpoints", ctx=ctx, config=config.model_dump(mode="json")
         )
         # Chosen and checked now, so a changed config is refused before anything runs; loaded by train().
-        resume = choose_resume(
-            self.checkpointer, config.checkpoint, config=self.checkpointer.config, is_main=self.ctx.is_main
-        )
+        resume = choose_resume(checkpointer, config.checkpoint, config=checkpointer.config, is_main=ctx.is_main)
         self._resume_from, self._started, self._stepped = resume, False, False  # _stepped: see _first_step_or_next
 
     def train(self) -> TrainResult:
@@ -147,18 +137,13 @@ class Trainer:
         logging and checkpointing on the way."""
         self._maybe_start()
         config, ctx, max_steps = self.config, self.ctx, self.config.train.max_steps
-        hparams, step_now = config.model_dump(mode="json"), self.progress.step
+        hparams, hang = config.model_dump(mode="json"), config.run.output_dir / "hang"
         metrics = open_metrics(
-            config.log, config.run, hparams, is_main=ctx.is_main, start_step=step_now, max_steps=max_steps
+            config.log, config.run, hparams, is_main=ctx.is_main, start_step=self.progress.step, max_steps=max_steps
         )
         batches, window, last_loss, last_checkpoint = self.feed.step_batches(), LogWindow.open(ctx.device), None, None
         stop = StopSignals.install(ctx.device)
-        watchdog = StepWatchdog(
-            config.debug.step_timeout_s,
-            directory=config.run.output_dir / "hang",
-            rank=ctx.rank,
-            world_size=ctx.world_size,
-        )
+        watchdog = StepWatchdog(config.debug.step_timeout_s, directory=hang, rank=ctx.rank, world_size=ctx.world_size)
         self.callbacks.call("on_train_start")
         outcome = "failed"  # what the trackers record unless the loop ends otherwise
         try:
@@ -197,22 +182,18 @@ class Trainer:
 
     def train_step(self, micro_batches: list[Any]) -> StepOutput:
         """One optimizer step over a global batch."""
-        step, rank, model = self.progress.step + 1, self.ctx.rank, self.bare_model  # the step being taken
+        step, rank, model, group = self.progress.step + 1, self.ctx.rank, self.bare_model, self.pipeline_group
         faults.maybe_stall("stall_in_step", step=step, rank=rank)
         self.optimizer.zero_grad(set_to_none=True)
         loss = self.engine.forward_backward(micro_batches)
         self.precision.unscale_(self.optimizer)
         faults.maybe_poison_gradients("nan_grad", model, step=step, rank=rank)
+        config, is_main = self.config, self.ctx.is_main
         maybe_dump_gradients(
-            model,
-            self.config.debug,
-            self.config.run.output_dir,
-            step=step,
-            is_main=self.ctx.is_main,
-            pipeline_group=self.pipeline_group,
+            model, config.debug, config.run.output_dir, step=step, is_main=is_main, pipeline_group=group
         )
         # Pipeline ranks hold different parameters: their squared norms add up to the global one.
-        grad_norm = clip_grad_norm(list(model.parameters()), self.config.train.grad_clip, sum_over=self.pipeline_group)
+        grad_norm = clip_grad_norm(list(model.parameters()), config.train.grad_clip, sum_over=group)
         lr = self.optimizer.param_groups[0]["lr"]
         # The schedule follows the step count (as with fp16's scaler), so a skipped step uses up its learning rate.
         finite = step_optimizer(self.optimizer, grad_norm, precision=self.precision)
@@ -231,7 +212,8 @@ class Trainer:
         """Reads the guard's pending verdicts (see PendingVerdicts); raises if the run must stop."""
         stop_at = self.verdicts.settle(keep_newest=keep_newest)
         if stop_at is not None:
-            raise self._diverged(self.nonfinite.reason(), step=stop_at)
+            self.checkpointer.wait()  # a save in flight is finished first: its weights were checked before it began
+            raise stop_on_nonfinite(self.nonfinite.reason(), step=stop_at, checkpoint=self.last_healthy_checkpoint)
 
     def close(self) -> None:
         """Releases the layout, then the process group if this Trainer created it. Call once training is over."""
@@ -246,17 +228,17 @@ class Trainer:
 
     def checkpoint_state(self) -> dict[str, Any]:
         """Every Stateful that a resume needs, under the names checkpoints store them by."""
-        state = {
-            "model": ModelState(self.bare_model),
-            "optimizer": OptimizerState(self.bare_model, self.optimizer),
-            "lr_scheduler": self.lr_scheduler,
-            "data": self.feed.position,
-            "progress": self.progress,
-            "rng": RNGState(self.ctx.rank, self.devices),
-        }
-        if self.precision.scaler is not None:
-            state["grad_scaler"] = self.precision.scaler
-        return state
+        rng = RNGState(self.ctx.rank, self.devices)
+        data, scaler = self.feed.position, self.precision.scaler
+        return training_state(
+            self.bare_model,
+            self.optimizer,
+            self.lr_scheduler,
+            data=data,
+            progress=self.progress,
+            rng=rng,
+            grad_scaler=scaler,
+        )
 
     def _build_model(
         self, model_factory: Callable[[], nn.Module] | None, loss_fn: LossFn | None, *, given: tuple[bool, bool, bool]
@@ -280,14 +262,11 @@ class Trainer:
 
     def _maybe_evaluate(self, window: LogWindow) -> dict[str, float]:
         """{eval_loss, eval_time_s} on evaluation steps, else {}."""
-        if self.evaluator is None or not self.evaluator.is_due(self.progress.step):
-            return {}
-        started = time.perf_counter()
-        eval_loss = self.evaluator.evaluate()
-        eval_time = time.perf_counter() - started
-        window.leave_out(eval_time)  # step time and throughput measure training alone
-        self.callbacks.call("on_evaluation", eval_loss=eval_loss)
-        return {"eval_loss": eval_loss, "eval_time_s": eval_time}
+        evaluated = self.evaluator.maybe_evaluate(self.progress.step) if self.evaluator is not None else {}
+        if evaluated:
+            window.leave_out(evaluated["eval_time_s"])  # step time and throughput measure training alone
+            self.callbacks.call("on_evaluation", eval_loss=evaluated["eval_loss"])
+        return evaluated
 
     def _log(
         self, metrics: MetricsLogger | NoMetrics, window: LogWindow, step: StepOutput, *, evaluated: dict[str, float]
@@ -314,19 +293,17 @@ class Trainer:
         return record["loss"]
 
     def _maybe_save(self, *, preempted: bool = False) -> Path | None:
-        step = self.progress.step
+        step, config, ending_early = self.progress.step, self.config, self.callbacks.stop_reason is not None
         due = save_due(
-            step,
-            self.config.checkpoint,
-            max_steps=self.config.train.max_steps,
-            ending_early=self.callbacks.stop_reason is not None,
-            preempted=preempted,
+            step, config.checkpoint, max_steps=config.train.max_steps, ending_early=ending_early, preempted=preempted
         )
         if due is None:
             return None
         self._settle_verdicts()  # under stop, a step with non-finite gradients ends the run before any save
         if not weights_are_finite(self.bare_model):
-            raise self._diverged(f"the weights are not finite, so checkpoint step-{step} was not written", step=step)
+            self.checkpointer.wait()  # a save in flight is finished first: its weights were checked before it began
+            reason = f"the weights are not finite, so checkpoint step-{step} was not written"
+            raise stop_on_nonfinite(reason, step=step, checkpoint=self.last_healthy_checkpoint)
         path = self.checkpointer.save(step, self.checkpoint_state(), blocking=due.blocking, weights_finite=True)
         self.last_healthy_checkpoint = path
         logger.info("saved checkpoint %s" if due.blocking else "saving checkpoint %s in the background", path)
@@ -360,10 +337,8 @@ class Trainer:
         except (ConfigError, CheckpointError, UserCodeError, NonFiniteStop):
             raise
         except Exception as error:
-            where = (
-                f"the first training step (the model's forward, the loss or backward) at step {self.progress.step + 1}"
-            )
-            raise UserCodeError(describe_user_error(where, error)) from error
+            where = "the first training step (the model's forward, the loss or backward)"
+            raise UserCodeError(describe_user_error(f"{where} at step {self.progress.step + 1}", error)) from error
         self._stepped = True
         return step
 
@@ -372,10 +347,3 @@ class Trainer:
         training or writing anything (``paratrain checkpoint check``)."""
         # A run switched to fp16 resumes a checkpoint without a gradient scaler: its scaler starts fresh.
         self.checkpointer.load(path, self.checkpoint_state(), optional=("rng", "grad_scaler"))
-
-    def _diverged(self, reason: str, *, step: int) -> NonFiniteStop:
-        """The exception every rank ends with when gradients or weights are not finite (the verdict is the
-        same on every rank). An asynchronous save still in flight is finished first: its weights were
-        checked before it began."""
-        self.checkpointer.wait()
-        return stop_on_nonfinite(reason, step=step, checkpoint=self.last_healthy_checkpoint)
