@@ -1,6 +1,7 @@
-"""Building what a rank trains: its process and mesh (``resolve_dims``, ``init_rank``), then its model under
-its layout (``build_rank_model``): the flat layouts here, the pipeline through ``parallel.pipeline.runtime``.
-Both lay the model out with ``parallel.parallelize``. Each function takes its config sections."""
+"""Building what a rank trains: its process and mesh (``resolve_dims``, ``init_rank``), its data feed
+(``build_feed``), then its model under its layout (``build_rank_model``): the flat layouts here, the pipeline
+through ``parallel.pipeline.runtime``. Both lay the model out with ``parallel.parallelize``. Each function
+takes its config sections, never the root config."""
 
 from __future__ import annotations
 
@@ -73,13 +74,11 @@ def describe_sources(
 ) -> SampleSources:
     """How the user named the data, model and loss, for messages: the object given to the Trainer
     (``given`` says which of data, model, loss were), else the config's factory."""
-    names = [("the dataset given to Trainer", data, "data"), ("the model_factory given to Trainer", model, "model")]
-    names.append(("the loss_fn given to Trainer", loss, "loss"))
+    data_given, model_given, loss_given = given
     return SampleSources(
-        *(
-            said if was_given else f"{key}.factory={section.factory!r}"
-            for (said, section, key), was_given in zip(names, given, strict=True)
-        )
+        "the dataset given to Trainer" if data_given else f"data.factory={data.factory!r}",
+        "the model_factory given to Trainer" if model_given else f"model.factory={model.factory!r}",
+        "the loss_fn given to Trainer" if loss_given else f"loss.factory={loss.factory!r}",
     )
 
 
@@ -169,7 +168,8 @@ def build_rank_model(
 
 @dataclass(frozen=True)
 class RankSections:
-    """The config sections that decide how a rank's model is built and laid out."""
+    """The config sections that decide how a rank's model is built and laid out, each under the root
+    config's name for it (the Trainer fills them by name)."""
 
     model: ModelConfig
     loss: FactoryConfig

@@ -274,10 +274,11 @@ class Trainer:
         self._settle_verdicts()  # skipped steps' losses are left out of loss_sum: every verdict is read first
         applied = window.steps - self.nonfinite.skipped_after(self.progress.step - window.steps)
         group = self.dims.loss_mesh.get_group() if self.dims.mesh is not None else None
+        loss = window.mean_loss(applied, group=group, dp=self.dims.dp)
         record = build_record(
             window,
             step=self.progress.step,
-            loss=window.mean_loss(applied, group=group, dp=self.dims.dp),
+            loss=loss,
             lr=step.lr,
             grad_norm=step.grad_norm.item(),
             samples_per_step=self.config.train.global_batch_size,
@@ -290,7 +291,7 @@ class Trainer:
         self.callbacks.call("on_step_end", record=record)  # callbacks may add fields to what is logged
         if self.ctx.is_main:
             metrics.log(record)
-        return record["loss"]
+        return loss
 
     def _maybe_save(self, *, preempted: bool = False) -> Path | None:
         step, config, ending_early = self.progress.step, self.config, self.callbacks.stop_reason is not None
