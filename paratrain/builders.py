@@ -1,5 +1,5 @@
-"""Building what a rank trains: its process and mesh (``resolve_dims``, ``init_rank``), its data feed
-(``build_feed``), then its model under its layout (``build_rank_model``): the flat layouts here, the pipeline
+"""Building what a rank trains: its process and mesh (``resolve_dims``, ``init_rank``), its data
+(``load_dataset``, ``build_feed``), then its model under its layout (``build_rank_model``): the flat layouts here, the pipeline
 through ``parallel.pipeline.runtime``. Both lay the model out with ``parallel.parallelize``. Each function
 takes its config sections, never the root config."""
 
@@ -27,6 +27,7 @@ from paratrain.config.schema import (
 from paratrain.cuda_settings import apply_kernel_settings
 from paratrain.data.checks import SampleSources, check_dataset_fits_model
 from paratrain.data.feed import DataFeed
+from paratrain.data.stream import StreamedTokens, check_streaming
 from paratrain.debug import dump_weights
 from paratrain.engine import LaidOutModel, LossFn, MicroBatchEngine
 from paratrain.launch.process_group import (
@@ -82,8 +83,17 @@ def describe_sources(
     )
 
 
+def load_dataset(dataset: Dataset | None, data: DataConfig, *, dims: ParallelDims) -> Dataset:
+    """``dataset``, or ``data.factory``'s when it is None. A stream is refused now what it cannot do, before
+    anything is built for it."""
+    dataset = dataset if dataset is not None else call_factory(data, key="data")
+    if isinstance(dataset, StreamedTokens):
+        check_streaming(data, pipeline_stages=dims.pp)
+    return dataset
+
+
 def build_feed(
-    dataset: Dataset | None,
+    dataset: Dataset,
     *,
     data: DataConfig,
     train: TrainConfig,
@@ -92,16 +102,15 @@ def build_feed(
     device: torch.device,
 ) -> DataFeed:
     """This rank's share of each global batch (micro-batches of train.micro_batch_size, or as many as
-    pipeline.microbatches asks for) of ``dataset``, or of ``data.factory``'s when it is None."""
+    pipeline.microbatches asks for) of ``dataset``."""
     return DataFeed(
-        dataset if dataset is not None else call_factory(data, key="data"),
+        dataset,
         data,
         global_batch_size=train.global_batch_size,
         micro_batch_size=micro_batch_size(train, pipeline, dims=dims),
         seed=train.seed,
         dp_rank=dims.dp_rank,
         dp_size=dims.dp,
-        pipeline_stages=dims.pp,
         pin_memory=device.type == "cuda",
     )
 
@@ -124,7 +133,6 @@ def build_rank_model(
     dataset: Dataset,
     *,
     given: tuple[bool, bool, bool],
-    check_sample: bool,
     dims: ParallelDims,
     ctx: DistContext,
     sections: RankSections,
@@ -137,10 +145,9 @@ def build_rank_model(
         dataset: Where the sample check and pipeline.balance=time read samples.
         given: Whether the dataset, the model factory and the loss came from the caller (not the config's
             factories), for messages.
-        check_sample: Run the sample check (a stream's samples cannot be read by index).
         output_dir: ``run.output_dir``: the pipeline's timelines and the initial weights go under it.
     """
-    if check_sample:
+    if not isinstance(dataset, StreamedTokens):  # a stream's samples cannot be read by index
         sources = describe_sources(data=sections.data, model=sections.model, loss=sections.loss, given=given)
         check_dataset_fits_model(dataset, maybe_build_on_meta(model_factory), loss_fn, sources=sources)
     parallel, pretrained = sections.parallel, sections.model.pretrained

@@ -22,6 +22,7 @@ from paratrain.builders import (
     build_feed,
     build_rank_model,
     init_rank,
+    load_dataset,
     resolve_dims,
     settle_resumed_layout,
 )
@@ -98,17 +99,18 @@ class Trainer:
         self.dims = dims.with_mesh(ctx.device.type)
         logger.info("layout %s on %s", self.dims.describe_layout(), ctx.device)
         self.pipeline_group = self.dims.pp_mesh.get_group() if self.dims.pp_enabled else None  # other stages' ranks
-        self.feed = build_feed(
-            dataset, data=config.data, train=train, pipeline=config.pipeline, dims=self.dims, device=ctx.device
-        )
-        self.tokens_per_sample = self.feed.tokens_per_sample
         given = (dataset is not None, bool(model_factory), bool(loss_fn))  # for messages naming what the user gave
-        loss_fn = self._build_model(model_factory, loss_fn, given=given)
+        dataset = load_dataset(dataset, config.data, dims=self.dims)
+        loss_fn = self._build_model(model_factory, loss_fn, dataset, given=given)
         # Data-parallel ranks draw different random numbers (e.g. dropout masks); tensor-parallel
         # ranks of one replica must draw the same, since they compute on the same activations.
         torch.manual_seed(train.seed + self.dims.dp_rank)
         self.optimizer = build_optimizer(self.bare_model, config.optim, dp_size=self.dims.dp)
         self.lr_scheduler = build_lr_scheduler(self.optimizer, config.optim, max_steps=train.max_steps)
+        self.feed = build_feed(
+            dataset, data=config.data, train=train, pipeline=config.pipeline, dims=self.dims, device=ctx.device
+        )
+        self.tokens_per_sample = self.feed.tokens_per_sample
         self.progress = Progress()
         self.nonfinite = NonFiniteGuard(train.nonfinite, train.nonfinite_max_skips)
         self.verdicts = PendingVerdicts(self.nonfinite)  # read one step late (see paratrain.nonfinite)
@@ -241,16 +243,15 @@ class Trainer:
         )
 
     def _build_model(
-        self, model_factory: Callable[[], nn.Module] | None, loss_fn: LossFn | None, *, given: tuple[bool, bool, bool]
+        self, model_factory: Callable[[], nn.Module] | None, loss_fn: LossFn | None, dataset: Dataset, *, given: tuple
     ) -> LossFn:
         """Lays the model out on this rank (see build_rank_model); returns the loss it trains with."""
         config = self.config
         built = build_rank_model(
             model_factory or (lambda: call_factory(config.model, key="model")),
             loss_fn or call_factory(config.loss, key="loss"),
-            self.feed.dataset,
+            dataset,
             given=given,
-            check_sample=not self.feed.streaming,
             dims=self.dims,
             ctx=self.ctx,
             sections=RankSections(*(getattr(config, field.name) for field in fields(RankSections))),  # same names
@@ -294,10 +295,8 @@ class Trainer:
         return loss
 
     def _maybe_save(self, *, preempted: bool = False) -> Path | None:
-        step, config, ending_early = self.progress.step, self.config, self.callbacks.stop_reason is not None
-        due = save_due(
-            step, config.checkpoint, max_steps=config.train.max_steps, ending_early=ending_early, preempted=preempted
-        )
+        step, options, early = self.progress.step, self.config.checkpoint, self.callbacks.stop_reason is not None
+        due = save_due(step, options, max_steps=self.config.train.max_steps, ending_early=early, preempted=preempted)
         if due is None:
             return None
         self._settle_verdicts()  # under stop, a step with non-finite gradients ends the run before any save

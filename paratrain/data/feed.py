@@ -14,7 +14,7 @@ from torch.utils.data import Dataset
 from paratrain.config.schema import DataConfig
 from paratrain.data.loader import StepBatches
 from paratrain.data.sampler import DataPosition, build_sampler
-from paratrain.data.stream import StreamBatches, StreamedTokens, StreamPosition, check_streaming
+from paratrain.data.stream import StreamBatches, StreamedTokens, StreamPosition
 
 
 class DataFeed:
@@ -28,7 +28,6 @@ class DataFeed:
         seed: ``train.seed``: with the epoch, it decides the sample order.
         dp_rank: This rank's index among the data-parallel ranks.
         dp_size: How many data-parallel ranks split each global batch.
-        pipeline_stages: Pipeline degree (a stream cannot feed pipeline stages yet).
         pin_memory: Pin the loader's batches (a GPU run).
     """
 
@@ -42,15 +41,13 @@ class DataFeed:
         seed: int,
         dp_rank: int,
         dp_size: int,
-        pipeline_stages: int = 1,
         pin_memory: bool = False,
     ):
         self.dataset, self.data = dataset, data
         self.global_batch_size, self.micro_batch_size = global_batch_size, micro_batch_size
         self.dp_rank, self.dp_size, self.pin_memory = dp_rank, dp_size, pin_memory
         self.streaming = isinstance(dataset, StreamedTokens)
-        if self.streaming:
-            check_streaming(data, pipeline_stages=pipeline_stages)
+        if self.streaming:  # what a stream cannot do is refused by check_streaming, before the model is built
             self.sampler = None
             self.position: DataPosition | StreamPosition = dataset.position
             self.tokens_per_sample: int | None = dataset.block_size
