@@ -94,7 +94,7 @@ def resident_kib() -> int:
 def timed_steps(trainer: paratrain.Trainer, *, warmup_steps: int, timed: int) -> list[float]:
     """Wall seconds of each timed step on this rank; every step starts at a barrier, so one rank's
     lag is not carried into the next step's time of another."""
-    batches = trainer.step_batches()
+    batches = trainer.feed.step_batches()
     for _ in range(warmup_steps):
         trainer.train_step(next(batches))
     times = []

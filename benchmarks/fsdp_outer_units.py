@@ -58,7 +58,7 @@ def worker(variant: str, steps: int, out: str) -> None:
         "data.args={block_size: 64, max_chars: 20000}",
     ]
     trainer = Trainer(load_config(None, overrides))
-    batches = trainer.step_batches()
+    batches = trainer.feed.step_batches()
     for _ in range(2):  # warm-up: FSDP's lazy init, optimizer state, allocator
         trainer.train_step(next(batches))
     dist.barrier()

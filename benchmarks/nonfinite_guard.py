@@ -26,24 +26,38 @@ NPROC = 2
 def guarded_step(trainer, window, micro_batches) -> None:
     """What the training loop runs per step with the guard."""
     step = trainer.train_step(micro_batches)
-    trainer._advance(window, step)
+    trainer.progress.step += 1
+    trainer.feed.step_done()
+    window.add_step(step.loss, finite=step.finite)
+    trainer.verdicts.add(trainer.progress.step, step.finite)
     trainer._settle_verdicts(keep_newest=True)
 
 
 def unguarded_step(trainer, window, micro_batches) -> None:
     """The same step and accounting without the guard: every step applied, no verdict."""
+    from paratrain.debug import maybe_dump_gradients
+    from paratrain.gradients import clip_grad_norm
     from paratrain.launch import faults
 
     faults.maybe_stall("stall_in_step", step=trainer.progress.step + 1, rank=trainer.ctx.rank)
     trainer.optimizer.zero_grad(set_to_none=True)
     loss = trainer.engine.forward_backward(micro_batches)
     trainer.precision.unscale_(trainer.optimizer)
-    trainer._maybe_dump_gradients()
-    trainer._clip_gradients()
+    maybe_dump_gradients(
+        trainer.bare_model,
+        trainer.config.debug,
+        trainer.config.run.output_dir,
+        step=trainer.progress.step + 1,
+        is_main=trainer.ctx.is_main,
+        pipeline_group=trainer.pipeline_group,
+    )
+    clip_grad_norm(
+        list(trainer.bare_model.parameters()), trainer.config.train.grad_clip, sum_over=trainer.pipeline_group
+    )
     trainer.precision.step(trainer.optimizer)
     trainer.lr_scheduler.step()
     trainer.progress.step += 1
-    trainer.position.advance(trainer.sampler.batches_per_epoch)
+    trainer.feed.step_done()
     window.steps += 1
     window.loss_sum += loss
 
@@ -52,6 +66,7 @@ def worker(rounds: int, steps: int, fused: str, output_dir: str) -> None:
     import torch.distributed as dist
 
     from paratrain.config.schema import load_config
+    from paratrain.tracking.metrics import LogWindow
     from paratrain.trainer import Trainer
 
     dist.init_process_group("gloo")
@@ -62,7 +77,7 @@ def worker(rounds: int, steps: int, fused: str, output_dir: str) -> None:
         f"optim.fused={fused}",
     ]
     trainer = Trainer(load_config("examples/quickstart.yaml", overrides))
-    batches, window = trainer.step_batches(), trainer._new_window()
+    batches, window = trainer.feed.step_batches(), LogWindow.open(trainer.ctx.device)
     variants = {
         "guard": lambda: guarded_step(trainer, window, next(batches)),
         "none": lambda: unguarded_step(trainer, window, next(batches)),

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -11,6 +12,9 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from paratrain.models.weights import canonical_name
+
+if TYPE_CHECKING:
+    from paratrain.config.schema import DebugConfig
 
 
 def dump_gradients(
@@ -24,6 +28,22 @@ def dump_gradients(
         if param.grad is not None
     }
     _write_gathered(gradients, path, is_main=is_main, pipeline_group=pipeline_group, dtype=torch.float32)
+
+
+def maybe_dump_gradients(
+    model: nn.Module,
+    debug: DebugConfig,
+    output_dir: Path,
+    *,
+    step: int,
+    is_main: bool,
+    pipeline_group: dist.ProcessGroup | None = None,
+) -> None:
+    """``dump_gradients`` to ``output_dir/gradients/step-<step>.safetensors`` when ``step`` is one of
+    ``debug.dump_gradients_at_steps``; every rank calls it."""
+    if step in debug.dump_gradients_at_steps:
+        path = output_dir / "gradients" / f"step-{step}.safetensors"
+        dump_gradients(model, path, is_main=is_main, pipeline_group=pipeline_group)
 
 
 def dump_weights(

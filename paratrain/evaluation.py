@@ -9,6 +9,7 @@ gives the sample-weighted mean, the loss one process would compute over the same
 from __future__ import annotations
 
 import contextlib
+import time
 from collections.abc import Callable, Iterator
 
 import torch
@@ -44,12 +45,11 @@ def build_evaluator(
     model: nn.Module,
     device: torch.device,
     autocast: Callable[[], contextlib.AbstractContextManager],
-    dp_rank: int,
-    dp_size: int,
-    group: dist.ProcessGroup | None,
+    dims: ParallelDims,
     train: TrainConfig,
 ) -> Evaluator | None:
-    """An Evaluator over ``dataset`` (from the Python API) or eval.factory's; None when neither is given."""
+    """An Evaluator over ``dataset`` (from the Python API) or eval.factory's, split over the data-parallel
+    ranks of ``dims`` (its mesh set up); None when neither dataset is given."""
     if dataset is None and options.factory is None:
         return None
     dataset = dataset if dataset is not None else call_factory(options, key="eval")
@@ -60,9 +60,9 @@ def build_evaluator(
         model=model,
         device=device,
         autocast=autocast,
-        dp_rank=dp_rank,
-        dp_size=dp_size,
-        group=group,
+        dp_rank=dims.dp_rank,
+        dp_size=dims.dp,
+        group=dims.batch_mesh.get_group() if dims.mesh is not None else None,
         batch_size=options.batch_size or train.micro_batch_size,
         max_steps=train.max_steps,
     )
@@ -104,6 +104,14 @@ class Evaluator:
     def is_due(self, step: int) -> bool:
         every = self.options.every_steps
         return step == self.max_steps or bool(every and step % every == 0)
+
+    def maybe_evaluate(self, step: int) -> dict[str, float]:
+        """``{eval_loss, eval_time_s}`` when ``step`` is due for evaluation, else ``{}``."""
+        if not self.is_due(step):
+            return {}
+        started = time.perf_counter()
+        eval_loss = self.evaluate()
+        return {"eval_loss": eval_loss, "eval_time_s": time.perf_counter() - started}
 
     @torch.no_grad()
     def evaluate(self) -> float:

@@ -17,13 +17,18 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from typing import Literal
+from pathlib import Path
+from typing import TYPE_CHECKING, Literal
 
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from paratrain.parallel.collectives import all_reduce_sum
+from paratrain.errors import NonFiniteStop
+from paratrain.parallel.collectives import all_reduce_sum, barrier
+
+if TYPE_CHECKING:
+    from paratrain.precision import MixedPrecision
 
 logger = logging.getLogger("paratrain")
 
@@ -131,3 +136,27 @@ def weights_are_finite(model: nn.Module) -> bool:
     for tensor in local:
         bad += (~torch.isfinite(tensor.detach())).any()
     return all_reduce_sum(bad).item() == 0
+
+
+def step_optimizer(
+    optimizer: torch.optim.Optimizer, grad_norm: torch.Tensor, *, precision: MixedPrecision
+) -> torch.Tensor:
+    """Applies the step unless its gradients are not finite; returns that verdict, on the device.
+
+    fp16's scaler skips overflowed steps itself (and shrinks its scale): expected, so not counted here.
+    """
+    if precision.scaler is not None:
+        precision.step(optimizer)
+        return torch.ones((), dtype=torch.bool, device=grad_norm.device)
+    return step_unless_nonfinite(optimizer, grad_norm)
+
+
+def stop_on_nonfinite(reason: str, *, step: int, checkpoint: Path | None) -> NonFiniteStop:
+    """Says why and where the run stops on non-finite values (the verdict is the same on every rank) and
+    returns the exception every rank ends with; ``checkpoint`` is the last one with finite weights."""
+    stopped = NonFiniteStop(step=step, reason=reason, checkpoint=checkpoint)
+    # Said here, and every rank waits for it: the first rank to exit makes the launcher stop the others,
+    # and rank 0 could be stopped before printing a message left for after the exception.
+    logger.info("error: %s", stopped)
+    barrier()
+    return stopped

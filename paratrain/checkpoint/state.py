@@ -119,6 +119,31 @@ class RNGState(Stateful):
                 torch.cuda.set_rng_state(state[name], device)
 
 
+def training_state(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    lr_scheduler: Stateful,
+    *,
+    data: Stateful,
+    progress: Progress,
+    rng: RNGState,
+    grad_scaler: Stateful | None = None,
+) -> dict[str, Stateful]:
+    """Every Stateful that a resume needs, under the names checkpoints store them by (``grad_scaler`` only
+    under fp16; a run switched to fp16 resumes a checkpoint without one, and its scaler starts fresh)."""
+    state = {
+        "model": ModelState(model),
+        "optimizer": OptimizerState(model, optimizer),
+        "lr_scheduler": lr_scheduler,
+        "data": data,
+        "progress": progress,
+        "rng": rng,
+    }
+    if grad_scaler is not None:
+        state["grad_scaler"] = grad_scaler
+    return state
+
+
 def cuda_generator_names(devices: list[torch.device]) -> dict[str, torch.device]:
     """The checkpoint names of the CUDA generators of ``devices`` (the rank's own first): cuda, cuda_1, ..."""
     cuda = [device for device in devices if device.type == "cuda"]

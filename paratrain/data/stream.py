@@ -32,7 +32,6 @@ from paratrain.errors import ConfigError
 
 if TYPE_CHECKING:
     from paratrain.config.schema import DataConfig
-    from paratrain.parallel.dims import ParallelDims
 
 ENCODE_BATCH = 64
 
@@ -141,14 +140,14 @@ class StreamBatches:
         ]
 
 
-def check_streaming(data: DataConfig, dims: ParallelDims) -> None:
+def check_streaming(data: DataConfig, *, pipeline_stages: int) -> None:
     """Refuses what the stream cannot do: loader workers and pipeline stages."""
     if data.num_workers:
         raise ConfigError(
             f"data.num_workers={data.num_workers}: a streamed corpus is read in the training process (every rank "
             f"reads the same stream position); set data.num_workers=0, or use paratrain.data.lm:packed_text"
         )
-    if dims.pp > 1:
+    if pipeline_stages > 1:
         raise ConfigError(
             "data.factory=paratrain.data.lm:streamed_text cannot feed pipeline stages yet; use "
             "paratrain.data.lm:packed_text with pipeline parallel"

@@ -14,11 +14,14 @@ import logging
 import os
 import signal
 import threading
+from pathlib import Path
 from types import FrameType
 
 import torch
 import torch.distributed as dist
 
+from paratrain.errors import Preempted
+from paratrain.launch.process_group import DistContext
 from paratrain.parallel.collectives import barrier, is_distributed
 
 logger = logging.getLogger("paratrain")
@@ -100,3 +103,20 @@ def announce_stop(*, local_rank: int) -> None:
     if local_rank == 0 and launcher is not None and int(launcher) == os.getppid():
         os.kill(os.getppid(), STOPPED_NOTICE)
     barrier()
+
+
+def end_on_signal(
+    signal_name: str, checkpoint: Path, *, step: int, ctx: DistContext, received: str | None
+) -> Preempted:
+    """Says that every rank agreed to stop after ``step`` on ``signal_name`` (``checkpoint`` is complete),
+    tells the launcher, and returns the exception the run ends with. ``received``: the signal this rank
+    itself received, if any."""
+    if received:
+        logger.warning("rank %d received %s", ctx.rank, received)
+    logger.info("stopping at step %d on %s: checkpoint %s is complete", step, signal_name, checkpoint)
+    stopped = Preempted(step=step, checkpoint=checkpoint, signal_name=signal_name)
+    # Said before announcing: once the launcher knows, it may stop this process with the group, and
+    # a message left for after the exception had reached the caller was lost in about 1 run in 6.
+    logger.info("%s", stopped)
+    announce_stop(local_rank=ctx.local_rank)
+    return stopped

@@ -6,6 +6,6 @@ accumulation for the flat layouts (``build.py``), a pipeline schedule over this 
 It sits above ``parallel/`` (the transforms), ``engine`` and ``launch/`` (the rank's process group), and
 below the trainer, which asks it once for a :class:`LaidOutModel`."""
 
-from paratrain.layout.build import LaidOutModel, build_layout, tokens_per_sample
+from paratrain.layout.build import LaidOutModel, build_layout
 
-__all__ = ["LaidOutModel", "build_layout", "tokens_per_sample"]
+__all__ = ["LaidOutModel", "build_layout"]

@@ -135,13 +135,6 @@ def build_layout(
     return LaidOutModel(built.bare, runnable, engine)
 
 
-def tokens_per_sample(dataset: Dataset) -> int | None:
-    """Token count of one sample when its inputs are token ids (integer tensors), else None."""
-    inputs = dataset[0][0]
-    is_tokens = isinstance(inputs, torch.Tensor) and not inputs.is_floating_point()
-    return inputs.numel() if is_tokens else None
-
-
 def build_device(dims: ParallelDims, device: torch.device) -> torch.device:
     """Where the model is first materialised. model_parallel builds it in host memory and then moves each
     part to its own device, so a model that only fits split never lands whole on the first GPU."""

@@ -3,7 +3,7 @@
 ``parallelize`` runs on a model that may still be on the meta device: tensor parallel, then activation
 checkpointing, then compile, then FSDP. Whole-replica wrappers (DDP, DataParallel) need real
 parameters, so ``maybe_wrap_replicas`` applies them after materialising. The flat layout
-(``builders.build_model``), every pipeline stage (``pipeline.build.lay_out_stages``) and the dry run
+(``layout.build.build_model``), every pipeline stage (``pipeline.build.lay_out_stages``) and the dry run
 call these two functions and nothing else, so a new transform, or a new model family's plan, is added
 once. torchtitan's ``parallelize_llama`` is the model (its pipelining function applies the same
 function to each stage).

@@ -51,7 +51,7 @@ def random_tokens() -> TensorDataset:
 
 def count(layout: str, output_dir: str) -> list[dict]:
     trainer = paratrain.Trainer(layout_config(layout, output_dir), dataset=random_tokens())
-    trainer.train_step(next(trainer.step_batches()))  # train_step clears gradients at its start: still held
+    trainer.train_step(next(trainer.feed.step_batches()))  # train_step clears gradients at its start: still held
     counted = model_state_bytes(trainer)
     mine = {
         "params": counted["params"]["logical"],

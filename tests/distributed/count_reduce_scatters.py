@@ -49,7 +49,7 @@ def count(policy: str, output_dir: str) -> dict:
         "reduce_scatters": counter["calls"],
         "steps": result.steps,
         "units": len(units),
-        "accumulation": trainer.sampler.accumulation_steps,
+        "accumulation": trainer.feed.sampler.accumulation_steps,
     }
     trainer.close()
     return counts

@@ -42,6 +42,8 @@ LAYERS = (
     # whole-config checks, above everything they check; the planner, which uses them
     "checks",
     "planner",
+    # what a rank trains, built in the trainer's order (process, data, laid-out model)
+    "rank_setup",
     # the loop, the per-rank entry, the tools, the command line, the public API
     "trainer",
     "train",

@@ -1,0 +1,197 @@
+"""Building what a rank trains, in the order the trainer asks: its process and mesh (``resolve_dims``,
+``init_rank``), its data (``load_dataset``, ``build_feed``), then its model under its layout
+(``build_rank_model``, through ``layout.build_layout``). Each function takes its config sections, never
+the root config."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+from torch.utils.data import Dataset, default_collate
+
+from paratrain.config.factories import call_factory
+from paratrain.config.schema import (
+    DataConfig,
+    DebugConfig,
+    FactoryConfig,
+    ModelConfig,
+    ParallelConfig,
+    PipelineConfig,
+    TrainConfig,
+)
+from paratrain.cuda_settings import apply_kernel_settings
+from paratrain.data.checks import SampleSources, check_dataset_fits_model
+from paratrain.data.feed import DataFeed
+from paratrain.data.stream import StreamedTokens, check_streaming
+from paratrain.debug import dump_weights
+from paratrain.engine import MicroBatchEngine
+from paratrain.launch.process_group import (
+    DistContext,
+    init_distributed,
+    local_world_size_from_env,
+    world_size_from_env,
+)
+from paratrain.layout.build import LaidOutModel, build_layout
+from paratrain.losses import LossFn
+from paratrain.models.meta import maybe_build_on_meta
+from paratrain.parallel.activation import compile_loss
+from paratrain.parallel.ddp import settle_buckets
+from paratrain.parallel.devices import devices_computed_on
+from paratrain.parallel.dims import ParallelDims, micro_batch_size, resolve_parallel_dims
+from paratrain.precision import MixedPrecision, Precision, build_mixed_precision
+
+logger = logging.getLogger("paratrain")
+
+
+def resolve_dims(parallel: ParallelConfig) -> ParallelDims:
+    """The ``parallel`` section's degrees for the world the launcher started (no process group yet)."""
+    return resolve_parallel_dims(
+        parallel, world_size=world_size_from_env(), local_world_size=local_world_size_from_env()
+    )
+
+
+def init_rank(dims: ParallelDims, *, parallel: ParallelConfig, train: TrainConfig) -> DistContext:
+    """This process's device and, when the layout needs one, its process group; then the device's kernel
+    settings (``train.deterministic``)."""
+    ctx = init_distributed(
+        device_kind=train.device,
+        needs_group=dims.needs_process_group,
+        timeout_s=parallel.collective_timeout_s,
+        cpu_collectives=dims.fsdp_enabled and parallel.fsdp.cpu_offload,
+    )
+    apply_kernel_settings(ctx.device, deterministic=train.deterministic)
+    return ctx
+
+
+def describe_sources(
+    *, data: FactoryConfig, model: FactoryConfig, loss: FactoryConfig, given: tuple[bool, bool, bool]
+) -> SampleSources:
+    """How the user named the data, model and loss, for messages: the object given to the Trainer
+    (``given`` says which of data, model, loss were), else the config's factory."""
+    data_given, model_given, loss_given = given
+    return SampleSources(
+        "the dataset given to Trainer" if data_given else f"data.factory={data.factory!r}",
+        "the model_factory given to Trainer" if model_given else f"model.factory={model.factory!r}",
+        "the loss_fn given to Trainer" if loss_given else f"loss.factory={loss.factory!r}",
+    )
+
+
+def load_dataset(dataset: Dataset | None, data: DataConfig, *, dims: ParallelDims) -> Dataset:
+    """``dataset``, or ``data.factory``'s when it is None. A stream is refused now what it cannot do, before
+    anything is built for it."""
+    dataset = dataset if dataset is not None else call_factory(data, key="data")
+    if isinstance(dataset, StreamedTokens):
+        check_streaming(data, pipeline_stages=dims.pp)
+    return dataset
+
+
+def build_feed(
+    dataset: Dataset,
+    *,
+    data: DataConfig,
+    train: TrainConfig,
+    pipeline: PipelineConfig,
+    dims: ParallelDims,
+    device: torch.device,
+) -> DataFeed:
+    """This rank's share of each global batch (micro-batches of train.micro_batch_size, or as many as
+    pipeline.microbatches asks for) of ``dataset``."""
+    return DataFeed(
+        dataset,
+        data,
+        global_batch_size=train.global_batch_size,
+        micro_batch_size=micro_batch_size(train, pipeline, dims=dims),
+        seed=train.seed,
+        dp_rank=dims.dp_rank,
+        dp_size=dims.dp,
+        pin_memory=device.type == "cuda",
+    )
+
+
+@dataclass(frozen=True)
+class RankModel:
+    """What this rank trains: the laid-out model and engine, their mixed precision, the loss they use
+    (compiled beside the blocks when ``parallel.compile`` is on; evaluation uses it too), and the devices
+    the model computes on (several under dp and model_parallel)."""
+
+    layout: LaidOutModel
+    precision: MixedPrecision
+    loss_fn: LossFn
+    devices: list[torch.device]
+
+
+def build_rank_model(
+    model_factory: Callable[[], nn.Module],
+    loss_fn: LossFn,
+    dataset: Dataset,
+    *,
+    given: tuple[bool, bool, bool],
+    dims: ParallelDims,
+    ctx: DistContext,
+    sections: RankSections,
+    output_dir: Path,
+) -> RankModel:
+    """Checks one sample against the model on meta (shapes and token ids, before allocating), compiles the
+    loss if asked, lays the model out, and writes its initial weights when ``debug.dump_initial_weights`` asks.
+
+    Args:
+        dataset: Where the sample check and pipeline.balance=time read samples.
+        given: Whether the dataset, the model factory and the loss came from the caller (not the config's
+            factories), for messages.
+        output_dir: ``run.output_dir``: the pipeline's timelines and the initial weights go under it.
+    """
+    if not isinstance(dataset, StreamedTokens):  # a stream's samples cannot be read by index
+        sources = describe_sources(data=sections.data, model=sections.model, loss=sections.loss, given=given)
+        check_dataset_fits_model(dataset, maybe_build_on_meta(model_factory), loss_fn, sources=sources)
+    parallel, pretrained = sections.parallel, sections.model.pretrained
+    precision = build_mixed_precision(sections.precision, device=ctx.device, sharded=dims.is_sharded)
+    loss_fn = compile_loss(loss_fn, compile=parallel.compile, backend=parallel.compile_backend)
+    layout = build_layout(
+        model_factory,
+        loss_fn,
+        dims=dims,
+        ctx=ctx,
+        precision=precision,
+        parallel=parallel,
+        pipeline=sections.pipeline,
+        train=sections.train,
+        sample_dataset=dataset,
+        timeline_dir=output_dir / "pipeline",
+        pretrained=Path(pretrained) if pretrained else None,
+    )
+    if sections.debug.dump_initial_weights:
+        pipeline_group = dims.pp_mesh.get_group() if dims.pp_enabled else None
+        path = output_dir / "initial-weights.safetensors"
+        dump_weights(layout.bare, path, is_main=ctx.is_main, pipeline_group=pipeline_group)
+    return RankModel(layout, precision, loss_fn, devices_computed_on(layout.runnable, own=ctx.device))
+
+
+@dataclass(frozen=True)
+class RankSections:
+    """The config sections that decide how a rank's model is built and laid out, each under the root
+    config's name for it (the Trainer fills them by name)."""
+
+    model: ModelConfig
+    loss: FactoryConfig
+    data: DataConfig
+    parallel: ParallelConfig
+    pipeline: PipelineConfig
+    train: TrainConfig
+    debug: DebugConfig
+    precision: Precision  # the root's "precision" key: fp32, bf16 or fp16
+
+
+def settle_resumed_layout(
+    model: nn.Module, engine: MicroBatchEngine, feed: DataFeed, *, dims: ParallelDims, device: torch.device
+) -> None:
+    """Brings DDP past its first iteration after a resume, changing nothing (see settle_buckets). Any samples
+    do: only the order in which gradients become ready matters. One micro-batch, or a whole step's worth
+    for a pipeline's schedule."""
+    micro_batch = default_collate(feed.first_samples(feed.micro_batch_size))
+    count = feed.micro_batches_per_step if dims.pp > 1 else 1
+    settle_buckets(model, lambda: engine.forward_backward([micro_batch] * count), device=device)
