@@ -36,7 +36,7 @@ from paratrain.launch.process_group import (
     local_world_size_from_env,
     world_size_from_env,
 )
-from paratrain.layout.build import LaidOutModel, build_layout
+from paratrain.layout.build import LaidOutModel, LayoutRequest, build_layout
 from paratrain.losses import LossFn
 from paratrain.models.meta import maybe_build_on_meta
 from paratrain.parallel.activation import compile_loss
@@ -151,7 +151,7 @@ def build_rank_model(
     parallel, pretrained = sections.parallel, sections.model.pretrained
     precision = build_mixed_precision(sections.precision, device=ctx.device, sharded=dims.is_sharded)
     loss_fn = compile_loss(loss_fn, compile=parallel.compile, backend=parallel.compile_backend)
-    layout = build_layout(
+    request = LayoutRequest(
         model_factory,
         loss_fn,
         dims=dims,
@@ -164,6 +164,7 @@ def build_rank_model(
         timeline_dir=output_dir / "pipeline",
         pretrained=Path(pretrained) if pretrained else None,
     )
+    layout = build_layout(request)
     if sections.debug.dump_initial_weights:
         pipeline_group = dims.pp_mesh.get_group() if dims.pp_enabled else None
         path = output_dir / "initial-weights.safetensors"

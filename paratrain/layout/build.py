@@ -76,62 +76,58 @@ def build_model(
     return LaidOutModel(model, runnable, engine=None)
 
 
-def build_layout(
-    model_factory: Callable[[], nn.Module],
-    loss_fn: LossFn,
-    *,
-    dims: ParallelDims,
-    ctx: DistContext,
-    precision: MixedPrecision,
-    parallel: ParallelConfig,
-    pipeline: PipelineConfig,
-    train: TrainConfig,
-    sample_dataset: Dataset,
-    timeline_dir: Path,
-    pretrained: Path | None = None,
-) -> LaidOutModel:
-    """The model and engine of the layout: a pipeline schedule for pp, micro-batch accumulation otherwise.
+@dataclass(frozen=True)
+class LayoutRequest:
+    """What laying a model out on this rank needs, asked once by the trainer's set-up and read by the flat
+    and the pipeline builders alike (rather than relayed to the pipeline's builder keyword by keyword).
 
-    Args:
+    Attributes:
         sample_dataset: Where pipeline.balance=time reads a micro-batch to time the model's pieces on.
         timeline_dir: Where pipeline.record_timeline writes each rank's timeline.
         pretrained: Directory of weights to load instead of initialising (model.pretrained).
     """
+
+    model_factory: Callable[[], nn.Module]
+    loss_fn: LossFn
+    dims: ParallelDims
+    ctx: DistContext
+    precision: MixedPrecision
+    parallel: ParallelConfig
+    pipeline: PipelineConfig
+    train: TrainConfig
+    sample_dataset: Dataset
+    timeline_dir: Path
+    pretrained: Path | None = None
+
+
+def build_layout(request: LayoutRequest) -> LaidOutModel:
+    """The model and engine of the layout: a pipeline schedule for pp, micro-batch accumulation otherwise."""
+    dims, ctx, parallel = request.dims, request.ctx, request.parallel
     if dims.pp_enabled:
         # Deliberately lazy: torch.distributed.pipelining loads torch._dynamo, a second at start-up
         # that layouts without a pipeline would pay for nothing.
         from paratrain.layout.pipeline import build_pipeline_runtime
 
-        return build_pipeline_runtime(
-            model_factory,
-            loss_fn,
-            dims=dims,
-            ctx=ctx,
-            autocast=precision.autocast,
-            parallel=parallel,
-            pipeline=pipeline,
-            train=train,
-            sample_dataset=sample_dataset,
-            timeline_dir=timeline_dir,
-            pretrained=pretrained,
-        )
+        return build_pipeline_runtime(request)
     built = build_model(
-        model_factory,
+        request.model_factory,
         dims,
         options=parallel,
         device=build_device(dims, ctx.device),
-        seed=train.seed,
-        pretrained=pretrained,
+        seed=request.train.seed,
+        pretrained=request.pretrained,
     )
     if ctx.is_main:
         warn_misspelt_hooks(built.bare)
     runnable, device = built.runnable, ctx.device
     if dims.model_parallel_enabled:
-        runnable = apply_model_parallel(built.bare, pipeline)
+        runnable = apply_model_parallel(built.bare, request.pipeline)
         device = runnable.devices[-1]  # where the output, so the loss, is computed
     # FSDP's grad_sync policy; other layouts always sync on the last micro-batch only.
     every_micro_batch = dims.fsdp_enabled and parallel.fsdp.grad_sync == "every_micro_batch"
-    engine = MicroBatchEngine(runnable, loss_fn, precision, device=device, sync_every_micro_batch=every_micro_batch)
+    engine = MicroBatchEngine(
+        runnable, request.loss_fn, request.precision, device=device, sync_every_micro_batch=every_micro_batch
+    )
     return LaidOutModel(built.bare, runnable, engine)
 
 

@@ -4,7 +4,6 @@ torch._dynamo, which every other layout would pay for at start-up)."""
 
 from __future__ import annotations
 
-import contextlib
 import logging
 from collections.abc import Callable
 from pathlib import Path
@@ -13,10 +12,8 @@ import torch
 from torch import nn
 from torch.utils.data import Dataset
 
-from paratrain.config.schema import ParallelConfig, PipelineConfig, TrainConfig
-from paratrain.launch.process_group import DistContext
-from paratrain.layout.build import LaidOutModel
-from paratrain.losses import LossFn
+from paratrain.config.schema import PipelineConfig, TrainConfig
+from paratrain.layout.build import LaidOutModel, LayoutRequest
 from paratrain.models.contract import warn_misspelt_hooks
 from paratrain.parallel.collectives import broadcast_object
 from paratrain.parallel.dims import ParallelDims, micro_batch_size
@@ -28,36 +25,30 @@ from paratrain.parallel.pipeline.schedules import PipelineShape
 logger = logging.getLogger("paratrain")
 
 
-def build_pipeline_runtime(
-    model_factory: Callable[[], nn.Module],
-    loss_fn: LossFn,
-    *,
-    dims: ParallelDims,
-    ctx: DistContext,
-    autocast: Callable[[], contextlib.AbstractContextManager],
-    parallel: ParallelConfig,
-    pipeline: PipelineConfig,
-    train: TrainConfig,
-    sample_dataset: Dataset,
-    timeline_dir: Path,
-    pretrained: Path | None = None,
-) -> LaidOutModel:
-    """This rank's stages and the schedule's engine (arguments as ``layout.build.build_layout``'s)."""
+def build_pipeline_runtime(request: LayoutRequest) -> LaidOutModel:
+    """This rank's stages and the schedule's engine."""
+    dims, ctx, pipeline, train = request.dims, request.ctx, request.pipeline, request.train
     shape = pipeline_shape(pipeline, dims=dims, train=train)
     costs = _measured_piece_costs(
-        model_factory, pipeline, sample_dataset, train=train, dims=dims, device=ctx.device, is_main=ctx.rank == 0
+        request.model_factory,
+        pipeline,
+        request.sample_dataset,
+        train=train,
+        dims=dims,
+        device=ctx.device,
+        is_main=ctx.rank == 0,
     )
     part = build_pipeline_stages(
-        model_factory,
+        request.model_factory,
         dims,
-        parallel=parallel,
+        parallel=request.parallel,
         pipeline=pipeline,
         shape=shape,
         device=ctx.device,
         seed=train.seed,
-        autocast=autocast,
+        autocast=request.precision.autocast,
         costs=costs,
-        pretrained=pretrained,
+        pretrained=request.pretrained,
     )
     if ctx.rank == 0:
         warn_misspelt_hooks(part.model)
@@ -68,7 +59,7 @@ def build_pipeline_runtime(
         "; ".join(", ".join(part.stages[i]) for i in part.indices),
     )
     recorder = (
-        _timeline_recorder(shape, timeline_dir, dims=dims, rank=ctx.rank, device=ctx.device)
+        _timeline_recorder(shape, request.timeline_dir, dims=dims, rank=ctx.rank, device=ctx.device)
         if records_timeline(pipeline, ctx.device)
         else None
     )
@@ -76,7 +67,7 @@ def build_pipeline_runtime(
         part.modules,
         part.indices,
         shape,
-        loss_fn=loss_fn,
+        loss_fn=request.loss_fn,
         group=dims.pp_mesh.get_group(),
         device=ctx.device,
         recorder=recorder,
