@@ -20,6 +20,11 @@ FLOOR_TESTS := tests/parity/test_hf_matches_single.py tests/unit/test_hf_models.
 	tests/tools/test_plan.py::test_fsdp_units_counted_for_traffic_include_a_transformers_models_outer_units_without_a_pipeline \
 	tests/unit/test_trackers.py tests/unit/test_lm_data.py tests/unit/test_stream_data.py
 
+# Test files run on this many pytest-xdist workers, each file whole on one worker (its module-scoped
+# launches, e.g. tests/harness.LayoutRuns, run once). Most of a test's time is one process starting or
+# several waiting on each other, which leaves a second core idle; more workers than cores only queue.
+TEST_WORKERS ?= 2
+
 .PHONY: demo test test-floor docs
 
 $(INSTALLED): pyproject.toml constraints.txt
