@@ -111,11 +111,8 @@ def _check_final_hf_export(config: Config, model_on_meta: Callable[[], nn.Module
             "checkpoint.save_final_hf=true exports the run's last checkpoint, and checkpoint.save_final=false "
             "writes none; set checkpoint.save_final=true"
         )
-    try:
-        model = model_on_meta()
-    except ConfigError:
-        raise  # the factory's own refusal (its model.args, a transformers release out of range): so it is for real
-    except Exception:  # a model that does not build is reported by the model factory's own check
+    model = _built_or_none(model_on_meta)
+    if model is None:
         return
     if not is_transformers_model(model):
         raise ConfigError(
@@ -126,15 +123,24 @@ def _check_final_hf_export(config: Config, model_on_meta: Callable[[], nn.Module
 
 
 def _check_data_fits_model(config: Config, model_on_meta: Callable[[], nn.Module]) -> None:
-    try:
-        model = model_on_meta()
-    except ConfigError:
-        raise  # the factory's own refusal (its model.args, a transformers release out of range): so it is for real
-    except Exception:  # a model that does not build is reported by the model factory's own check
+    model = _built_or_none(model_on_meta)
+    if model is None:
         return
     check_data_fits_model(config.data.args, model, key="data")
     if config.eval.factory is not None:
         check_data_fits_model(config.eval.args, model, key="eval")
+
+
+def _built_or_none(model_on_meta: Callable[[], nn.Module]) -> nn.Module | None:
+    """The model on meta, or None when it does not build: the model factory's own check reports that.
+    The factory's own ConfigError (its model.args, a transformers release out of range) is raised: it
+    is the refusal to report."""
+    try:
+        return model_on_meta()
+    except ConfigError:
+        raise
+    except Exception:
+        return None
 
 
 def _check_fused_optimizer(config: Config, dims: ParallelDims) -> None:
