@@ -16,6 +16,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from paratrain.losses import LossFn
 from paratrain.parallel.fsdp import set_gradient_sync
+from paratrain.parallel.sequence import SequenceSharding
 from paratrain.precision import MixedPrecision
 from paratrain.tensors import move_to, output_device
 
@@ -34,7 +35,9 @@ class MicroBatchEngine:
     Each micro-batch's loss is divided by their number, so the accumulated gradient is the gradient
     of the mean loss over the step's samples, as one large batch would give. Gradients are
     synchronised across data-parallel ranks only on the last micro-batch, unless
-    sync_every_micro_batch (FSDP's memory-saving policy: reduce-scatter as you go).
+    sync_every_micro_batch (FSDP's memory-saving policy: reduce-scatter as you go). Under context parallel
+    or document masking (``sequence``), each micro-batch is cut to this rank's tokens first, and its masks
+    are kept until its backward (which recomputes attention under activation checkpointing) is done.
     """
 
     def __init__(
@@ -45,7 +48,9 @@ class MicroBatchEngine:
         *,
         device: torch.device,
         sync_every_micro_batch: bool = False,
+        sequence: SequenceSharding | None = None,
     ):
+        self.sequence = sequence
         self.model = model
         self.loss_fn = loss_fn
         self.precision = precision
@@ -66,10 +71,14 @@ class MicroBatchEngine:
 
     def _forward_backward_one(self, inputs: Any, targets: Any, *, weight: float) -> torch.Tensor:
         inputs, targets = move_to(inputs, self.device), move_to(targets, self.device)
+        if self.sequence is not None:
+            inputs, targets = self.sequence.shard(inputs, targets)
         with self.precision.autocast():
             outputs = self.model(inputs)
             loss = self.loss_fn(outputs, move_to(targets, output_device(outputs, default=self.device)))
         self.precision.scale(loss * weight).backward()
+        if self.sequence is not None:
+            self.sequence.release()
         return loss.detach()
 
     def _gradient_sync(self, *, enabled: bool) -> contextlib.AbstractContextManager:

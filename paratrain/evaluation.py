@@ -23,6 +23,7 @@ from paratrain.errors import ConfigError
 from paratrain.losses import LossFn
 from paratrain.parallel.collectives import all_reduce_sum
 from paratrain.parallel.dims import ParallelDims
+from paratrain.parallel.sequence import SequenceSharding
 from paratrain.tensors import move_to
 
 
@@ -47,6 +48,7 @@ def build_evaluator(
     autocast: Callable[[], contextlib.AbstractContextManager],
     dims: ParallelDims,
     train: TrainConfig,
+    sequence: SequenceSharding | None = None,
 ) -> Evaluator | None:
     """An Evaluator over ``dataset`` (from the Python API) or eval.factory's, split over the data-parallel
     ranks of ``dims`` (its mesh set up); None when neither dataset is given."""
@@ -65,6 +67,7 @@ def build_evaluator(
         group=dims.batch_mesh.get_group() if dims.mesh is not None else None,
         batch_size=options.batch_size or train.micro_batch_size,
         max_steps=train.max_steps,
+        sequence=sequence,
     )
 
 
@@ -80,6 +83,9 @@ class Evaluator:
         autocast: The run's autocast context factory (mixed precision).
         batch_size: Samples per forward on one rank.
         max_steps: The last step, which is always evaluated.
+        sequence: The training layout's cut of sequences, when it has one: evaluation keeps each
+            sequence whole on every context-parallel rank (no exchange; the same loss on each) and
+            applies document masking as training does.
     """
 
     def __init__(
@@ -96,7 +102,9 @@ class Evaluator:
         group: dist.ProcessGroup | None,
         batch_size: int,
         max_steps: int,
+        sequence: SequenceSharding | None = None,
     ):
+        self.sequence = sequence
         self.dataset, self.loss_fn, self.options, self.model, self.device = dataset, loss_fn, options, model, device
         self.autocast, self.dp_rank, self.dp_size = autocast, dp_rank, dp_size
         self.batch_size, self.max_steps, self.group = batch_size, max_steps, group
@@ -123,12 +131,16 @@ class Evaluator:
             for indices, weight in self._rank_batches():
                 batch = default_collate([self.dataset[i] for i in indices])
                 inputs, targets = move_to(batch, self.device)
+                if self.sequence is not None:
+                    inputs = self.sequence.whole(inputs)
                 with self.autocast():
                     loss = self.loss_fn(self.model(inputs), targets)
                 samples = len(indices) * weight
                 totals += torch.stack([loss.double() * samples, torch.tensor(float(samples), device=self.device)])
         finally:
             self.model.train(was_training)
+            if self.sequence is not None:
+                self.sequence.release()
         if self.group is not None:
             all_reduce_sum(totals, group=self.group)
         loss_sum, samples = totals.tolist()

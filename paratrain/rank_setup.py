@@ -43,6 +43,7 @@ from paratrain.parallel.activation import compile_loss
 from paratrain.parallel.ddp import settle_buckets
 from paratrain.parallel.devices import devices_computed_on
 from paratrain.parallel.dims import ParallelDims, micro_batch_size, resolve_parallel_dims
+from paratrain.parallel.sequence import build_sequence_sharding, document_end_of
 from paratrain.precision import MixedPrecision, Precision, build_mixed_precision
 
 logger = logging.getLogger("paratrain")
@@ -163,6 +164,7 @@ def build_rank_model(
         sample_dataset=dataset,
         timeline_dir=output_dir / "pipeline",
         pretrained=Path(pretrained) if pretrained else None,
+        sequence=build_sequence_sharding(dims, document_end_id=document_end_of(dataset)),
     )
     layout = build_layout(request)
     if sections.debug.dump_initial_weights:

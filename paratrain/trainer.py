@@ -124,6 +124,7 @@ class Trainer:
             autocast=self.precision.autocast,
             dims=self.dims,
             train=train,
+            sequence=self.sequence,
         )
         profiler = maybe_profiler(config.profile, directory=output_dir / "profile", rank=ctx.rank, device=ctx.device)
         self.callbacks = CallbackList([*profiler, *user_callbacks], self)
@@ -258,6 +259,7 @@ class Trainer:
             output_dir=config.run.output_dir,
         )
         self.bare_model, self.model, self.engine = built.layout.bare, built.layout.runnable, built.layout.engine
+        self.sequence = built.layout.sequence
         self.precision, self.devices = built.precision, built.devices
         return built.loss_fn
 
@@ -275,7 +277,7 @@ class Trainer:
         self._settle_verdicts()  # skipped steps' losses are left out of loss_sum: every verdict is read first
         applied = window.steps - self.nonfinite.skipped_after(self.progress.step - window.steps)
         group = self.dims.loss_mesh.get_group() if self.dims.mesh is not None else None
-        loss = window.mean_loss(applied, group=group, dp=self.dims.dp)
+        loss = window.mean_loss(applied, group=group, dp=self.dims.loss_ranks)
         record = build_record(
             window,
             step=self.progress.step,

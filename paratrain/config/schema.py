@@ -188,6 +188,15 @@ class ParallelConfig(Section):
     pp: int | None = None
     """Pipeline-parallel degree: ranks that each hold consecutive stages of the model (see pipeline.*).
     null: the strategy's default (pp: all ranks; others: 1); -1: fill the world size."""
+    cp: int | None = None
+    """Context-parallel degree: ranks that split every sample's sequence between them (each holds an
+    early and a late chunk, so causal attention's work is even), for sequences whose activations do
+    not fit one rank. cp x 2 must divide the sequence length, and cp x tp the attention (and key/value)
+    heads. Parameters are sharded over dp_shard x cp (FSDP). null: 1; -1: fill the world size."""
+    cp_attention: Literal["auto", "all_to_all", "ring"] = "auto"
+    """How context-parallel ranks exchange attention. all_to_all (DeepSpeed Ulysses): heads for tokens
+    before attention and back after it, with any attention kernel (CPU included). ring: torch's
+    context_parallel ring attention over SDPA's GPU kernels (CUDA only). auto: all_to_all."""
     collective_timeout_s: float = Field(600.0, gt=0)
     """Timeout of the process group's collectives (init_process_group's timeout): a collective that
     waits longer fails the run with torch's error instead of waiting for ever."""
@@ -207,7 +216,13 @@ class ParallelConfig(Section):
     """fully_shard options (layouts that resolve to fsdp or hsdp)."""
 
     def degrees(self) -> dict[str, int | None]:
-        return {"pp": self.pp, "dp_replicate": self.dp_replicate, "dp_shard": self.dp_shard, "tp": self.tp}
+        return {
+            "pp": self.pp,
+            "dp_replicate": self.dp_replicate,
+            "dp_shard": self.dp_shard,
+            "cp": self.cp,
+            "tp": self.tp,
+        }
 
 
 class PipelineConfig(Section):

@@ -3,8 +3,10 @@
 The corpus' documents, each followed by EOS, form one token stream (paratrain.data.token_cache). Sample i
 is the window ``stream[i*block_size : i*block_size + block_size + 1]``: its first ``block_size`` tokens are
 the inputs and the last ``block_size`` the targets, so every token of the stream is a target once (the last
-partial window is dropped). A window may span documents: attention is causal over the whole window, so a
-document's tokens may attend to the end of the previous one across the EOS (no document masking yet).
+partial window is dropped). A window may span documents: by default attention is causal over the whole
+window, so a document's tokens attend to the end of the previous one across the EOS (as nanoGPT and
+GPT-2 trained). With ``document_mask=True`` the dataset's ``document_end_id`` is the EOS id, and the layout
+keeps attention within each document and restarts positions at each (paratrain.parallel.sequence).
 
 Samples are map-style: the global-batch sampler decides the order, which keeps every sample of an epoch
 read exactly once on any data-parallel size, also across a resume on another size.
@@ -37,10 +39,20 @@ class PackedTokens(Dataset):
         block_size: Tokens per sample's inputs.
         first_sample: Index of this dataset's first window in the array (a validation split starts later).
         num_samples: Windows in this dataset.
+        document_end_id: The EOS id when attention is to stay within each document (document masking).
     """
 
-    def __init__(self, tokens: TokenArray, *, block_size: int, first_sample: int = 0, num_samples: int | None = None):
+    def __init__(
+        self,
+        tokens: TokenArray,
+        *,
+        block_size: int,
+        first_sample: int = 0,
+        num_samples: int | None = None,
+        document_end_id: int | None = None,
+    ):
         self.tokens, self.block_size, self.first_sample = tokens, block_size, first_sample
+        self.document_end_id = document_end_id  # attention stays within documents ending with it; None: whole window
         self.num_samples = windows_in(tokens.num_tokens, block_size) if num_samples is None else num_samples
         self._array: np.ndarray | None = None  # opened on first read, in the process that reads
 
@@ -81,6 +93,7 @@ def packed_text(
     cache_dir: str = DEFAULT_CACHE_DIR,
     split: Literal["train", "validation"] = "train",
     validation_fraction: float = 0.0,
+    document_mask: bool = False,
 ) -> PackedTokens:
     """Factory for config files: ``data.factory: paratrain.data.lm:packed_text``.
 
@@ -95,6 +108,8 @@ def packed_text(
         split: ``train`` reads the first ``1 - validation_fraction`` of the samples, ``validation`` the rest
             (the same source through ``eval.factory``).
         validation_fraction: Share of the samples held out for validation.
+        document_mask: Attention within each document of a window only, positions restarting at each
+            (block-causal attention through an SDPA mask: see docs/data.md for what it costs).
 
     Raises:
         ConfigError: missing files, an empty corpus, a JSON line without the text field, a path that is not a
@@ -117,11 +132,18 @@ def packed_text(
             f"data.args: the corpus' {tokens.num_tokens} tokens make no {split} sample of block_size={block_size} "
             f"tokens (validation_fraction={validation_fraction}); use more text or a smaller block_size"
         )
-    return PackedTokens(tokens, block_size=block_size, first_sample=first, num_samples=count)
+    end_id = loaded.eos_id if document_mask else None
+    return PackedTokens(tokens, block_size=block_size, first_sample=first, num_samples=count, document_end_id=end_id)
 
 
 def streamed_text(
-    *, files: str | list[str], tokenizer: str, block_size: int, text_field: str = "text", eos_token: str | None = None
+    *,
+    files: str | list[str],
+    tokenizer: str,
+    block_size: int,
+    text_field: str = "text",
+    eos_token: str | None = None,
+    document_mask: bool = False,
 ) -> StreamedTokens:
     """Factory for config files: ``data.factory: paratrain.data.lm:streamed_text``: the corpus tokenized as
     training reads it, in order (paratrain.data.stream); needs ``data.num_workers=0``.
@@ -133,7 +155,10 @@ def streamed_text(
     """
     check_packing_args(block_size=block_size, split="train", validation_fraction=0.0)
     loaded = load_tokenizer(tokenizer, eos_token=eos_token)
-    return StreamedTokens(resolve_files(files), loaded, block_size=block_size, text_field=text_field)
+    end_id = loaded.eos_id if document_mask else None
+    return StreamedTokens(
+        resolve_files(files), loaded, block_size=block_size, text_field=text_field, document_end_id=end_id
+    )
 
 
 def check_packing_args(*, block_size: int, split: str, validation_fraction: float) -> None:

@@ -61,8 +61,17 @@ class StreamedTokens(IterableDataset):
     yield, so between steps it is exactly where a resumed stream must start reading.
     """
 
-    def __init__(self, files: list[Path], tokenizer: LoadedTokenizer, *, block_size: int, text_field: str):
+    def __init__(
+        self,
+        files: list[Path],
+        tokenizer: LoadedTokenizer,
+        *,
+        block_size: int,
+        text_field: str,
+        document_end_id: int | None = None,
+    ):
         self.files, self.tokenizer, self.block_size, self.text_field = files, tokenizer, block_size, text_field
+        self.document_end_id = document_end_id  # as PackedTokens': the EOS id under document masking, else None
         self.position = StreamPosition()
 
     def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:

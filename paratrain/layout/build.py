@@ -22,6 +22,7 @@ from paratrain.models.plan import plan_of
 from paratrain.parallel.dims import ParallelDims
 from paratrain.parallel.model_parallel import apply_model_parallel
 from paratrain.parallel.parallelize import maybe_wrap_replicas, parallelize
+from paratrain.parallel.sequence import SequenceSharding
 from paratrain.precision import MixedPrecision
 
 logger = logging.getLogger("paratrain")
@@ -37,11 +38,14 @@ class LaidOutModel:
         runnable: What forward runs through: the same module for fsdp/tp, a DDP or DataParallel wrapper,
             or a ModuleList of this rank's pipeline stage modules.
         engine: Runs one step's forwards and backwards.
+        sequence: This rank's cut of each sequence (context parallel, document masking), which the
+            evaluation's forwards use too; None without either.
     """
 
     bare: nn.Module
     runnable: nn.Module
     engine: Engine
+    sequence: SequenceSharding | None = None
 
 
 def build_model(
@@ -52,6 +56,7 @@ def build_model(
     device: torch.device,
     seed: int,
     pretrained: Path | None = None,
+    sequence: SequenceSharding | None = None,
 ) -> LaidOutModel:
     """Builds the model on the meta device, parallelizes it, materialises it (``models.init`` says
     where the weights come from), then wraps replicas (DDP or DataParallel). The engine is left to the
@@ -67,7 +72,7 @@ def build_model(
         model = factory()
     if not (is_on_meta(model) or dims.is_sharded):
         model = model.to(device)
-    parallelize(model, dims, plan=plan_of(model), options=options)
+    parallelize(model, dims, plan=plan_of(model), options=options, sequence=sequence)
     offload = dims.fsdp_enabled and options.fsdp.cpu_offload
     materialize(
         model, factory=factory, device=torch.device("cpu") if offload else device, seed=seed, pretrained=pretrained
@@ -85,6 +90,7 @@ class LayoutRequest:
         sample_dataset: Where pipeline.balance=time reads a micro-batch to time the model's pieces on.
         timeline_dir: Where pipeline.record_timeline writes each rank's timeline.
         pretrained: Directory of weights to load instead of initialising (model.pretrained).
+        sequence: This rank's cut of each sequence (context parallel, document masking), or None.
     """
 
     model_factory: Callable[[], nn.Module]
@@ -98,6 +104,7 @@ class LayoutRequest:
     sample_dataset: Dataset
     timeline_dir: Path
     pretrained: Path | None = None
+    sequence: SequenceSharding | None = None
 
 
 def build_layout(request: LayoutRequest) -> LaidOutModel:
@@ -116,6 +123,7 @@ def build_layout(request: LayoutRequest) -> LaidOutModel:
         device=build_device(dims, ctx.device),
         seed=request.train.seed,
         pretrained=request.pretrained,
+        sequence=request.sequence,
     )
     if ctx.is_main:
         warn_misspelt_hooks(built.bare)
@@ -126,9 +134,14 @@ def build_layout(request: LayoutRequest) -> LaidOutModel:
     # FSDP's grad_sync policy; other layouts always sync on the last micro-batch only.
     every_micro_batch = dims.fsdp_enabled and parallel.fsdp.grad_sync == "every_micro_batch"
     engine = MicroBatchEngine(
-        runnable, request.loss_fn, request.precision, device=device, sync_every_micro_batch=every_micro_batch
+        runnable,
+        request.loss_fn,
+        request.precision,
+        device=device,
+        sync_every_micro_batch=every_micro_batch,
+        sequence=request.sequence,
     )
-    return LaidOutModel(built.bare, runnable, engine)
+    return LaidOutModel(built.bare, runnable, engine, request.sequence)
 
 
 def build_device(dims: ParallelDims, device: torch.device) -> torch.device:

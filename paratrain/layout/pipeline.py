@@ -49,6 +49,7 @@ def build_pipeline_runtime(request: LayoutRequest) -> LaidOutModel:
         autocast=request.precision.autocast,
         costs=costs,
         pretrained=request.pretrained,
+        sequence=request.sequence,
     )
     if ctx.rank == 0:
         warn_misspelt_hooks(part.model)
@@ -71,8 +72,9 @@ def build_pipeline_runtime(request: LayoutRequest) -> LaidOutModel:
         group=dims.pp_mesh.get_group(),
         device=ctx.device,
         recorder=recorder,
+        sequence=request.sequence,
     )
-    return LaidOutModel(part.model, nn.ModuleList(part.modules), engine)
+    return LaidOutModel(part.model, nn.ModuleList(part.modules), engine, request.sequence)
 
 
 def _measured_piece_costs(

@@ -49,6 +49,9 @@ class ParallelPlan:
             stage must hold, and whose ``compute(x)`` gives each one's keyword inputs (see
             models/hf_pipeline.py). None: every piece takes ``x`` alone.
         pipeline_refusal: Why the model cannot be cut into pipeline stages, when paratrain knows.
+        attention_heads: The attention's query and key/value head counts, by the config key that sets them:
+            context parallel's all-to-all splits heads over cp ranks (after tensor parallel's split), so
+            cp x tp must divide each.
         outer_units: Groups of modules outside the blocks that FSDP shards as one unit each, before the
             root takes what is left: a transformers model's input embedding, and its final norm with
             its head (as Accelerate and torchtitan do), so the embedding is freed after forward instead
@@ -64,6 +67,7 @@ class ParallelPlan:
     pipeline_layer_inputs: Any = None
     pipeline_refusal: str = ""
     outer_units: tuple[tuple[str, ...], ...] = ()
+    attention_heads: Mapping[str, int] = field(default_factory=dict)
 
     def describe_outer_units(self) -> str:
         """``model.embed_tokens; model.norm + lm_head``, or "" when there are none (logs, the dry run)."""
@@ -124,7 +128,29 @@ class CountsFlopsPerToken(Protocol):
     def flops_per_token(self, seq_len: int) -> float: ...
 
 
-HOOKS: tuple[type, ...] = (DeclaresParallelPlan, InitialisesParameters, CountsFlopsPerSample, CountsFlopsPerToken)
+@runtime_checkable
+class UsesSequenceFunctions(Protocol):
+    """``use_sequence_functions(self, *, attention, positions) -> None``: replaces the model's attention
+    kernel and the source of its token positions.
+
+    Called once, before any parallelism is applied, by layouts that change what attention sees: context
+    parallel (each rank holds a slice of every sequence) and document masking. ``attention(q, k, v, *,
+    dropout_p=0.0, scale=None, sliding_window=None)`` takes and returns ``(batch, heads, tokens, head_dim)``
+    tensors (key and value may have fewer heads) and is causal; ``positions(tokens)`` gives the
+    ``(batch or 1, tokens)`` positions of the token ids a forward was given. Without the hook those
+    layouts are refused (transformers models get it from paratrain, through their attention interface).
+    """
+
+    def use_sequence_functions(self, *, attention: Any, positions: Any) -> None: ...
+
+
+HOOKS: tuple[type, ...] = (
+    DeclaresParallelPlan,
+    InitialisesParameters,
+    CountsFlopsPerSample,
+    CountsFlopsPerToken,
+    UsesSequenceFunctions,
+)
 
 
 def hook_name(hook: type) -> str:

@@ -12,6 +12,18 @@ from torch import nn
 from paratrain.models.plan import ParallelPlan
 
 
+def causal_attention(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *, dropout_p: float = 0.0
+) -> torch.Tensor:
+    """The attention kernel a block uses unless a layout installs another (``GPT.use_sequence_functions``)."""
+    return F.scaled_dot_product_attention(query, key, value, is_causal=True, dropout_p=dropout_p)
+
+
+def count_positions(tokens: torch.Tensor) -> torch.Tensor:
+    """Positions 0, 1, ... of a ``(batch, seq)`` token tensor's columns, as ``(1, seq)``."""
+    return torch.arange(tokens.shape[1], device=tokens.device).unsqueeze(0)
+
+
 @dataclass(frozen=True)
 class GPTConfig:
     vocab_size: int = 128
@@ -31,13 +43,14 @@ class CausalSelfAttention(nn.Module):
         self.v_proj = nn.Linear(config.n_embd, config.n_embd)
         self.out_proj = nn.Linear(config.n_embd, config.n_embd)
         self.dropout = config.dropout
+        self.attend = causal_attention  # (q, k, v, dropout_p) -> output; context parallel installs its own
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         batch, seq, _ = x.shape
         # -1 rather than n_embd // n_head: under tensor parallel each rank holds a slice of the heads.
         q, k, v = (proj(x).view(batch, seq, -1, self.head_dim).transpose(1, 2) for proj in self._qkv())
         dropout = self.dropout if self.training else 0.0
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout)
+        y = self.attend(q, k, v, dropout_p=dropout)
         return self.out_proj(y.transpose(1, 2).reshape(batch, seq, -1))
 
     @property
@@ -79,10 +92,10 @@ class Embedding(nn.Module):
         super().__init__()
         self.tok = nn.Embedding(config.vocab_size, config.n_embd)
         self.pos = nn.Embedding(config.block_size, config.n_embd)
+        self.positions = count_positions  # tokens -> their positions; context parallel installs its own
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        positions = torch.arange(tokens.shape[1], device=tokens.device)
-        return self.tok(tokens) + self.pos(positions)
+        return self.tok(tokens) + self.pos(self.positions(tokens))
 
 
 class GPT(nn.Module):
@@ -114,8 +127,19 @@ class GPT(nn.Module):
             },
             block_norms=("attn_norm", "mlp_norm"),
             tp_divisible={"model.args.n_head": c.n_head, "model.args.n_embd": c.n_embd},
+            attention_heads={"model.args.n_head": c.n_head},
             pipeline_sequence=("embed", *(f"blocks.{i}" for i in range(len(self.blocks))), "final_norm", "lm_head"),
         )
+
+    def use_sequence_functions(self, *, attention, positions) -> None:
+        """Every block's attention kernel and the embedding's positions, from a layout (context parallel,
+        document masking: paratrain.parallel.sequence)."""
+        # Modules, not attributes: a pipeline stage keeps only some pieces (the others are placeholders).
+        for module in self.modules():
+            if isinstance(module, Embedding):
+                module.positions = positions
+            elif isinstance(module, CausalSelfAttention):
+                module.attend = attention
 
     def reset_parameters(self) -> None:
         """GPT-2 initialisation from the global RNG, for use outside paratrain."""

@@ -31,6 +31,7 @@ def plan_of(model: nn.Module) -> ParallelPlan:
     return ParallelPlan(
         blocks=blocks,
         outer_units=transformers_outer_units(model, blocks),
+        attention_heads=transformers_attention_heads(model),
         **transformers_tensor_parallel(model, blocks),
         **transformers_pipeline(model),
     )
@@ -51,13 +52,18 @@ def transformers_tensor_parallel(model: nn.Module, blocks: tuple[str, ...]) -> d
     inside = {key.removeprefix(prefix): style for key, style in tp_plan.items() if key.startswith(prefix)}
     supported = {path: _TRANSFORMERS_STYLES[style] for path, style in inside.items() if style in _TRANSFORMERS_STYLES}
     unsupported = tuple(f"{path}: {style}" for path, style in inside.items() if style not in _TRANSFORMERS_STYLES)
+    heads = transformers_attention_heads(model)
+    return {"block_tp_plan": {} if unsupported else supported, "tp_unsupported": unsupported, "tp_divisible": heads}
+
+
+def transformers_attention_heads(model: nn.Module) -> dict[str, int]:
+    """The query and key/value head counts of a transformers model's config, by config key."""
     config = getattr(model, "config", None)
-    heads = {
+    return {
         f"model.args.{name}": getattr(config, name)
         for name in ("num_attention_heads", "num_key_value_heads")
         if isinstance(getattr(config, name, None), int)
     }
-    return {"block_tp_plan": {} if unsupported else supported, "tp_unsupported": unsupported, "tp_divisible": heads}
 
 
 def transformers_outer_units(model: nn.Module, blocks: tuple[str, ...]) -> tuple[tuple[str, ...], ...]:

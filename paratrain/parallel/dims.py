@@ -1,10 +1,10 @@
 """The degrees of parallelism, how a config's ``parallel`` section resolves to them, and the named
 DeviceMesh over them with one sub-mesh per role.
 
-Ranks are laid out as ``torch.arange(world_size).view(pp, dp_replicate, dp_shard, tp)``: tensor
-parallel innermost (neighbouring ranks share the fastest links), pipeline outermost. Rank 5 of 8 with
-``pp=2, dp_replicate=1, dp_shard=2, tp=2`` sits at (1, 0, 0, 1): the second pipeline stage, the first
-shard, the second tensor-parallel half. Other code asks for a role (``dims.fsdp_mesh``,
+Ranks are laid out as ``torch.arange(world_size).view(pp, dp_replicate, dp_shard, cp, tp)`` (torchtitan's
+order): tensor parallel innermost (neighbouring ranks share the fastest links), then context parallel,
+pipeline outermost. Rank 5 of 8 with ``pp=2, dp_replicate=1, dp_shard=2, cp=1, tp=2`` sits at
+(1, 0, 0, 0, 1): the second pipeline stage, the first shard, the second tensor-parallel half. Other code asks for a role (``dims.fsdp_mesh``,
 ``dims.batch_mesh``, ``dims.dp_rank``) instead of computing ranks or comparing layout names.
 
 Degrees decide the layout; ``parallel.strategy`` is an optional shorthand that fills only the degrees
@@ -25,8 +25,12 @@ pp            pp = -1
 ============  ====================================================
 
 The resolved degrees then choose how data-parallel ranks synchronise: FSDP (``fully_shard``) over
-(dp_replicate, dp_shard) when anything is sharded across them (dp_shard > 1, or tensor parallel with
-replicas, since DDP cannot wrap DTensor parameters); DDP over dp_replicate otherwise.
+(dp_replicate, dp_shard x cp) when anything is sharded across them (dp_shard > 1, cp > 1, or tensor
+parallel with replicas, since DDP cannot wrap DTensor parameters); DDP over dp_replicate otherwise.
+
+Context-parallel ranks (cp) read the same samples and each computes a slice of every sequence
+(paratrain.parallel.sequence); their gradients add up to the whole sequence's, so FSDP shards and
+averages over them as over dp_shard (torchtitan's dp_shard_cp), and no cp rank holds whole parameters.
 """
 
 from __future__ import annotations
@@ -42,7 +46,7 @@ from paratrain.errors import ConfigError
 
 Strategy = Literal["single", "dp", "model_parallel", "ddp", "fsdp", "hsdp", "tp", "pp"]
 
-MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "tp")
+MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 
 _ONE_PROCESS = ("single", "dp", "model_parallel")
 _SHARDED = ("fsdp", "hsdp")
@@ -95,6 +99,7 @@ class ParallelDims:
     pp: int = 1
     dp_replicate: int = 1
     dp_shard: int = 1
+    cp: int = 1
     tp: int = 1
     mesh: DeviceMesh | None = field(default=None, compare=False, repr=False)
     # The flattened role meshes, kept as _flatten returns them: torch deprecates slicing them back out
@@ -135,7 +140,13 @@ class ParallelDims:
 
     @property
     def world_size(self) -> int:
-        return self.pp * self.dp * self.tp
+        return self.pp * self.dp * self.cp * self.tp
+
+    @property
+    def loss_ranks(self) -> int:
+        """Ranks whose losses average to a step's loss: every data-parallel rank's, and within each the cp
+        ranks' (each a mean over an equal slice of the same samples)."""
+        return self.dp * self.cp
 
     @property
     def needs_process_group(self) -> bool:
@@ -160,6 +171,11 @@ class ParallelDims:
         return self.pp > 1
 
     @property
+    def cp_enabled(self) -> bool:
+        """Each sample's sequence is split over ``cp`` ranks (context parallel)."""
+        return self.cp > 1
+
+    @property
     def dataparallel_enabled(self) -> bool:
         """One process driving torch.nn.DataParallel over its local GPUs (strategy dp)."""
         return self.strategy == "dp"
@@ -174,18 +190,25 @@ class ParallelDims:
         """Whether parameters (and so gradients) are split across ranks."""
         return self.tp_enabled or self.fsdp_enabled
 
+    @property
+    def fsdp_size(self) -> int:
+        """Ranks each parameter is sharded over (dp_shard x cp; 1 without FSDP)."""
+        return self.dp_shard * self.cp if self.fsdp_enabled else 1
+
     # The mesh and its roles ---------------------------------------------------------------------
 
     def with_mesh(self, device_type: str) -> ParallelDims:
-        """These degrees with the named 4-D mesh over all ranks built (none for one-process layouts),
-        plus two flattened dimensions: ``dp`` (dp_replicate x dp_shard) and ``loss`` (pp x dp)."""
+        """These degrees with the named 5-D mesh over all ranks built (none for one-process layouts),
+        plus the flattened dimensions: ``dp`` (dp_replicate x dp_shard), ``loss`` (pp x dp x cp) and
+        ``dp_shard_cp`` (dp_shard x cp, what FSDP shards over)."""
         if not self.needs_process_group:
             return self
         shape = tuple(getattr(self, name) for name in MESH_DIMS)
         mesh = init_device_mesh(device_type, shape, mesh_dim_names=MESH_DIMS)
         flattened = {
             "dp": mesh["dp_replicate", "dp_shard"]._flatten("dp"),
-            "loss": mesh["pp", "dp_replicate", "dp_shard"]._flatten("loss"),
+            "loss": mesh["pp", "dp_replicate", "dp_shard", "cp"]._flatten("loss"),
+            "dp_shard_cp": mesh["dp_shard", "cp"]._flatten("dp_shard_cp"),
         }
         return replace(self, mesh=mesh, flattened=flattened)
 
@@ -196,16 +219,21 @@ class ParallelDims:
 
     @property
     def loss_mesh(self) -> DeviceMesh | None:
-        """What a step's loss is summed over: the data-parallel ranks of every pipeline stage (stages
-        without the loss add zero; tensor-parallel ranks hold copies and are left out). Divide by ``dp``."""
+        """What a step's loss is summed over: the data-parallel and context-parallel ranks of every pipeline
+        stage (stages without the loss add zero; tensor-parallel ranks hold copies and are left out).
+        Divide by ``loss_ranks``."""
         return self.flattened.get("loss")
 
     @property
     def fsdp_mesh(self) -> DeviceMesh | None:
-        """What fully_shard shards over: dp_shard, or (dp_replicate, dp_shard) for hsdp's replicas."""
+        """What fully_shard shards over: dp_shard x cp, or (dp_replicate, dp_shard x cp) for hsdp's replicas."""
         if not self.fsdp_enabled or self.mesh is None:
             return None
-        return self.mesh["dp_replicate", "dp_shard"] if self.dp_replicate > 1 else self.mesh["dp_shard"]
+        if not self.cp_enabled:
+            return self.mesh["dp_replicate", "dp_shard"] if self.dp_replicate > 1 else self.mesh["dp_shard"]
+        shards = self.flattened["dp_shard_cp"]
+        # Concatenated rather than sliced: torch deprecates slicing a flattened dimension out of the root.
+        return DeviceMesh._concatenate([self.mesh["dp_replicate"], shards]) if self.dp_replicate > 1 else shards
 
     @property
     def ddp_mesh(self) -> DeviceMesh | None:
@@ -220,6 +248,11 @@ class ParallelDims:
         return self.mesh["pp"] if self.mesh is not None else None
 
     @property
+    def cp_mesh(self) -> DeviceMesh | None:
+        """The ranks that split each sample's sequence between them."""
+        return self.mesh["cp"] if self.mesh is not None else None
+
+    @property
     def dp_rank(self) -> int:
         """This rank's position among the data-parallel ranks: which slice of each global batch it reads."""
         return self.batch_mesh.get_local_rank() if self.mesh is not None else 0
@@ -228,10 +261,15 @@ class ParallelDims:
     def pp_rank(self) -> int:
         return self.pp_mesh.get_local_rank() if self.mesh is not None else 0
 
+    @property
+    def cp_rank(self) -> int:
+        """This rank's slice of each sequence (paratrain.parallel.sequence says which tokens it holds)."""
+        return self.cp_mesh.get_local_rank() if self.mesh is not None else 0
+
     # Words --------------------------------------------------------------------------------------
 
     def describe(self) -> str:
-        """Every degree: ``pp=1 x dp_replicate=2 x dp_shard=2 x tp=1``."""
+        """Every degree: ``pp=1 x dp_replicate=2 x dp_shard=2 x cp=1 x tp=1``."""
         return " x ".join(f"{name}={getattr(self, name)}" for name in MESH_DIMS)
 
     def describe_layout(self) -> str:
@@ -301,7 +339,7 @@ def _layout_name(shorthand: Strategy, degrees: dict[str, int], *, named: bool) -
     where the degrees leave it open (a group of one process)."""
     if shorthand in _ONE_PROCESS:
         return shorthand
-    replicas, shards = degrees["dp_replicate"] > 1, degrees["dp_shard"] > 1
+    replicas, shards = degrees["dp_replicate"] > 1, degrees["dp_shard"] > 1 or degrees["cp"] > 1
     if shorthand in _SHARDED or shards or (replicas and degrees["tp"] > 1):
         return "hsdp" if replicas else "fsdp"
     if replicas:

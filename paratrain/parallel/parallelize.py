@@ -19,11 +19,13 @@ from torch import nn
 
 from paratrain.config.schema import ParallelConfig
 from paratrain.models.plan import ParallelPlan
+from paratrain.models.sequence import install_sequence_functions
 from paratrain.parallel.activation import apply_activation_checkpointing, apply_compile
 from paratrain.parallel.data_parallel import apply_data_parallel
 from paratrain.parallel.ddp import apply_ddp
 from paratrain.parallel.dims import ParallelDims
 from paratrain.parallel.fsdp import apply_fsdp
+from paratrain.parallel.sequence import SequenceSharding
 from paratrain.parallel.tensor import apply_tensor_parallel, check_tensor_parallel_plan
 
 logger = logging.getLogger("paratrain")
@@ -36,11 +38,13 @@ def parallelize(
     plan: ParallelPlan,
     options: ParallelConfig,
     roots: Callable[[nn.Module], list[nn.Module]] | None = None,
+    sequence: SequenceSharding | None = None,
 ) -> list[nn.Module]:
     """Applies this rank's layout to ``model`` in place and returns it.
 
-    Order: tensor parallel (over ``dims.tp_mesh``) -> activation checkpointing -> compile -> FSDP (over
-    ``dims.fsdp_mesh``). Each step does nothing where the layout does not use it.
+    Order: the sequence functions (context parallel, document masking) -> tensor parallel (over
+    ``dims.tp_mesh``) -> activation checkpointing -> compile -> FSDP (over ``dims.fsdp_mesh``). Each step
+    does nothing where the layout does not use it.
 
     Args:
         model: The model, or the part of it this rank keeps, typically still on the meta device.
@@ -52,10 +56,14 @@ def parallelize(
         roots: Called after the block transforms (which may replace blocks by wrappers) and before
             FSDP; returns the modules to shard as roots after the blocks (a pipeline rank's stage
             modules, built over the wrapped blocks). None: the model itself.
+        sequence: This rank's cut of each sequence, whose attention and positions the model takes
+            (``parallel.sequence``); None: the model's own.
 
     Returns:
         The roots: what runs forward (``[model]`` unless ``roots`` was given).
     """
+    if sequence is not None:
+        install_sequence_functions(model, attention=sequence.attention, positions=sequence.positions)
     if dims.tp_enabled:
         check_tensor_parallel_plan(plan, dims.tp, sequence_parallel=options.sequence_parallel)
         apply_tensor_parallel(model, dims.tp_mesh, plan=plan, sequence_parallel=options.sequence_parallel)

@@ -24,6 +24,7 @@ from paratrain.parallel.parallelize import maybe_wrap_replicas, parallelize
 from paratrain.parallel.pipeline.schedules import SPLIT_BACKWARD, PipelineShape, default_stages_per_rank
 from paratrain.parallel.pipeline.split import Stage, cut_stages, measured_costs, pipeline_sequence
 from paratrain.parallel.pipeline.stages import keep_only, stage_modules
+from paratrain.parallel.sequence import SequenceSharding
 
 
 @dataclass(frozen=True)
@@ -65,6 +66,7 @@ def build_pipeline_stages(
     autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
     costs: list[float] | None = None,
     pretrained: Path | None = None,
+    sequence: SequenceSharding | None = None,
 ) -> PipelineStages:
     """This rank's stages, laid out, initialised and wrapped (see module docstring).
 
@@ -72,7 +74,14 @@ def build_pipeline_stages(
         costs: Per-piece costs to balance stages by (pipeline.balance=time); None: parameter counts.
     """
     laid = lay_out_stages(
-        factory, dims, parallel=parallel, pipeline=pipeline, shape=shape, autocast=autocast, costs=costs
+        factory,
+        dims,
+        parallel=parallel,
+        pipeline=pipeline,
+        shape=shape,
+        autocast=autocast,
+        costs=costs,
+        sequence=sequence,
     )
     materialize(laid.model, factory=factory, device=device, seed=seed, pretrained=pretrained, allocate_via=laid.modules)
     modules = [
@@ -91,6 +100,7 @@ def lay_out_stages(
     autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
     costs: list[float] | None = None,
     pretrained: Path | None = None,
+    sequence: SequenceSharding | None = None,
 ) -> PipelineStages:
     """The model on meta, cut into stages, this rank's kept and parallelized (the dry run stops here)."""
     if parallel.compile and shape.schedule in SPLIT_BACKWARD:
@@ -121,6 +131,7 @@ def lay_out_stages(
         roots=lambda laid_out: stage_modules(
             laid_out, [stages[index] for index in mine], autocast, plan.pipeline_layer_inputs
         ),
+        sequence=sequence,
     )
     return PipelineStages(model, modules, mine, stages, shape)
 

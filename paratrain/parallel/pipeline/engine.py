@@ -21,6 +21,7 @@ from torch.distributed.pipelining import PipelineStage
 from paratrain.losses import LossFn
 from paratrain.parallel.pipeline.recorder import TimelineRecorder
 from paratrain.parallel.pipeline.schedules import PipelineShape, is_multi_stage, schedule_class
+from paratrain.parallel.sequence import SequenceSharding
 from paratrain.tensors import move_to
 
 
@@ -31,6 +32,8 @@ class PipelineEngine:
         stage_modules: This rank's stages (plain, DDP- or FSDP-wrapped), in stage-index order.
         stage_indices: Their indices in the whole pipeline.
         recorder: Times each forward and backward, for the measured bubble; None records nothing.
+        sequence: Under context parallel, cuts each step's samples to this rank's tokens (the same
+            positions for every micro-batch: document masking is refused with a pipeline).
     """
 
     def __init__(
@@ -43,7 +46,9 @@ class PipelineEngine:
         group: dist.ProcessGroup,
         device: torch.device,
         recorder: TimelineRecorder | None = None,
+        sequence: SequenceSharding | None = None,
     ):
+        self.sequence = sequence  # context parallel: this rank's tokens of every sample
         self.stages = [
             PipelineStage(module, index, shape.num_stages, device, group=group)
             for module, index in zip(stage_modules, stage_indices, strict=True)
@@ -63,6 +68,8 @@ class PipelineEngine:
         """Runs the schedule over the step; returns the mean loss on the last stage's rank, else 0."""
         inputs = move_to(torch.cat([inputs for inputs, _ in micro_batches]), self.device)
         targets = move_to(torch.cat([targets for _, targets in micro_batches]), self.device)
+        if self.sequence is not None:
+            inputs, targets = self.sequence.shard(inputs, targets)
         losses: list[torch.Tensor] = []
         args = (inputs,) if self.holds_first_stage else ()
         with self._recording():
@@ -71,6 +78,8 @@ class PipelineEngine:
                 target=targets if self.holds_last_stage else None,
                 losses=losses if self.holds_last_stage else None,
             )
+        if self.sequence is not None:
+            self.sequence.release()
         if not self.holds_last_stage:
             return torch.zeros((), device=self.device)
         return torch.stack([loss.detach() for loss in losses]).mean()

@@ -1,0 +1,245 @@
+"""Context parallel and document masking: which tokens of each sample a rank computes, their positions,
+and the attention that sees each whole sequence again.
+
+Context parallel (``parallel.cp``) splits every sample's sequence over the cp ranks of a data-parallel
+rank, load-balanced for causal attention as torch's and Megatron's are: the sequence is cut into
+2·cp chunks and rank r holds chunks r and 2·cp−1−r, so each rank has as many early tokens (little to
+attend to) as late ones. Embeddings, norms, MLPs and the loss run on the rank's tokens alone; only
+attention needs the others', through the all-to-all exchange of DeepSpeed Ulysses: each rank trades
+(all heads, its tokens) for (1/cp of the heads, all tokens), attends over whole sequences with any
+kernel, and trades back. That needs cp to divide the (key/value) heads, and costs two all-to-alls of
+the activations per attention, whatever the sequence length.
+
+Document masking (a dataset whose ``document_end_id`` is set: ``data.args.document_mask``) keeps
+attention within each document of a packed window (documents end with that token) and restarts
+positions at each document, so a document is computed as if it began the window.
+
+The model reads all of this through two functions a layout installs on it (models/sequence.py):
+``attention(q, k, v, ...)`` and ``positions(tokens)``. Both follow the micro-batch the engine last cut
+(``SequenceSharding.shard``); with none cut (evaluation, the sample check, a warm-up), attention is
+the plain causal attention of the rank's own tokens and positions count from 0.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch.distributed import ProcessGroup
+from torch.distributed._functional_collectives import all_to_all_single_autograd
+
+from paratrain.errors import ConfigError
+from paratrain.parallel.dims import ParallelDims
+
+
+def build_sequence_sharding(dims: ParallelDims, *, document_end_id: int | None) -> SequenceSharding | None:
+    """This rank's cut of every sequence under ``dims`` (mesh built), or None when each rank computes whole
+    sequences with plain causal attention (no cp, no document masking): nothing is installed then."""
+    if not dims.cp_enabled and document_end_id is None:
+        return None
+    group = dims.cp_mesh.get_group() if dims.cp_enabled else None
+    return SequenceSharding(cp=dims.cp, cp_rank=dims.cp_rank, cp_group=group, document_end_id=document_end_id)
+
+
+def document_end_of(dataset: object) -> int | None:
+    """The token id that ends each document of a dataset's packed windows when it asks for document
+    masking (its ``document_end_id``: ``data.args.document_mask``), else None."""
+    end_id = getattr(dataset, "document_end_id", None)
+    return end_id if isinstance(end_id, int) else None
+
+
+def local_token_indices(seq_len: int, *, cp: int, cp_rank: int) -> torch.Tensor:
+    """The token indices, in order, that cp rank ``cp_rank`` of ``cp`` holds of a ``seq_len``-token sequence:
+    chunk ``cp_rank`` and chunk ``2·cp−1−cp_rank`` of 2·cp equal chunks (torch's head-tail balancing)."""
+    if seq_len % (2 * cp):
+        raise ConfigError(
+            f"parallel.cp={cp}: a sequence of {seq_len} tokens does not split into 2 x cp = {2 * cp} equal "
+            f"chunks (each rank holds an early and a late one); use a sequence length divisible by {2 * cp}"
+        )
+    chunk = seq_len // (2 * cp)
+    first, second = cp_rank * chunk, (2 * cp - 1 - cp_rank) * chunk
+    return torch.cat([torch.arange(first, first + chunk), torch.arange(second, second + chunk)])
+
+
+def document_layout(tokens: torch.Tensor, end_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Which document each token of a packed window belongs to, and its position within that document.
+
+    A document ends with ``end_id`` (the token belongs to the document it ends); the next token starts
+    a new one. For tokens ``[a, b, EOS, c, d]``: documents ``[0, 0, 0, 1, 1]``, positions ``[0, 1, 2, 0, 1]``.
+    """
+    ends = tokens == end_id
+    starts = torch.cat([torch.ones_like(ends[:, :1]), ends[:, :-1]], dim=1)
+    documents = torch.cumsum(starts.long(), dim=1) - 1
+    index = torch.arange(tokens.shape[1], device=tokens.device).expand_as(tokens)
+    start_of_own = torch.cummax(torch.where(starts, index, torch.zeros_like(index)), dim=1).values
+    return documents, index - start_of_own
+
+
+@dataclass(frozen=True)
+class CutMicroBatch:
+    """What attention and positions need of the micro-batch the engine last cut.
+
+    Attributes:
+        positions: Each of this rank's tokens' position, ``(batch or 1, local tokens)``.
+        documents: The document of every token of the whole sequence, ``(batch, seq)``; None: one
+            causal sequence.
+        exchange: Whether attention gathers the other cp ranks' tokens (False: the rank holds whole
+            sequences, as in evaluation).
+    """
+
+    positions: torch.Tensor
+    documents: torch.Tensor | None
+    exchange: bool
+
+
+class SequenceSharding:
+    """One rank's view of context parallel and document masking: cuts each micro-batch, then answers the
+    model's attention and position calls for it.
+
+    Args:
+        cp: Context-parallel degree (1: each rank holds whole sequences).
+        cp_rank: This rank's index among them.
+        cp_group: Their process group (None when cp is 1).
+        document_end_id: The token that ends each document of a packed window, when attention is to stay
+            within documents; None: attention spans the whole window.
+    """
+
+    def __init__(self, *, cp: int, cp_rank: int, cp_group: ProcessGroup | None, document_end_id: int | None):
+        self.cp, self.cp_rank, self.cp_group = cp, cp_rank, cp_group
+        self.document_end_id = document_end_id
+        self.current: CutMicroBatch | None = None
+        self._orders: dict[tuple[int, torch.device], tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+
+    # Cutting micro-batches ----------------------------------------------------------------------
+
+    def shard(self, inputs: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """This rank's tokens of ``inputs`` and ``targets`` (``(batch, seq)`` each), remembered for the
+        forward and backward that follow."""
+        local = self._order(inputs.shape[1], inputs.device)[0]
+        documents, positions = self._documents_and_positions(inputs)
+        self.current = CutMicroBatch(positions[:, local], documents, exchange=self.cp > 1)
+        return inputs[:, local], targets[:, local]
+
+    def whole(self, inputs: torch.Tensor) -> torch.Tensor:
+        """``inputs`` kept whole on this rank (evaluation): attention stays local, documents still apply."""
+        documents, positions = self._documents_and_positions(inputs)
+        self.current = CutMicroBatch(positions, documents, exchange=False)
+        return inputs
+
+    def release(self) -> None:
+        """Forgets the last micro-batch (its masks and positions), once its backward is done."""
+        self.current = None
+
+    # What the model calls -----------------------------------------------------------------------
+
+    def positions(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Positions of the tokens a model's forward was given: ``(batch or 1, tokens)``."""
+        if self.current is None or self.current.positions.shape[1] != tokens.shape[1]:
+            return torch.arange(tokens.shape[1], device=tokens.device).unsqueeze(0)
+        return self.current.positions.to(tokens.device)
+
+    def attention(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        *,
+        dropout_p: float = 0.0,
+        scale: float | None = None,
+        sliding_window: int | None = None,
+    ) -> torch.Tensor:
+        """Causal attention of ``(batch, heads, local tokens, head_dim)`` tensors (key and value may have
+        fewer heads: grouped-query attention) over each whole sequence, within documents and the sliding
+        window where those apply; returns the output for this rank's tokens, shaped like ``query``."""
+        current = self.current
+        exchange = current is not None and current.exchange
+        if exchange:
+            query, key, value = (self._heads_for_tokens(tensor) for tensor in (query, key, value))
+        documents = current.documents if current is not None else None
+        if documents is not None and documents.shape[1] != query.shape[2]:
+            documents = None  # a forward of other tokens than the last cut (a pipeline's warm-up)
+        output = causal_attention(
+            query, key, value, documents=documents, dropout_p=dropout_p, scale=scale, sliding_window=sliding_window
+        )
+        return self._tokens_for_heads(output) if exchange else output
+
+    # The all-to-all exchange --------------------------------------------------------------------
+
+    def _heads_for_tokens(self, tensor: torch.Tensor) -> torch.Tensor:
+        """(batch, heads, local tokens, d) -> (batch, heads / cp, all tokens in sequence order, d)."""
+        batch, heads, local, dim = tensor.shape
+        cp = self.cp
+        if heads % cp:
+            raise ConfigError(
+                f"parallel.cp={cp} must divide the attention heads each rank holds ({heads}); set parallel.cp "
+                f"to a divisor of {heads}"
+            )
+        # Rank j receives head group j: all_to_all_single splits and concatenates along dim 0.
+        outgoing = tensor.reshape(batch, cp, heads // cp, local, dim).transpose(0, 1).contiguous()
+        incoming = all_to_all_single_autograd(outgoing, None, None, self.cp_group)
+        gathered = incoming.permute(1, 2, 0, 3, 4).reshape(batch, heads // cp, cp * local, dim)
+        natural = self._order(cp * local, tensor.device)[2]
+        return gathered.index_select(2, natural)
+
+    def _tokens_for_heads(self, tensor: torch.Tensor) -> torch.Tensor:
+        """The inverse: (batch, heads / cp, all tokens, d) -> (batch, heads, this rank's tokens, d)."""
+        batch, group_heads, seq, dim = tensor.shape
+        cp, local = self.cp, seq // self.cp
+        by_rank = tensor.index_select(2, self._order(seq, tensor.device)[1])
+        outgoing = by_rank.reshape(batch, group_heads, cp, local, dim).permute(2, 0, 1, 3, 4).contiguous()
+        incoming = all_to_all_single_autograd(outgoing, None, None, self.cp_group)
+        return incoming.transpose(0, 1).reshape(batch, cp * group_heads, local, dim)
+
+    def _order(self, seq_len: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(this rank's token indices; every rank's, concatenated in rank order; the permutation that puts
+        that concatenation back in sequence order), cached per length."""
+        key = (seq_len, device)
+        if key not in self._orders:
+            local = local_token_indices(seq_len, cp=self.cp, cp_rank=self.cp_rank)
+            by_rank = torch.cat([local_token_indices(seq_len, cp=self.cp, cp_rank=r) for r in range(self.cp)])
+            self._orders[key] = (local.to(device), by_rank.to(device), torch.argsort(by_rank).to(device))
+        return self._orders[key]
+
+    def _documents_and_positions(self, inputs: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor]:
+        if self.document_end_id is None:
+            return None, torch.arange(inputs.shape[1], device=inputs.device).unsqueeze(0)
+        return document_layout(inputs, self.document_end_id)
+
+
+def causal_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    *,
+    documents: torch.Tensor | None = None,
+    dropout_p: float = 0.0,
+    scale: float | None = None,
+    sliding_window: int | None = None,
+) -> torch.Tensor:
+    """SDPA over whole sequences: causal (its fused kernels' fast path), or with a boolean mask when tokens
+    may also attend only within their document (``documents``) or the last ``sliding_window`` tokens."""
+    grouped = key.shape[1] != query.shape[1]
+    mask = attention_mask(query.shape[2], documents=documents, sliding_window=sliding_window, device=query.device)
+    return F.scaled_dot_product_attention(
+        query, key, value, attn_mask=mask, is_causal=mask is None, dropout_p=dropout_p, scale=scale, enable_gqa=grouped
+    )
+
+
+def attention_mask(
+    seq_len: int, *, documents: torch.Tensor | None, sliding_window: int | None, device: torch.device
+) -> torch.Tensor | None:
+    """``(batch or 1, 1, seq, seq)`` booleans, True where query i may attend key j: j ≤ i, in the same
+    document, within the window (i − j < window, transformers' convention); None when causal alone."""
+    if documents is None and not sliding_window:
+        return None
+    query_index = torch.arange(seq_len, device=device).unsqueeze(1)
+    key_index = torch.arange(seq_len, device=device).unsqueeze(0)
+    allowed = key_index <= query_index
+    if sliding_window:
+        allowed = allowed & (query_index - key_index < sliding_window)
+    allowed = allowed.unsqueeze(0)
+    if documents is not None:
+        documents = documents.to(device)
+        allowed = allowed & (documents.unsqueeze(2) == documents.unsqueeze(1))
+    return allowed.unsqueeze(1)
