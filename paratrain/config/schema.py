@@ -196,7 +196,8 @@ class ParallelConfig(Section):
     cp_attention: Literal["auto", "all_to_all", "ring"] = "auto"
     """How context-parallel ranks exchange attention. all_to_all (DeepSpeed Ulysses): heads for tokens
     before attention and back after it, with any attention kernel (CPU included). ring: torch's
-    context_parallel ring attention over SDPA's GPU kernels (CUDA only). auto: all_to_all."""
+    context_parallel ring attention over SDPA's CUDA kernels, which paratrain does not drive yet (refused
+    with cp > 1, naming all_to_all). auto: all_to_all."""
     collective_timeout_s: float = Field(600.0, gt=0)
     """Timeout of the process group's collectives (init_process_group's timeout): a collective that
     waits longer fails the run with torch's error instead of waiting for ever."""

@@ -57,8 +57,8 @@ class StageShare:
 
 
 def fsdp_degree(dims: ParallelDims) -> int:
-    """Ranks each parameter is cut across by FSDP (1 when the layout does not use it)."""
-    return dims.dp_shard if dims.fsdp_enabled else 1
+    """Ranks each parameter is cut across by FSDP (1 when the layout does not use it): dp_shard x cp."""
+    return dims.fsdp_size
 
 
 def model_state_bytes(
@@ -115,6 +115,7 @@ def activation_shape(inputs: PlanInputs, dims: ParallelDims) -> ActivationShape:
         tp=dims.tp,
         sequence_parallel=inputs.parallel.sequence_parallel and dims.tp > 1,
         checkpointing=inputs.parallel.activation_checkpointing,
+        cp=dims.cp,
     )
 
 

@@ -37,11 +37,12 @@ class ActivationShape:
     tp: int = 1
     sequence_parallel: bool = False
     checkpointing: bool = False
+    cp: int = 1  # context parallel: a rank holds seq_len / cp tokens of each sample
 
 
 def layer_bytes(sizes: TransformerSizes, shape: ActivationShape) -> float:
     """Bytes one transformer layer keeps for backward for one micro-batch (see the module docstring)."""
-    tensor = sizes.seq_len * shape.micro_batch * sizes.hidden * shape.element_bytes
+    tensor = sizes.seq_len / shape.cp * shape.micro_batch * sizes.hidden * shape.element_bytes
     if shape.checkpointing:
         return tensor / (shape.tp if shape.sequence_parallel else 1)
     if shape.sequence_parallel:
@@ -54,14 +55,14 @@ def recompute_bytes(sizes: TransformerSizes, shape: ActivationShape) -> float:
     """Under checkpointing, backward rebuilds one layer's full activations at a time."""
     if not shape.checkpointing:
         return 0.0
-    full = ActivationShape(shape.micro_batch, shape.element_bytes, shape.tp, shape.sequence_parallel)
+    full = ActivationShape(shape.micro_batch, shape.element_bytes, shape.tp, shape.sequence_parallel, cp=shape.cp)
     return layer_bytes(sizes, full)
 
 
 def head_bytes(sizes: TransformerSizes, shape: ActivationShape) -> float:
     """The final norm's and LM head's inputs, the logits (compute dtype) and the loss's fp32 log-softmax
     (the head is not tensor parallel)."""
-    tokens = sizes.seq_len * shape.micro_batch
+    tokens = sizes.seq_len / shape.cp * shape.micro_batch
     return tokens * (2 * sizes.hidden * shape.element_bytes + sizes.vocab * (shape.element_bytes + 4))
 
 

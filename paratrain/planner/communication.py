@@ -3,7 +3,7 @@ across nodes, and the time that takes at nominal link speeds. Used only to rank 
 
 Ring collectives over n ranks (what NCCL's bus bandwidth assumes): an all-reduce of S bytes sends
 2(n-1)/n x S per rank, an all-gather or reduce-scatter (n-1)/n x S. A group stays within a node when
-its ranks' span on the mesh ``arange(world).view(pp, dp_replicate, dp_shard, tp)`` fits in one node
+its ranks' span on the mesh ``arange(world).view(pp, dp_replicate, dp_shard, cp, tp)`` fits in one node
 (tensor parallel is innermost); otherwise its ring crosses nodes and runs at the slower speed. Each
 collective or send also costs a fixed latency, so many small messages (a pipeline's per-micro-batch
 sends, tensor parallel's per-layer all-reduces) are not free for small models.
@@ -55,7 +55,9 @@ class Traffic:
 
 def group_spans_nodes(dims: ParallelDims, axis: str, *, gpus_per_node: int) -> bool:
     """Whether the ranks of one group along ``axis`` lie on more than one node."""
-    stride = {"tp": 1, "dp_shard": dims.tp, "dp_replicate": dims.tp * dims.dp_shard, "pp": dims.tp * dims.dp}[axis]
+    inner = dims.tp * dims.cp  # the mesh's order: pp, dp_replicate, dp_shard, cp, tp
+    strides = {"tp": 1, "cp": dims.tp, "dp_shard": inner, "dp_replicate": inner * dims.dp_shard}
+    stride = {**strides, "pp": inner * dims.dp}[axis]
     return stride * getattr(dims, axis) > gpus_per_node
 
 

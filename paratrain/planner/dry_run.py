@@ -24,6 +24,7 @@ from paratrain.models.meta import on_meta
 from paratrain.models.plan import ParallelPlan, plan_of
 from paratrain.parallel.dims import MESH_DIMS, ParallelDims
 from paratrain.parallel.parallelize import parallelize
+from paratrain.parallel.sequence import local_token_indices
 from paratrain.planner.accounting import FP32, StageShare, rank_memory, stage_shares
 from paratrain.planner.inputs import PlanInputs, plan_inputs
 from paratrain.planner.layouts import check_layout
@@ -67,6 +68,7 @@ def dry_run(config: Config, *, nproc_per_node: int, nnodes: int) -> str:
         f"{dims.strategy}: {dims.describe()}; nothing trained (no data read, nothing written)",
         *plan_lines(facts.plan, facts.model),
         *hook_lines(facts.model),
+        *sequence_lines(dims, inputs.seq_len, inputs.parallel.cp_attention),
     ]
     if not dims.needs_process_group:
         return "\n".join([*lines, "one process, no process group", *_memory_lines(shares, memory, source)])
@@ -108,6 +110,25 @@ def plan_lines(plan: ParallelPlan, model: nn.Module) -> list[str]:
         f"parallel plan ({source}): blocks (FSDP units, activation checkpointing, compile): {blocks}"
         + (f"; FSDP units besides: {outer}" if outer else ""),
         f"  tensor parallel per block: {tensor}; pipeline sequence: {pipeline}",
+    ]
+
+
+def sequence_lines(dims: ParallelDims, seq_len: int | None, exchange: str) -> list[str]:
+    """Under context parallel, which tokens of each sequence every cp rank holds (the same on each
+    data-parallel rank), and how attention reaches the others'."""
+    if not dims.cp_enabled:
+        return []
+    exchange = "all_to_all" if exchange == "auto" else exchange
+    if not isinstance(seq_len, int) or seq_len % (2 * dims.cp):
+        return [f"context parallel: cp={dims.cp} ({exchange}); sequence length unknown, slices not shown"]
+    slices = []
+    for cp_rank in range(dims.cp):
+        indices = local_token_indices(seq_len, cp=dims.cp, cp_rank=cp_rank).tolist()
+        half = len(indices) // 2
+        slices.append(f"cp rank {cp_rank}: {indices[0]}-{indices[half - 1]} and {indices[half]}-{indices[-1]}")
+    return [
+        f"context parallel: cp={dims.cp} ({exchange} exchange in attention); tokens of each {seq_len}-token "
+        f"sequence held: {'; '.join(slices)}"
     ]
 
 
@@ -199,7 +220,9 @@ def _span(group: list[int]) -> str:
 
 
 def _rank_lines(ranks: torch.Tensor, shares: list[StageShare], memory, *, nproc_per_node: int) -> list[str]:
-    lines = ["ranks (node/local: mesh coordinates pp, dp_replicate, dp_shard, tp; pipeline pieces; expected memory):"]
+    lines = [
+        "ranks (node/local: mesh coordinates pp, dp_replicate, dp_shard, cp, tp; pipeline pieces; expected memory):"
+    ]
     for rank in range(ranks.numel()):
         coords = [int(value) for value in (ranks == rank).nonzero()[0]]
         share, held = shares[coords[0]], memory[coords[0]]

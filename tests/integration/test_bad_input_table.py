@@ -144,6 +144,33 @@ CASES: dict[str, Case] = {
         *TWO,
         expect=("parallel.strategy=tp contradicts parallel.tp=1", "Remove parallel.strategy"),
     ),
+    "cp not dividing the sequence in two chunks per rank": train(
+        "parallel.cp=2",
+        "data.args.block_size=14",
+        *TWO,
+        expect=("data.args.block_size=14 is not divisible by 2 x parallel.cp = 4", "multiple of 4"),
+    ),
+    "cp not dividing the attention heads": train(
+        "parallel.cp=2",
+        "model.args.n_head=1",
+        *TWO,
+        expect=("parallel.cp=2 x parallel.tp=1 = 2 does not divide model.args.n_head=1",),
+    ),
+    "cp on a model whose attention paratrain cannot reach": train(
+        "parallel.cp=2", *MLP, *TWO, expect=("parallel.cp=2", "does not define use_sequence_functions")
+    ),
+    "ring attention exchange": train(
+        "parallel.cp=2",
+        "parallel.cp_attention=ring",
+        *TWO,
+        expect=("parallel.cp_attention=ring", "set parallel.cp_attention=all_to_all"),
+    ),
+    "document masking beside a pipeline": train(
+        "data.args.document_mask=true",
+        "parallel.pp=2",
+        *TWO,
+        expect=("data.args.document_mask=true with parallel.pp=2", "remove data.args.document_mask or parallel.pp"),
+    ),
     "fp16 with tensor parallel alone": train(
         "parallel.strategy=tp", "precision=fp16", *TWO, expect=("precision=fp16 with tensor parallel alone",)
     ),

@@ -43,7 +43,7 @@ def dry_run(capsys, config_path, *overrides, nproc=8, nnodes=8) -> tuple[int, st
 def test_a_64_rank_pipeline_fsdp_tensor_parallel_layout_is_laid_out_in_one_process(capsys, config_path):
     code, out, err = dry_run(capsys, config_path, "parallel.strategy=fsdp", "parallel.pp=4", "parallel.tp=4")
     assert code == 0, err
-    assert "64 ranks (8 node(s) x 8), layout fsdp: pp=4 x dp_replicate=1 x dp_shard=4 x tp=4" in out
+    assert "64 ranks (8 node(s) x 8), layout fsdp: pp=4 x dp_replicate=1 x dp_shard=4 x cp=1 x tp=4" in out
     assert "nothing trained (no data read, nothing written)" in out
     # Rank 0 holds pipeline stage 0 only (embedding and first block), sharded over dp_shard and tp.
     parameters = out.split("rank 0 built on meta")[0]
@@ -53,9 +53,9 @@ def test_a_64_rank_pipeline_fsdp_tensor_parallel_layout_is_laid_out_in_one_proce
     # One line per rank, coordinates from the mesh: tp innermost, pp outermost.
     rank_lines = [line for line in out.splitlines() if line.startswith("  rank ")]
     assert len(rank_lines) == 64
-    assert rank_lines[0].startswith("  rank    0 node 0/0: (0, 0, 0, 0)  embed, blocks.0  ")
-    assert rank_lines[5].startswith("  rank    5 node 0/5: (0, 0, 1, 1)")
-    assert rank_lines[63].startswith("  rank   63 node 7/7: (3, 0, 3, 3)  blocks.3, final_norm, lm_head  ")
+    assert rank_lines[0].startswith("  rank    0 node 0/0: (0, 0, 0, 0, 0)  embed, blocks.0  ")
+    assert rank_lines[5].startswith("  rank    5 node 0/5: (0, 0, 1, 0, 1)")
+    assert rank_lines[63].startswith("  rank   63 node 7/7: (3, 0, 3, 0, 3)  blocks.3, final_norm, lm_head  ")
     assert "tp: 16 group(s) of 4: [0, 1, ..., 3]; [4, 5, ..., 7]" in out
     assert "pp: 16 group(s) of 4: [0, 16, ..., 48]" in out
     assert "dp_shard: 16 group(s) of 4: [0, 4, ..., 12]" in out
@@ -129,13 +129,26 @@ def test_the_dry_run_prints_the_parallel_plan_and_where_it_came_from(capsys, con
 def test_the_dry_run_lists_the_hooks_the_model_defines_and_warns_of_a_misspelt_one(capsys, config_path):
     code, out, err = dry_run(capsys, config_path, nproc=1, nnodes=1)
     assert code == 0, err
-    assert "model hooks: parallel_plan(), init_parameter(), flops_per_token(); not defined: flops_per_sample()" in out
+    assert (
+        "model hooks: parallel_plan(), init_parameter(), flops_per_token(), use_sequence_functions(); "
+        "not defined: flops_per_sample()" in out
+    )
     assert "warning:" not in out
     mlp = ["model.factory=tests.unit.hook_models:build_misspelt_mlp", "model.args={}"]
     code, out, err = dry_run(capsys, config_path, *mlp, nproc=1, nnodes=1)
     assert code == 0, err
     assert (
-        "model hooks: none; not defined: parallel_plan(), init_parameter(), flops_per_sample(), flops_per_token()"
-        in out
+        "model hooks: none; not defined: parallel_plan(), init_parameter(), flops_per_sample(), flops_per_token(), "
+        "use_sequence_functions()" in out
     )
     assert "  warning: model MisspeltMLP defines paralel_plan(), one letter away from the hook parallel_plan()" in out
+
+
+def test_a_context_parallel_dry_run_shows_each_cp_ranks_tokens_and_the_cp_mesh(capsys, config_path):
+    code, out, err = dry_run(capsys, config_path, "parallel.cp=2", "parallel.dp_shard=-1", nproc=4, nnodes=1)
+    assert code == 0, err
+    assert "layout fsdp: pp=1 x dp_replicate=1 x dp_shard=2 x cp=2 x tp=1" in out
+    # block_size 16 in 2 x cp = 4 chunks of 4: rank 0 the first and last, rank 1 the middle two.
+    assert "tokens of each 16-token sequence held: cp rank 0: 0-3 and 12-15; cp rank 1: 4-7 and 8-11" in out
+    assert "cp: 2 group(s) of 2: [0, 1]; [2, 3]" in out
+    assert "S(0) on dp_shard_cp" in out  # parameters sharded over dp_shard x cp, not whole on each cp rank

@@ -112,10 +112,10 @@ def test_plan_command_prints_the_layouts_and_the_command_to_run_the_recommended_
     assert main(["plan", str(config), "--gpus", "8", "--gpu-memory", "16GiB"]) == 0
     out = capsys.readouterr().out
     assert "cluster: 8 GPU(s) on 1 node(s), 16.00 GiB each (90% usable: 14.40 GiB)" in out
-    assert "recommended: ddp dp_replicate=8 (pp=1 x dp_replicate=8 x dp_shard=1 x tp=1)" in out
+    assert "recommended: ddp dp_replicate=8 (pp=1 x dp_replicate=8 x dp_shard=1 x cp=1 x tp=1)" in out
     assert (
         f"run it: paratrain train {config} --nproc-per-node 8 --nnodes 1 parallel.strategy=ddp parallel.pp=1 "
-        f"parallel.dp_replicate=8 parallel.dp_shard=1 parallel.tp=1"
+        f"parallel.dp_replicate=8 parallel.dp_shard=1 parallel.cp=1 parallel.tp=1"
     ) in out
     assert "fsdp dp_shard=8 " in out and "tp=2" in out
     assert "refused: tp tp=8: parallel.tp=8 does not divide model.args.n_head=2" in out

@@ -33,14 +33,15 @@ def test_each_hook_protocol_names_the_one_method_it_asks_for():
         "init_parameter",
         "flops_per_sample",
         "flops_per_token",
+        "use_sequence_functions",
     ]
 
 
-def test_paratrains_gpt_provides_the_plan_initialisation_and_flops_per_token_hooks():
+def test_paratrains_gpt_provides_the_plan_initialisation_flops_per_token_and_sequence_hooks():
     model = build_gpt(block_size=16, n_layer=2, n_head=2, n_embd=32)
     assert isinstance(model, DeclaresParallelPlan) and isinstance(model, InitialisesParameters)
     assert isinstance(model, CountsFlopsPerToken) and not isinstance(model, CountsFlopsPerSample)
-    assert provided_hooks(model) == ["parallel_plan", "init_parameter", "flops_per_token"]
+    assert provided_hooks(model) == ["parallel_plan", "init_parameter", "flops_per_token", "use_sequence_functions"]
     assert plan_of(model).blocks == ("blocks.0", "blocks.1")
     assert misspelt_hooks(model) == []
 
