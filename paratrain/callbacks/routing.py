@@ -29,6 +29,11 @@ class RouterStats(Callback):
     data-parallel ranks: the tokens the expert computed for the whole global batch) and, when an expert
     dropped any, ``moe_dropped_tokens`` (over layers)."""
 
+    def on_train_start(self, context: CallbackContext) -> None:
+        """Forgets forwards run before training (a pipeline's shape and cost probes)."""
+        for layer in routing_layers(context.trainer.bare_model):
+            layer.pop_routing_stats()
+
     def on_step_end(self, context: CallbackContext) -> None:
         stats = [layer.pop_routing_stats() for layer in routing_layers(context.trainer.bare_model)]
         if context.record is None:

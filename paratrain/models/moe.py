@@ -107,7 +107,7 @@ class MoEFeedForward(nn.Module):
                 computed = self.experts(tokens[token_index], expert) * routing.weights[token_index, slot, None]
                 out.index_add_(0, token_index, computed.to(out.dtype))
         self.aux_loss = load_balancing_loss(routing.probs, routing.experts, num_experts=self.moe.num_experts)
-        if self.training:
+        if self.training and torch.is_grad_enabled():  # not a pipeline stage's no-grad shape probe
             self._record(routing.experts, kept)
         return self.dropout(out.view_as(x))
 
