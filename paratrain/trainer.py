@@ -20,6 +20,7 @@ from torch.utils.data import Dataset
 from paratrain.callbacks.base import Callback, CallbackList
 from paratrain.callbacks.build import build_callbacks
 from paratrain.callbacks.profiling import maybe_profiler
+from paratrain.callbacks.routing import maybe_router_stats
 from paratrain.checkpoint.policy import build_checkpointer, choose_resume, save_due
 from paratrain.checkpoint.state import Progress, RNGState, training_state
 from paratrain.config.factories import call_factory, describe_user_error
@@ -127,7 +128,8 @@ class Trainer:
             sequence=self.sequence,
         )
         profiler = maybe_profiler(config.profile, directory=output_dir / "profile", rank=ctx.rank, device=ctx.device)
-        self.callbacks = CallbackList([*profiler, *user_callbacks], self)
+        router_stats = maybe_router_stats(self.bare_model)  # a mixture of experts' routing, in the record
+        self.callbacks = CallbackList([*profiler, *router_stats, *user_callbacks], self)
         self.checkpointer = checkpointer = build_checkpointer(
             config.checkpoint, directory=output_dir / "checkpoints", ctx=ctx, config=config.model_dump(mode="json")
         )

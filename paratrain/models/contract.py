@@ -144,6 +144,45 @@ class UsesSequenceFunctions(Protocol):
     def use_sequence_functions(self, *, attention: Any, positions: Any) -> None: ...
 
 
+@dataclass(frozen=True)
+class RoutingStats:
+    """What a mixture-of-experts layer routed over some training forwards (``RoutesTokens``).
+
+    Attributes:
+        tokens_per_expert: (num_experts,) token assignments each expert computed.
+        dropped: 0-d count of the assignments dropped over an expert's capacity.
+        aux_loss: 0-d sum of the forwards' load-balancing losses (unweighted).
+        forwards: How many forwards are summed.
+    """
+
+    tokens_per_expert: torch.Tensor
+    dropped: torch.Tensor
+    aux_loss: torch.Tensor
+    forwards: int
+
+    def plus(self, other: RoutingStats) -> RoutingStats:
+        return RoutingStats(
+            self.tokens_per_expert + other.tokens_per_expert,
+            self.dropped + other.dropped,
+            self.aux_loss + other.aux_loss,
+            self.forwards + other.forwards,
+        )
+
+
+@runtime_checkable
+class RoutesTokens(Protocol):
+    """``pop_routing_stats(self) -> RoutingStats | None``: on a model's mixture-of-experts layers (any
+    submodule, not the model itself), what the layer routed in the training forwards since the last call,
+    then forgotten (None when it ran none).
+
+    Called on every rank after every optimizer step by the router-statistics callback the trainer adds
+    when a model has such layers; on log steps it reduces them across ranks into ``moe_aux_loss`` and
+    ``moe_expert_tokens_min``/``_max`` (and ``moe_dropped_tokens``) of the metrics record.
+    """
+
+    def pop_routing_stats(self) -> RoutingStats | None: ...
+
+
 HOOKS: tuple[type, ...] = (
     DeclaresParallelPlan,
     InitialisesParameters,

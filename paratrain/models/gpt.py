@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -9,6 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from paratrain.models.moe import MoEConfig, MoEFeedForward
 from paratrain.models.plan import ParallelPlan
 
 
@@ -32,6 +34,7 @@ class GPTConfig:
     n_head: int = 4
     n_embd: int = 64
     dropout: float = 0.0
+    moe: MoEConfig | None = None  # None: a dense feed-forward in every block
 
 
 class CausalSelfAttention(nn.Module):
@@ -78,11 +81,25 @@ class Block(nn.Module):
         self.attn_norm = nn.LayerNorm(config.n_embd)
         self.attn = CausalSelfAttention(config)
         self.mlp_norm = nn.LayerNorm(config.n_embd)
-        self.mlp = FeedForward(config)
+        self.mlp = FeedForward(config) if config.moe is None else _moe_feed_forward(config)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.attn_norm(x))
         return x + self.mlp(self.mlp_norm(x))
+
+
+def _moe_feed_forward(config: GPTConfig) -> MoEFeedForward:
+    return MoEFeedForward(config.n_embd, 4 * config.n_embd, config.moe, dropout=config.dropout)
+
+
+@dataclass
+class MoEOutput:
+    """A mixture-of-experts GPT's forward: the logits, and the load-balancing term its training loss adds
+    (``weighted_aux_loss``, read by paratrain.losses) beside the unweighted mean over blocks (``aux_loss``)."""
+
+    logits: torch.Tensor
+    aux_loss: torch.Tensor
+    weighted_aux_loss: torch.Tensor
 
 
 class Embedding(nn.Module):
@@ -114,6 +131,12 @@ class GPT(nn.Module):
         self.reset_parameters()
 
     def parallel_plan(self) -> ParallelPlan:
+        c = self.config
+        if c.moe is not None:
+            return _moe_plan(self.parallel_dense_plan(), c.moe)
+        return self.parallel_dense_plan()
+
+    def parallel_dense_plan(self) -> ParallelPlan:
         c = self.config
         return ParallelPlan(
             blocks=tuple(f"blocks.{i}" for i in range(len(self.blocks))),
@@ -153,7 +176,7 @@ class GPT(nn.Module):
         elif "norm" in name:
             nn.init.ones_(tensor)
         else:
-            residual = name.endswith(("out_proj.weight", "down_proj.weight"))
+            residual = name.endswith(("out_proj.weight", "down_proj.weight", "experts.down_proj"))
             std = 0.02 / math.sqrt(2 * self.config.n_layer) if residual else 0.02
             nn.init.normal_(tensor, mean=0.0, std=std, generator=generator)
 
@@ -164,11 +187,34 @@ class GPT(nn.Module):
         non_embedding = sum(p.numel() for name, p in self.named_parameters() if not name.startswith("embed."))
         return 6.0 * non_embedding + 12.0 * self.config.n_layer * self.config.n_embd * seq_len
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor | MoEOutput:
         x = self.embed(tokens)
         for block in self.blocks:
             x = block(x)
-        return self.lm_head(self.final_norm(x))
+        logits = self.lm_head(self.final_norm(x))
+        if self.config.moe is None:
+            return logits
+        aux_loss = torch.stack([block.mlp.aux_loss for block in self.blocks]).mean()
+        return MoEOutput(logits, aux_loss, self.config.moe.aux_loss_coef * aux_loss)
+
+
+def _moe_plan(dense: ParallelPlan, moe: MoEConfig) -> ParallelPlan:
+    """The dense plan without the feed-forward's tensor-parallel styles (refused: the experts' own split
+    comes with expert parallel), and without a pipeline when the load-balancing loss is on: the loss
+    function sees only the last stage's output, so earlier stages' blocks would train without it."""
+    attention = {path: style for path, style in dense.block_tp_plan.items() if not path.startswith("mlp.")}
+    refusal = (
+        f"model.args.moe_experts={moe.num_experts} with model.args.moe_aux_loss_coef={moe.aux_loss_coef}: under a "
+        "pipeline the load-balancing loss of blocks on earlier stages cannot reach the loss function; set "
+        "model.args.moe_aux_loss_coef=0 to train under pp, or use fsdp/ddp"
+    )
+    return dataclasses.replace(
+        dense,
+        block_tp_plan=attention,
+        tp_unsupported=(f"mlp.experts: experts (model.args.moe_experts={moe.num_experts}; needs expert parallel)",),
+        pipeline_sequence=dense.pipeline_sequence if moe.aux_loss_coef == 0 else (),
+        pipeline_refusal="" if moe.aux_loss_coef == 0 else refusal,
+    )
 
 
 def build_gpt(
@@ -179,8 +225,37 @@ def build_gpt(
     n_head: int = 4,
     n_embd: int = 64,
     dropout: float = 0.0,
+    moe_experts: int = 0,
+    moe_top_k: int = 2,
+    moe_aux_loss_coef: float = 0.01,
+    moe_capacity_factor: float | None = None,
 ) -> GPT:
-    """Factory for config files: ``model.factory: paratrain.models.gpt:build_gpt``."""
+    """Factory for config files: ``model.factory: paratrain.models.gpt:build_gpt``.
+
+    Args:
+        moe_experts: Experts in each block's mixture-of-experts feed-forward; 0: a dense feed-forward.
+        moe_top_k: Experts each token is routed to.
+        moe_aux_loss_coef: Weight of the load-balancing loss added to the training loss.
+        moe_capacity_factor: Tokens an expert computes per forward, as a multiple of an even share
+            (``tokens * top_k / experts``); the assignments over it are dropped and counted. None: no limit.
+
+    Raises:
+        ValueError: naming the model.args key when the sizes do not fit together.
+    """
     if n_embd % n_head:
         raise ValueError(f"model.args.n_embd={n_embd} must be divisible by model.args.n_head={n_head}")
-    return GPT(GPTConfig(vocab_size, block_size, n_layer, n_head, n_embd, dropout))
+    moe = _moe_config(moe_experts, moe_top_k, moe_aux_loss_coef, moe_capacity_factor)
+    return GPT(GPTConfig(vocab_size, block_size, n_layer, n_head, n_embd, dropout, moe))
+
+
+def _moe_config(experts: int, top_k: int, aux_loss_coef: float, capacity_factor: float | None) -> MoEConfig | None:
+    if experts < 0:
+        raise ValueError(f"model.args.moe_experts={experts} must be 0 (dense) or a number of experts")
+    if experts and not 1 <= top_k <= experts:
+        raise ValueError(
+            f"model.args.moe_top_k={top_k} must be between 1 and model.args.moe_experts={experts}: "
+            "a token cannot be routed to more experts than a block has"
+        )
+    if capacity_factor is not None and capacity_factor <= 0:
+        raise ValueError(f"model.args.moe_capacity_factor={capacity_factor} must be positive, or null for no limit")
+    return MoEConfig(experts, top_k, aux_loss_coef, capacity_factor) if experts else None

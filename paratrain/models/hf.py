@@ -111,4 +111,24 @@ def causal_lm(*, model_type: str | None = None, config_dir: str | None = None, *
         except ValueError as error:
             raise ConfigError(f"model.args.model_type={model_type!r}: {error}") from None
     config.use_cache = False  # training computes whole sequences; a key/value cache only costs memory
-    return transformers.AutoModelForCausalLM.from_config(config)
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    return maybe_train_with_aux_loss(model)
+
+
+def maybe_train_with_aux_loss(model: nn.Module) -> nn.Module:
+    """A transformers mixture of experts (its config has ``router_aux_loss_coef``) made to return its
+    load-balancing loss weighted as its own forward adds it to a loss computed from labels, as
+    ``weighted_aux_loss`` (which paratrain.losses adds): paratrain passes no labels, so the model's own
+    sum never happens. Other models are returned as they are."""
+    config = model.config
+    if not hasattr(config, "output_router_logits") or not getattr(config, "router_aux_loss_coef", 0):
+        return model
+    config.output_router_logits = True  # the forward computes aux_loss only when it returns the router logits
+    model.register_forward_hook(_add_weighted_aux_loss)
+    return model
+
+
+def _add_weighted_aux_loss(model: nn.Module, inputs, outputs):
+    if getattr(outputs, "aux_loss", None) is not None:
+        outputs["weighted_aux_loss"] = model.config.router_aux_loss_coef * outputs.aux_loss
+    return outputs

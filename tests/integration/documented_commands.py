@@ -122,6 +122,8 @@ COMMANDS: dict[str, Run | Elsewhere] = {
     ),
     "paratrain train examples/hf_llama.yaml 'model.args={}' model.pretrained=out/llama run.output_dir=runs/hf_llama_ft "
     "--nproc-per-node 2": short("hf", output="step 2/2"),
+    # --- examples/gpt_moe.yaml: paratrain's GPT with a mixture-of-experts feed-forward, fsdp over 2 ranks ----
+    "paratrain train examples/gpt_moe.yaml --nproc-per-node 2 train.max_steps=10": Run(output="layout fsdp"),
     # --- docs/data.md and examples/llama_text.yaml: a corpus made locally, then trained on --------------
     "python -m paratrain.data.stdlib_corpus runs/llama_text/data": Run(recipe="corpus"),
     "paratrain train examples/llama_text.yaml --nproc-per-node 2": short("corpus"),

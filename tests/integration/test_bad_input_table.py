@@ -263,6 +263,18 @@ CASES: dict[str, Case] = {
     "model factory refusing its arguments": train(
         "model.args.n_embd=30", "model.args.n_head=4", expect=("model.args.n_embd=30", "model.args.n_head=4")
     ),
+    "moe router top-k larger than the experts": train(
+        "model.args.moe_experts=4", "model.args.moe_top_k=5", expect=("model.args.moe_top_k=5", "moe_experts=4")
+    ),
+    "moe experts under tensor parallel": train(
+        "model.args.moe_experts=4", "parallel.tp=2", *TWO, expect=("parallel.tp=2", "model.args.moe_experts=4")
+    ),
+    "moe load-balancing loss under a pipeline": train(
+        "model.args.moe_experts=4",
+        "parallel.strategy=pp",
+        *TWO,
+        expect=("model.args.moe_aux_loss_coef=0.01", "model.args.moe_aux_loss_coef=0 to train under pp"),
+    ),
     "model.pretrained that does not exist": train("model.pretrained=/nonexistent/model", expect="model.pretrained"),
     "model.pretrained with weights cut short": train(
         "model.pretrained={cut_model}", expect=("cut_model/model.safetensors", "damaged or incomplete")

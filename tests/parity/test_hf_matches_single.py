@@ -17,6 +17,7 @@ from tests.harness import (
     LayoutRuns,
     losses_by_step,
     max_relative_difference,
+    read_metrics,
     run_cli,
     run_cli_in_process,
     tiny_config,
@@ -57,6 +58,46 @@ TINY_LLAMA = {
         "max_position_embeddings": 16,
     },
 }
+# Mixtures of experts, 4 experts top-2 in each of 2 layers; the load-balancing loss is in the training loss
+# (coefficient raised from transformers' 0.001/0.02 so that its arithmetic shows in the parity).
+TINY_QWEN3_MOE = {
+    "factory": "paratrain.models.hf:causal_lm",
+    "args": {
+        **TINY_LLAMA["args"],
+        "model_type": "qwen3_moe",
+        "head_dim": 8,
+        "num_experts": 4,
+        "num_experts_per_tok": 2,
+        "moe_intermediate_size": 32,
+        "router_aux_loss_coef": 0.1,
+    },
+}
+TINY_MIXTRAL = {
+    "factory": "paratrain.models.hf:causal_lm",
+    "args": {
+        **TINY_LLAMA["args"],
+        "model_type": "mixtral",
+        "num_local_experts": 4,
+        "num_experts_per_tok": 2,
+        "router_aux_loss_coef": 0.1,
+    },
+}
+# paratrain's GPT with its MoE feed-forward; capacity 1.0 drops tokens (each forward holds 32 tokens in
+# every layout, so each expert keeps the same 16 places).
+TINY_GPT_MOE = {
+    "factory": "paratrain.models.gpt:build_gpt",
+    "args": {
+        "vocab_size": 128,
+        "block_size": 16,
+        "n_layer": 2,
+        "n_head": 2,
+        "n_embd": 32,
+        "moe_experts": 4,
+        "moe_top_k": 2,
+        "moe_aux_loss_coef": 0.1,
+        "moe_capacity_factor": 1.0,
+    },
+}
 PLAIN_MLP = [
     "model.factory=tests.integration.plain_models:build_sequential",
     "model.args={}",
@@ -73,6 +114,7 @@ LAYOUT_OVERRIDES = {
 # Qwen2 is Llama-shaped; tied embeddings are what it adds to the export test.
 TINY_QWEN2_TIED = {**TINY_LLAMA, "args": {**TINY_LLAMA["args"], "model_type": "qwen2", "tie_word_embeddings": True}}
 MODELS = {"gpt2": TINY_GPT2, "llama": TINY_LLAMA}
+MOE_MODELS = {"qwen3moe": TINY_QWEN3_MOE, "mixtral": TINY_MIXTRAL, "gptmoe": TINY_GPT_MOE}
 # Fine-tuning: {run:pretrained} is the save_pretrained directory the fixture writes; data in file order,
 # so the first global batch is the dataset's first samples.
 FROM_PRETRAINED = [
@@ -93,6 +135,12 @@ LAYOUTS = {
         f"{model} {layout}": (_model_overrides(section) + overrides, nproc)
         for model, section in MODELS.items()
         for layout, (overrides, nproc) in LAYOUT_OVERRIDES.items()
+    },
+    **{
+        f"{model} {layout}": (_model_overrides(section) + overrides, nproc)
+        for model, section in MOE_MODELS.items()
+        for layout, (overrides, nproc) in LAYOUT_OVERRIDES.items()
+        if not (model == "gptmoe" and layout == "hsdp 2x2")
     },
     **{
         f"mlp {layout}": (PLAIN_MLP + overrides, nproc)
@@ -124,7 +172,10 @@ def runs(tmp_path_factory, pretrained) -> LayoutRuns:
     )
 
 
-CASES = [name for name in LAYOUTS if name.split()[0] in ("gpt2", "llama", "mlp") and not name.endswith("single")]
+CASES = [
+    name for name in LAYOUTS if name.split()[0] in ("gpt2", "llama", "mlp", *MOE_MODELS) and not name.endswith("single")
+]
+MOE_CASES = [name for name in CASES if name.split()[0] in MOE_MODELS]
 GLOBAL_BATCH = 8
 
 
@@ -166,6 +217,18 @@ def test_layout_starts_from_the_single_process_weights_and_trains_like_it(runs, 
     losses = losses_by_step(laid_out)
     assert len(losses) == STEPS
     assert max_relative_difference(losses, losses_by_step(reference)) <= LOSS_RTOL
+
+
+@pytest.mark.parametrize("case", [name for name in MOE_CASES if name.startswith("gptmoe")])
+def test_moe_layout_logs_the_single_process_router_statistics(runs, case):
+    """Each expert's tokens are summed over the data-parallel ranks: the fewest and most any expert
+    computed, and the assignments dropped over capacity, are the single process's, step by step."""
+    fields = ("moe_expert_tokens_min", "moe_expert_tokens_max", "moe_dropped_tokens")
+    expected, actual = read_metrics(runs.get("gptmoe single")), read_metrics(runs.get(case))
+    assert [[r.get(f) for f in fields] for r in actual] == [[r.get(f) for f in fields] for r in expected]
+    assert all(r["moe_dropped_tokens"] > 0 for r in expected)  # capacity 1.0 drops some: the counts are tested
+    aux = [r["moe_aux_loss"] for r in actual]
+    assert max_relative_difference(dict(enumerate(aux)), dict(enumerate(r["moe_aux_loss"] for r in expected))) <= 1e-5
 
 
 @pytest.mark.parametrize(

@@ -1,0 +1,159 @@
+"""A mixture-of-experts feed-forward for paratrain's GPT: a router choosing ``top_k`` experts per token
+(softmax over all experts, then the top k, renormalised to sum to one, as Mixtral and Qwen3-MoE do), the
+experts' weights stacked along a leading expert dimension, the Switch Transformer load-balancing loss,
+and an optional capacity per expert with the tokens over it counted as dropped.
+
+Why stacked weights, shape ``(num_experts, ...)``, rather than a ModuleList of small feed-forwards: the
+expert is then dim 0 of every expert tensor, so FSDP2's default ``Shard(0)`` and a later expert-parallel
+``Shard(0)`` on an ``ep`` mesh both hand each rank whole experts with one DTensor per weight (as
+torchtitan's ``GroupedExperts`` does), and a grouped matmul can replace the per-expert loop without a
+change of checkpoint format. A ModuleList would need one sharding decision per expert module and
+parameter names that change with the number of experts held.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from paratrain.models.contract import RoutingStats
+
+
+@dataclass(frozen=True)
+class MoEConfig:
+    """The MoE feed-forward's shape (``build_gpt``'s ``moe_*`` arguments).
+
+    Attributes:
+        num_experts: Experts per block.
+        top_k: Experts each token is sent to.
+        aux_loss_coef: Weight of the load-balancing loss in the training loss.
+        capacity_factor: Each expert computes at most ``ceil(capacity_factor * tokens * top_k /
+            num_experts)`` of a forward's tokens, in token order; the rest of its assignments are
+            dropped (the residual connection carries those tokens). None: no limit.
+    """
+
+    num_experts: int
+    top_k: int = 2
+    aux_loss_coef: float = 0.01
+    capacity_factor: float | None = None
+
+
+@dataclass(frozen=True)
+class Routing:
+    """One forward's routing decision for ``tokens`` flattened tokens."""
+
+    probs: torch.Tensor  # (tokens, num_experts): softmax of the router's logits, float32
+    weights: torch.Tensor  # (tokens, top_k): the chosen experts' probabilities, renormalised
+    experts: torch.Tensor  # (tokens, top_k): the chosen experts' indices
+
+
+class Router(nn.Module):
+    """A bias-free linear layer scoring each expert for each token; picks the top k."""
+
+    def __init__(self, dim: int, *, num_experts: int, top_k: int):
+        super().__init__()
+        self.gate = nn.Linear(dim, num_experts, bias=False)
+        self.top_k = top_k
+
+    def forward(self, x: torch.Tensor) -> Routing:
+        probs = F.softmax(self.gate(x).float(), dim=-1)  # float32 like transformers: the aux loss sums these
+        weights, experts = probs.topk(self.top_k, dim=-1)
+        return Routing(probs, weights / weights.sum(dim=-1, keepdim=True), experts)
+
+
+class Experts(nn.Module):
+    """``num_experts`` GELU feed-forwards (``dim -> hidden -> dim``) as two stacked weights."""
+
+    def __init__(self, dim: int, hidden: int, *, num_experts: int):
+        super().__init__()
+        self.up_proj = nn.Parameter(torch.empty(num_experts, dim, hidden))
+        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden, dim))
+
+    def forward(self, x: torch.Tensor, expert: int) -> torch.Tensor:
+        """Expert ``expert`` applied to the tokens ``x`` (tokens, dim) sent to it."""
+        return F.gelu(x @ self.up_proj[expert]) @ self.down_proj[expert]
+
+
+class MoEFeedForward(nn.Module):
+    """Routes each token to its top-k experts and sums their outputs, weighted by the router.
+
+    After a forward, ``aux_loss`` holds that forward's load-balancing loss (unweighted); in training mode
+    the tokens each expert computed, the dropped assignments and the aux loss also accumulate until
+    ``pop_routing_stats`` (the ``RoutesTokens`` hook) reads them, so a collapsing router is visible in the
+    metrics.
+    """
+
+    def __init__(self, dim: int, hidden: int, moe: MoEConfig, *, dropout: float = 0.0):
+        super().__init__()
+        self.moe = moe
+        self.router = Router(dim, num_experts=moe.num_experts, top_k=moe.top_k)
+        self.experts = Experts(dim, hidden, num_experts=moe.num_experts)
+        self.dropout = nn.Dropout(dropout)
+        self.aux_loss: torch.Tensor | None = None
+        self._stats: RoutingStats | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        tokens = x.reshape(-1, x.shape[-1])
+        routing = self.router(tokens)
+        kept = keep_within_capacity(routing.experts, num_experts=self.moe.num_experts, capacity=self._capacity(tokens))
+        out = torch.zeros_like(tokens)
+        for expert in range(self.moe.num_experts):
+            token_index, slot = torch.where((routing.experts == expert) & kept)
+            if token_index.numel():
+                computed = self.experts(tokens[token_index], expert) * routing.weights[token_index, slot, None]
+                out.index_add_(0, token_index, computed.to(out.dtype))
+        self.aux_loss = load_balancing_loss(routing.probs, routing.experts, num_experts=self.moe.num_experts)
+        if self.training and torch.is_grad_enabled():  # not a pipeline stage's no-grad shape probe
+            self._record(routing.experts, kept)
+        return self.dropout(out.view_as(x))
+
+    def pop_routing_stats(self) -> RoutingStats | None:
+        """What the training forwards since the last call routed (None if there were none); starts anew."""
+        stats, self._stats = self._stats, None
+        return stats
+
+    def _capacity(self, tokens: torch.Tensor) -> int | None:
+        factor = self.moe.capacity_factor
+        return None if factor is None else math.ceil(factor * tokens.shape[0] * self.moe.top_k / self.moe.num_experts)
+
+    def _record(self, experts: torch.Tensor, kept: torch.Tensor) -> None:
+        received = torch.bincount(experts[kept], minlength=self.moe.num_experts)
+        step = RoutingStats(received, (~kept).sum(), self.aux_loss.detach(), forwards=1)
+        self._stats = step if self._stats is None else self._stats.plus(step)
+
+
+def keep_within_capacity(experts: torch.Tensor, *, num_experts: int, capacity: int | None) -> torch.Tensor:
+    """Which (token, slot) assignments their expert computes: all of them without a capacity; with one,
+    each expert's first ``capacity`` assignments in token order (Switch Transformer's rule), the rest dropped.
+
+    Args:
+        experts: (tokens, top_k) chosen expert indices.
+        num_experts: Experts in the layer.
+        capacity: Assignments an expert computes at most, or None.
+    """
+    if capacity is None:
+        return torch.ones_like(experts, dtype=torch.bool)
+    one_hot = F.one_hot(experts.reshape(-1), num_experts)  # (tokens * top_k, experts), token-major
+    position = (one_hot.cumsum(dim=0) * one_hot).sum(dim=-1)  # 1-based place in its expert's queue
+    return (position <= capacity).view_as(experts)
+
+
+def load_balancing_loss(probs: torch.Tensor, experts: torch.Tensor, *, num_experts: int) -> torch.Tensor:
+    """Switch Transformer's auxiliary loss, ``num_experts * sum_e f_e * P_e``, with ``f_e`` the (token, slot)
+    assignments routed to expert e per token (before any capacity drop) and ``P_e`` the mean router
+    probability of e: transformers' ``load_balancing_loss_func`` for one layer. Equal to ``top_k`` when the
+    routing is uniform, larger when it is not.
+
+    Args:
+        probs: (tokens, num_experts) router probabilities.
+        experts: (tokens, top_k) chosen expert indices.
+        num_experts: Experts in the layer.
+    """
+    counts = torch.zeros(num_experts, device=probs.device).index_add_(
+        0, experts.reshape(-1), torch.ones(experts.numel(), device=probs.device)
+    )
+    return num_experts * torch.sum(counts / probs.shape[0] * probs.mean(dim=0))
