@@ -31,6 +31,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.stateful import Stateful
 
+from paratrain.checkpoint.hashing import HashingWriter
 from paratrain.checkpoint.manifest import (
     find_checkpoints,
     is_complete,
@@ -40,10 +41,10 @@ from paratrain.checkpoint.manifest import (
 )
 from paratrain.checkpoint.safe_reader import SafeFileSystemReader, SafeLoadPlanner
 from paratrain.checkpoint.state import SavedEntriesOnly, is_saved
-from paratrain.checkpoint.storage_errors import SAVE_FAILURES, ErrnoKeepingWriter, find_storage_error, storage_fix
+from paratrain.checkpoint.storage_errors import SAVE_FAILURES, find_storage_error, storage_fix
 from paratrain.errors import CheckpointError, CheckpointWriteError
 from paratrain.launch import faults
-from paratrain.parallel.collectives import barrier, broadcast_object, is_distributed
+from paratrain.parallel.collectives import all_gather_object, broadcast_object, is_distributed
 
 logger = logging.getLogger(__name__)
 
@@ -117,26 +118,28 @@ class Checkpointer:
         return path
 
     def _save_now(self, path: Path, step: int, state: dict[str, Stateful], *, weights_finite: bool | None) -> None:
+        writer = HashingWriter(path)
         with quiet_single_process():
-            dcp.save(state, storage_writer=ErrnoKeepingWriter(path), no_dist=not is_distributed())
+            dcp.save(state, storage_writer=writer, no_dist=not is_distributed())
         faults.maybe_kill("mid_save", step=step, rank=self.rank)
-        self._mark_complete(path, step=step, group=None, weights_finite=weights_finite)
+        self._mark_complete(path, step=step, group=None, weights_finite=weights_finite, hashed=writer.written)
 
     def _start_async_save(
         self, path: Path, step: int, state: dict[str, Stateful], *, weights_finite: bool | None
     ) -> None:
         started = time.perf_counter()
+        writer = HashingWriter(path)
         with quiet_single_process():
             written = dcp.async_save(
                 state,
-                storage_writer=ErrnoKeepingWriter(path),
+                storage_writer=writer,
                 process_group=self._group,
                 async_stager=self._stager,
                 no_dist=not is_distributed(),
             )
         faults.maybe_kill("mid_async_save", step=step, rank=self.rank)
         assert self._executor is not None
-        done = self._executor.submit(self._finish_async, written, path, step, started, weights_finite)
+        done = self._executor.submit(self._finish_async, written, writer, path, step, started, weights_finite)
         self._in_flight = _InFlightSave(step, path, done)
 
     def wait(self) -> Path | None:
@@ -216,22 +219,42 @@ class Checkpointer:
         return failure
 
     def _finish_async(
-        self, written: Future, path: Path, step: int, started: float, weights_finite: bool | None
+        self,
+        written: Future,
+        writer: HashingWriter,
+        path: Path,
+        step: int,
+        started: float,
+        weights_finite: bool | None,
     ) -> None:
         """In the background thread: waits for DCP's write, then marks the checkpoint complete."""
         written.result()
         faults.maybe_slow_down("slow_async_save", step=step, rank=self.rank)
-        self._mark_complete(path, step=step, group=self._group, weights_finite=weights_finite)
+        self._mark_complete(path, step=step, group=self._group, weights_finite=weights_finite, hashed=writer.written)
         logger.info("checkpoint %s written in the background in %.2f s", path, time.perf_counter() - started)
 
     def _mark_complete(
-        self, path: Path, *, step: int, group: dist.ProcessGroup | None, weights_finite: bool | None
+        self,
+        path: Path,
+        *,
+        step: int,
+        group: dist.ProcessGroup | None,
+        weights_finite: bool | None,
+        hashed: dict[str, dict[str, Any]],
     ) -> None:
-        barrier(group)  # every rank's data is on disk before rank 0 declares the checkpoint complete
+        """``hashed``: this rank's files as its writer hashed them; rank 0 lists every rank's."""
+        # Every rank's data is on disk (DCP synced each file) before rank 0 declares the checkpoint complete.
+        every_rank = all_gather_object(hashed, group=group)
+        all_hashed = {name: entry for rank_files in every_rank for name, entry in rank_files.items()}
 
         def declare_complete() -> None:
             write_manifest(
-                path, step=step, config=self.config, world_size=self.world_size, weights_finite=weights_finite
+                path,
+                step=step,
+                config=self.config,
+                world_size=self.world_size,
+                weights_finite=weights_finite,
+                hashed=all_hashed,
             )
             self._rotate()
 

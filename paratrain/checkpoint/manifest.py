@@ -12,6 +12,7 @@ import hashlib
 import json
 import os
 import re
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -48,11 +49,29 @@ def named_checkpoint(path: Path) -> Path:
 
 
 def write_manifest(
-    directory: Path, *, step: int, config: dict[str, Any], world_size: int, weights_finite: bool | None = None
+    directory: Path,
+    *,
+    step: int,
+    config: dict[str, Any],
+    world_size: int,
+    weights_finite: bool | None = None,
+    hashed: dict[str, dict[str, Any]] | None = None,
 ) -> None:
-    """Marks ``directory`` complete. ``weights_finite``: whether the saved weights were checked finite on
-    every rank (None: not checked, as by tools that copy checkpoints)."""
-    files = {path.name: _describe_file(path) for path in sorted(directory.iterdir()) if path.name != MANIFEST_NAME}
+    """Marks ``directory`` complete.
+
+    Args:
+        directory: The checkpoint, every rank's files written and synced.
+        step: Recorded.
+        config: The resolved config, recorded.
+        world_size: Recorded.
+        weights_finite: Whether the saved weights were checked finite on every rank (None: not
+            checked, as by tools that copy checkpoints).
+        hashed: File name -> ``{"bytes", "sha256"}`` taken as the files were written
+            (``HashingWriter``); a file not in it, or whose size on disk differs, is hashed from disk.
+    """
+    hashed = hashed or {}
+    names = sorted(path.name for path in directory.iterdir() if path.name != MANIFEST_NAME)
+    files = {name: _known_or_described(directory / name, hashed.get(name)) for name in names}
     manifest = {"format": _FORMAT_VERSION, "step": step, "world_size": world_size, "files": files, "config": config}
     if weights_finite is not None:
         manifest["weights_finite"] = weights_finite
@@ -92,8 +111,10 @@ def verify_checkpoint(directory: Path) -> dict[str, Any]:
             f"checkpoint {directory} does not exist; pass an existing step-<N> directory or checkpoint.resume=auto"
         )
     manifest = read_manifest(directory)
-    for name, expected in manifest["files"].items():
-        _verify_file(directory / name, expected)
+    listed = list(manifest["files"].items())
+    # hashlib releases the GIL: files are hashed in parallel, and the first bad one in order is named.
+    with ThreadPoolExecutor(max_workers=min(len(listed), os.cpu_count() or 1) or 1) as pool:
+        list(pool.map(lambda entry: _verify_file(directory / entry[0], entry[1]), listed))
     metadata_path = directory / METADATA_NAME
     if not metadata_path.is_file():
         raise CheckpointError(f"checkpoint file {metadata_path} is missing; use an earlier checkpoint")
@@ -116,6 +137,12 @@ def _verify_file(path: Path, expected: dict[str, Any]) -> None:
         raise CheckpointError(
             f"checkpoint file {path} is corrupt: its SHA-256 does not match the manifest; use an earlier checkpoint"
         )
+
+
+def _known_or_described(path: Path, known: dict[str, Any] | None) -> dict[str, Any]:
+    if known is not None and known["bytes"] == path.stat().st_size:
+        return known
+    return _describe_file(path)
 
 
 def _describe_file(path: Path) -> dict[str, Any]:

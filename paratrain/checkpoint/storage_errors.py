@@ -65,18 +65,18 @@ class ErrnoKeepingWriter(FileSystemWriter):
         try:
             return super().write_data(plan, planner)
         except Exception as error:
-            _maybe_raise_bare(error)
+            raise_if_storage_error(error)
             raise
 
     def finish(self, metadata, results) -> None:
         try:
             super().finish(metadata, results)
         except Exception as error:
-            _maybe_raise_bare(error)
+            raise_if_storage_error(error)
             raise
 
 
-def _maybe_raise_bare(error: Exception) -> None:
+def raise_if_storage_error(error: Exception) -> None:
     found = find_storage_error(error)
     if found is not None:
         raise OSError(found.errno, found.strerror, found.filename) from error

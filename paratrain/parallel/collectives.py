@@ -53,3 +53,13 @@ def broadcast_object(obj: T, *, src: int = 0, group: dist.ProcessGroup | None = 
 def barrier(group: dist.ProcessGroup | None = None) -> None:
     if is_distributed():
         dist.barrier(group=group)
+
+
+def all_gather_object(obj: T, *, group: dist.ProcessGroup | None = None) -> list[T]:
+    """Every rank's obj, in rank order, on every rank (pickled between this job's own processes only);
+    a synchronisation point like a barrier."""
+    if not is_distributed():
+        return [obj]
+    gathered: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(gathered, obj, group=group)
+    return gathered

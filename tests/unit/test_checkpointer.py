@@ -1,15 +1,17 @@
 from __future__ import annotations
 
+import hashlib
+import json
 import time
 from dataclasses import dataclass
 
 import pytest
 import torch
-from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.stateful import Stateful
 
 from paratrain.checkpoint import Checkpointer, find_checkpoints, verify_checkpoint
 from paratrain.checkpoint import checkpointer as checkpointer_module
+from paratrain.checkpoint.hashing import HashingWriter
 from paratrain.checkpoint.manifest import is_complete
 from paratrain.checkpoint.state import ModelState, OptimizerState, Progress, RNGState, cuda_generator_names
 from paratrain.errors import CheckpointError
@@ -142,7 +144,7 @@ def test_fresh_directory_has_nothing_to_resume(tmp_path):
     assert make_checkpointer(tmp_path).choose_resume("auto") is None
 
 
-class SlowWriter(FileSystemWriter):
+class SlowWriter(HashingWriter):
     """Writes as DCP does, half a second late: a background save surely still in flight."""
 
     def write_data(self, *args, **kwargs):
@@ -168,7 +170,7 @@ class CompletionProbe(Stateful):
 def test_an_async_save_starts_only_once_the_previous_one_is_complete_and_holds_the_state_of_its_step(
     tmp_path, monkeypatch
 ):
-    monkeypatch.setattr(checkpointer_module, "ErrnoKeepingWriter", SlowWriter)
+    monkeypatch.setattr(checkpointer_module, "HashingWriter", SlowWriter)
     checkpointer = Checkpointer(tmp_path / "checkpoints", keep_last=1, rank=0, world_size=1, config={}, async_save=True)
     model, seen_complete = torch.nn.Linear(4, 2), []
     expected = {}
@@ -206,3 +208,16 @@ def test_a_run_directory_names_its_newest_complete_checkpoint(tmp_path):
     assert named_checkpoint(checkpoints) == checkpoints / "step-10"
     assert named_checkpoint(checkpoints / "step-12") == checkpoints / "step-12"  # named: refused by its check
     assert named_checkpoint(tmp_path / "elsewhere") == tmp_path / "elsewhere"
+
+
+def test_the_manifest_lists_the_hashes_of_the_files_on_disk_taken_while_writing(tmp_path):
+    checkpointer = Checkpointer(tmp_path / "checkpoints", keep_last=1, rank=0, world_size=1, config={})
+    model = torch.nn.Linear(64, 64)
+    path = checkpointer.save(1, {"model": ModelState(model), "progress": Progress(1)})
+
+    listed = json.loads((path / "paratrain-manifest.json").read_text())["files"]
+    data_files = sorted(name for name in listed if name.endswith(".distcp"))
+    assert len(data_files) == 2  # one per writer thread, each hashed as it was written
+    for name, entry in listed.items():
+        on_disk = (path / name).read_bytes()
+        assert entry == {"bytes": len(on_disk), "sha256": hashlib.sha256(on_disk).hexdigest()}
