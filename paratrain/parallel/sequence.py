@@ -22,7 +22,7 @@ the plain causal attention of the rank's own tokens and positions count from 0.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -76,7 +76,7 @@ def document_layout(tokens: torch.Tensor, end_id: int) -> tuple[torch.Tensor, to
     return documents, index - start_of_own
 
 
-@dataclass(frozen=True)
+@dataclass
 class CutMicroBatch:
     """What attention and positions need of the micro-batch the engine last cut.
 
@@ -86,11 +86,23 @@ class CutMicroBatch:
             causal sequence.
         exchange: Whether attention gathers the other cp ranks' tokens (False: the rank holds whole
             sequences, as in evaluation).
+        masks: The additive attention masks built for this micro-batch, by (sliding window, dtype): built
+            once and shared by every layer, so autograd keeps one copy for backward, not one per layer.
     """
 
     positions: torch.Tensor
     documents: torch.Tensor | None
     exchange: bool
+    masks: dict[tuple[int | None, torch.dtype], torch.Tensor | None] = field(default_factory=dict)
+
+    def mask(self, seq_len: int, *, sliding_window: int | None, like: torch.Tensor) -> torch.Tensor | None:
+        """The additive mask (0 where allowed, -inf elsewhere) for queries of ``like``'s dtype and device."""
+        documents = self.documents if self.documents is not None and self.documents.shape[1] == seq_len else None
+        key = (sliding_window, like.dtype)
+        if key not in self.masks:
+            allowed = attention_mask(seq_len, documents=documents, sliding_window=sliding_window, device=like.device)
+            self.masks[key] = None if allowed is None else additive(allowed, like.dtype)
+        return self.masks[key]
 
 
 class SequenceSharding:
@@ -156,12 +168,13 @@ class SequenceSharding:
         exchange = current is not None and current.exchange
         if exchange:
             query, key, value = (self._heads_for_tokens(tensor) for tensor in (query, key, value))
-        documents = current.documents if current is not None else None
-        if documents is not None and documents.shape[1] != query.shape[2]:
-            documents = None  # a forward of other tokens than the last cut (a pipeline's warm-up)
-        output = causal_attention(
-            query, key, value, documents=documents, dropout_p=dropout_p, scale=scale, sliding_window=sliding_window
-        )
+        seq_len = query.shape[2]
+        if current is not None:
+            mask = current.mask(seq_len, sliding_window=sliding_window, like=query)
+        else:
+            allowed = attention_mask(seq_len, documents=None, sliding_window=sliding_window, device=query.device)
+            mask = None if allowed is None else additive(allowed, query.dtype)
+        output = sdpa(query, key, value, mask=mask, dropout_p=dropout_p, scale=scale)
         return self._tokens_for_heads(output) if exchange else output
 
     # The all-to-all exchange --------------------------------------------------------------------
@@ -207,23 +220,27 @@ class SequenceSharding:
         return document_layout(inputs, self.document_end_id)
 
 
-def causal_attention(
+def sdpa(
     query: torch.Tensor,
     key: torch.Tensor,
     value: torch.Tensor,
     *,
-    documents: torch.Tensor | None = None,
+    mask: torch.Tensor | None,
     dropout_p: float = 0.0,
     scale: float | None = None,
-    sliding_window: int | None = None,
 ) -> torch.Tensor:
-    """SDPA over whole sequences: causal (its fused kernels' fast path), or with a boolean mask when tokens
-    may also attend only within their document (``documents``) or the last ``sliding_window`` tokens."""
+    """SDPA over whole sequences: causal (its fused kernels' fast path) when there is no mask, else the
+    additive mask (documents, sliding window), which already holds causality."""
     grouped = key.shape[1] != query.shape[1]
-    mask = attention_mask(query.shape[2], documents=documents, sliding_window=sliding_window, device=query.device)
     return F.scaled_dot_product_attention(
         query, key, value, attn_mask=mask, is_causal=mask is None, dropout_p=dropout_p, scale=scale, enable_gqa=grouped
     )
+
+
+def additive(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A boolean mask as SDPA's additive one: 0 where allowed, -inf elsewhere (what SDPA converts a boolean
+    mask to inside every call; built once here so it is not rebuilt and kept again by every layer)."""
+    return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill(~allowed, float("-inf"))
 
 
 def attention_mask(

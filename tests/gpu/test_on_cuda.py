@@ -41,6 +41,10 @@ PARITY_LAYOUTS = {
     "single fp16": (["precision=fp16"], 1),
     "ddp x2": (["parallel.strategy=ddp"], 2),
     **SHARDED_LAYOUTS,
+    # Context parallel's all_to_all exchange over NCCL (ring attention, the CUDA-only exchange, is not
+    # driven by paratrain yet; it would need these same 2+ GPUs).
+    "cp x2": (["parallel.cp=2"], 2),
+    "cp x dp_shard 2x2": (["parallel.cp=2", "parallel.dp_shard=2"], 4),
 }
 # Each multi-process layout of the CPU tables (the moves between layouts excepted: they test
 # checkpoints, not devices), with the one-process run it must match: fp16 against fp16, whose

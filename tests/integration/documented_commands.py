@@ -66,6 +66,7 @@ COMMANDS: dict[str, Run | Elsewhere] = {
     # --- README, docs/getting-started.md and docs/clusters.md: from one device to many machines ---------
     "paratrain train examples/quickstart.yaml": short(),
     "paratrain train examples/quickstart.yaml parallel.strategy=dp": short(output="layout dp"),
+    "paratrain train examples/quickstart.yaml parallel.cp=2 --nproc-per-node 2": short(output="layout fsdp: cp=2"),
     "paratrain train examples/quickstart.yaml --nproc-per-node 2": short("check", output="layout ddp: dp_replicate=2"),
     "torchrun --standalone --nproc-per-node 2 -m paratrain.train examples/quickstart.yaml": Run(
         (SHORT,), WHY_SHORT, output="step 2/2", private_network=True
@@ -127,6 +128,13 @@ COMMANDS: dict[str, Run | Elsewhere] = {
     # --- docs/data.md and examples/llama_text.yaml: a corpus made locally, then trained on --------------
     "python -m paratrain.data.stdlib_corpus runs/llama_text/data": Run(recipe="corpus"),
     "paratrain train examples/llama_text.yaml --nproc-per-node 2": short("corpus"),
+    "paratrain train examples/llama_text.yaml data.args.document_mask=true parallel.cp=2 --nproc-per-node 2": Run(
+        (SHORT, "run.output_dir=runs/llama_text_documents"),
+        "its own output directory: the command above left runs/llama_text's checkpoints, which a changed "
+        "data.args would refuse to resume; " + WHY_SHORT,
+        recipe="corpus",
+        output="layout fsdp: cp=2",
+    ),
     # --- docs/tracking.md, docs/clusters.md, docs/planner.md: reports, collectives, verify, planning ----
     "paratrain train examples/quickstart.yaml optim.lr=1e-3 run.output_dir=runs/lr-1e-3": short("report"),
     "paratrain train examples/quickstart.yaml optim.lr=3e-3 run.output_dir=runs/lr-3e-3": short("report"),

@@ -82,6 +82,9 @@ def test_activation_formula_is_within_ten_percent_of_the_tensors_autograd_saves(
     checkpointed = ActivationShape(micro_batch=4, element_bytes=4, checkpointing=True)
     assert layer_bytes(sizes, checkpointed) == 16 * 4 * 256 * 4  # the layer input alone
     assert layer_bytes(sizes, ActivationShape(4, 4, tp=2)) == (4 + 14 / 2) * 16 * 4 * 256 * 4
+    # Context parallel: each rank holds 16 / 2 tokens of a sample (benchmarks/context_parallel.py measures 0.527).
+    assert layer_bytes(sizes, ActivationShape(4, 4, cp=2)) == layer_bytes(sizes, shape) / 2
+    assert head_bytes(sizes, ActivationShape(4, 4, cp=2)) == head_bytes(sizes, shape) / 2
 
 
 def test_ddp_is_recommended_when_it_fits_and_sharding_when_it_does_not():
