@@ -303,6 +303,8 @@ def _check_no_contradiction(
     own = _OWN_DEGREE.get(strategy or "")
     if own is None or given.get(own) != 1:
         return
+    if own == "dp_shard" and given.get("cp", 1) > 1:
+        return  # fsdp shards over dp_shard x cp: cp ranks alone are a sharded layout
     try:
         without_name = ParallelDims.resolve(
             None, world_size=world_size, local_world_size=local_world_size, degrees=given

@@ -25,6 +25,8 @@ LATENCY_S = 20e-6  # per collective or send: launch and synchronisation, whateve
 DDP_BUCKET_BYTES = 25 * 2**20  # DDP's default bucket_cap_mb: one all-reduce per bucket
 
 TP_ALL_REDUCES_PER_LAYER = 4  # attention and MLP outputs in forward, their inputs' gradients in backward
+# Context parallel's all_to_all: q, k, v and the attention output in forward, their gradients in backward.
+CP_ALL_TO_ALLS_PER_LAYER = 8
 
 
 @dataclass(frozen=True)
@@ -56,13 +58,18 @@ class Traffic:
 def group_spans_nodes(dims: ParallelDims, axis: str, *, gpus_per_node: int) -> bool:
     """Whether the ranks of one group along ``axis`` lie on more than one node."""
     inner = dims.tp * dims.cp  # the mesh's order: pp, dp_replicate, dp_shard, cp, tp
-    strides = {"tp": 1, "cp": dims.tp, "dp_shard": inner, "dp_replicate": inner * dims.dp_shard}
+    strides = {"tp": 1, "cp": dims.tp, "dp_shard_cp": dims.tp, "dp_shard": inner, "dp_replicate": inner * dims.dp_shard}
     stride = {**strides, "pp": inner * dims.dp}[axis]
-    return stride * getattr(dims, axis) > gpus_per_node
+    return stride * _axis_size(dims, axis) > gpus_per_node
+
+
+def _axis_size(dims: ParallelDims, axis: str) -> int:
+    """Ranks along a mesh axis; ``dp_shard_cp`` is FSDP's (dp_shard x cp, adjacent on the mesh)."""
+    return dims.dp_shard * dims.cp if axis == "dp_shard_cp" else getattr(dims, axis)
 
 
 def _sent(num_bytes: float, dims: ParallelDims, axis: str, *, gpus_per_node: int, messages: int) -> Traffic:
-    if getattr(dims, axis) == 1 or num_bytes == 0:
+    if _axis_size(dims, axis) == 1 or num_bytes == 0:
         return Traffic()
     if group_spans_nodes(dims, axis, gpus_per_node=gpus_per_node):
         return Traffic(inter_node=num_bytes, messages=messages)
@@ -120,15 +127,15 @@ def _data_parallel_traffic(
     accumulation = micro_batches if dims.pp == 1 else 1  # a pipeline's stages gather once per step
     gathers = accumulation * (2 if fsdp.reshard_after_forward else 1)
     reductions = accumulation if fsdp.grad_sync == "every_micro_batch" else 1
-    shard = ring_factor(dims.dp_shard, all_reduce=False) * numel
+    shard = ring_factor(dims.fsdp_size, all_reduce=False) * numel
     traffic = _sent(
         (gathers * gathered + reductions * reduced) * shard,
         dims,
-        "dp_shard",
+        "dp_shard_cp",
         gpus_per_node=gpus_per_node,
         messages=(gathers + reductions) * units,
     )
-    replicas = ring_factor(dims.dp_replicate, all_reduce=True) * reduced * numel / dims.dp_shard
+    replicas = ring_factor(dims.dp_replicate, all_reduce=True) * reduced * numel / dims.fsdp_size
     return traffic + _sent(
         reductions * replicas, dims, "dp_replicate", gpus_per_node=gpus_per_node, messages=reductions * units
     )
@@ -143,17 +150,23 @@ def _activation_traffic(
     micro_batches: int,
     gpus_per_node: int,
 ) -> Traffic:
-    """Tensor parallel all-reduces each layer's activations; a pipeline sends each micro-batch's activations
-    forward and their gradients back. Needs the transformer sizes (other models: no tp plan, pp not counted)."""
+    """Tensor parallel all-reduces each layer's activations; context parallel trades each layer's q, k, v and
+    attention output with its cp ranks (all-to-all: each rank sends (cp - 1) / cp of its share); a pipeline
+    sends each micro-batch's activations forward and their gradients back. Needs the transformer sizes
+    (other models: no tp plan, pp not counted)."""
     sizes = facts.transformer
     if sizes is None:
         return Traffic()
     shape = activation_shape(inputs, dims)
-    activation = sizes.seq_len * shape.micro_batch * sizes.hidden * shape.element_bytes
+    activation = sizes.seq_len / dims.cp * shape.micro_batch * sizes.hidden * shape.element_bytes
     tp_messages = TP_ALL_REDUCES_PER_LAYER * share.layers * micro_batches
     tp_bytes = tp_messages * ring_factor(dims.tp, all_reduce=True) * activation if dims.tp > 1 else 0.0
+    cp_messages = CP_ALL_TO_ALLS_PER_LAYER * share.layers * micro_batches
+    cp_bytes = cp_messages * ring_factor(dims.cp, all_reduce=False) * activation / dims.tp
     pp_messages = 2 * micro_batches
     pp_bytes = pp_messages * activation if dims.pp > 1 else 0.0
-    return _sent(tp_bytes, dims, "tp", gpus_per_node=gpus_per_node, messages=tp_messages) + _sent(
-        pp_bytes, dims, "pp", gpus_per_node=gpus_per_node, messages=pp_messages
+    return (
+        _sent(tp_bytes, dims, "tp", gpus_per_node=gpus_per_node, messages=tp_messages)
+        + _sent(cp_bytes, dims, "cp", gpus_per_node=gpus_per_node, messages=cp_messages)
+        + _sent(pp_bytes, dims, "pp", gpus_per_node=gpus_per_node, messages=pp_messages)
     )

@@ -1,5 +1,6 @@
 """The layouts a number of GPUs allows: every pp x dp_replicate x dp_shard x tp whose product is the GPU
-count, under each strategy that can run it, with tensor parallel kept within a node.
+count, under each strategy that can run it, with tensor parallel kept within a node; and context parallel
+(cp) taking part of the data-parallel ranks under fsdp, for sequences whose activations do not fit.
 
 Each candidate is checked by the same rules ``paratrain train`` applies before launching (degrees,
 batch divisibility, the model's tensor-parallel plan, pipeline settings), so a layout the planner
@@ -11,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from dataclasses import dataclass
 
+from paratrain.checks.sequence import check_sequence_layout
 from paratrain.errors import ConfigError
 from paratrain.parallel.dims import MESH_DIMS, ParallelDims, resolve_parallel_dims
 from paratrain.planner.inputs import PlanInputs
@@ -44,12 +46,19 @@ def divisors(n: int) -> list[int]:
 
 
 def candidate_layouts(cluster: Cluster) -> Iterator[ParallelDims]:
-    """Every strategy and degree combination for the cluster, tensor parallel within a node."""
-    for pp in divisors(cluster.gpus):
-        for tp in divisors(cluster.gpus // pp):
-            if cluster.gpus_per_node % tp:
-                continue
-            yield from _data_parallel_choices(pp, tp, cluster.gpus // (pp * tp))
+    """Every strategy and degree combination for the cluster, tensor parallel within a node; those with
+    context parallel after all the others (listed, and refused, after them)."""
+    splits = [
+        (pp, tp, cluster.gpus // (pp * tp))
+        for pp in divisors(cluster.gpus)
+        for tp in divisors(cluster.gpus // pp)
+        if cluster.gpus_per_node % tp == 0
+    ]
+    for pp, tp, dp in splits:
+        yield from _data_parallel_choices(pp, tp, dp)
+    for pp, tp, dp in splits:
+        for cp in divisors(dp)[1:]:  # sequences split over cp of the ranks, FSDP over dp_shard x cp
+            yield ParallelDims("fsdp", pp=pp, dp_shard=dp // cp, cp=cp, tp=tp)
 
 
 def _data_parallel_choices(pp: int, tp: int, dp: int) -> Iterator[ParallelDims]:
@@ -113,4 +122,5 @@ def check_layout(inputs: PlanInputs, facts: ModelFacts, *, world_size: int, gpus
         from paratrain.checks.pipeline import check_pipeline
 
         check_pipeline(inputs, resolved, model=facts.model)
+    check_sequence_layout(inputs.parallel, inputs.data, resolved, model=facts.model)
     return resolved

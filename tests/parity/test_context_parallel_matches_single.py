@@ -1,7 +1,7 @@
 """Context parallel (parallel.cp, all_to_all exchange) and document masking train like a single process:
-paratrain's GPT and a transformers Llama (grouped-query attention), alone and beside dp_shard, tp and
-pp; checkpoints hold nothing cp-specific, so a cp run resumes without cp and back, and a killed cp run
-resumes bit-identical (issue 23)."""
+paratrain's GPT, a transformers Llama (grouped-query attention) and Mistral (sliding window), alone and
+beside dp_shard, tp and pp; checkpoints hold nothing cp-specific, so a cp run resumes without cp and back,
+and a killed cp run resumes bit-identical (issue 23)."""
 
 from __future__ import annotations
 
@@ -37,6 +37,12 @@ LLAMA = [
     "model.args={model_type: llama, vocab_size: 300, hidden_size: 32, intermediate_size: 64, num_hidden_layers: 2, "
     f"num_attention_heads: 8, num_key_value_heads: 4, max_position_embeddings: {SEQ}}}",
 ]
+# Mistral's sliding window (8 of 32 tokens): attention masks what lies further back, on every cp rank too.
+MISTRAL = [
+    "model.factory=paratrain.models.hf:causal_lm",
+    "model.args={model_type: mistral, vocab_size: 300, hidden_size: 32, intermediate_size: 64, num_hidden_layers: 2, "
+    f"num_attention_heads: 4, num_key_value_heads: 2, max_position_embeddings: {SEQ}, sliding_window: 8}}",
+]
 DOCUMENTS = ["data.args.document_mask=true"]
 CP2, CP4 = ["parallel.cp=2"], ["parallel.cp=4"]
 CP_FSDP = ["parallel.cp=2", "parallel.dp_shard=2"]
@@ -48,9 +54,11 @@ LAYOUTS = {
     "gpt single documents": (GPT + DOCUMENTS, 1),
     "llama single": (LLAMA, 1),
     "llama single documents": (LLAMA + DOCUMENTS, 1),
+    "mistral single": (MISTRAL, 1),
     "gpt cp x2": (GPT + CP2, 2),
     "gpt cp x2 documents": (GPT + CP2 + DOCUMENTS, 2),
     "llama cp x2": (LLAMA + CP2, 2),
+    "mistral cp x2": (MISTRAL + CP2, 2),
     "gpt cp x4": (GPT + CP4, 4),
     "gpt cp x dp_shard 2x2": (GPT + CP_FSDP, 4),
     "gpt cp x dp_shard 2x2 documents": (GPT + CP_FSDP + DOCUMENTS, 4),

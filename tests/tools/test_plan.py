@@ -17,6 +17,7 @@ from paratrain.planner.accounting import model_state_bytes, stage_shares
 from paratrain.planner.activations import ActivationShape, head_bytes, layer_bytes, measure_saved_bytes
 from paratrain.planner.communication import fsdp_units
 from paratrain.planner.inputs import plan_inputs
+from paratrain.planner.layouts import describe_layout
 from paratrain.planner.model_facts import ParamFacts, read_model_facts, transformer_sizes
 from paratrain.planner.plan import plan_layouts
 from paratrain.planner.units import parse_memory
@@ -210,3 +211,24 @@ def test_fsdp_units_counted_for_traffic_include_a_transformers_models_outer_unit
         facts = read_model_facts(config.model)
         share = stage_shares(facts, plan_inputs(config), resolve_parallel_dims(config.parallel, world_size=1))[0]
         assert fsdp_units(facts, share) == expected
+
+
+def test_context_parallel_is_recommended_when_a_long_sequences_activations_do_not_fit_otherwise():
+    # 16k tokens per sample: activations are most of a rank's memory, and only cp divides them by its degree.
+    config = load_config(
+        None,
+        [
+            "model.args={n_layer: 2, n_head: 4, n_embd: 256, block_size: 16384, vocab_size: 128}",
+            "data.args.block_size=16384",
+            "train.global_batch_size=4",
+            "train.micro_batch_size=1",
+        ],
+    )
+
+    def recommended(memory: str) -> str:
+        plan, _, _ = plan_layouts(config, gpus=4, gpu_memory=memory, read_data_sample=False)
+        return describe_layout(plan.fitting[0].dims)
+
+    assert recommended("4GiB") == "ddp dp_replicate=4"  # everything fits: no reason to split sequences
+    assert recommended("0.5GiB") == "fsdp dp_shard=2 cp=2"  # its all-to-alls cost less than tp's all-reduces
+    assert recommended("0.3GiB") == "fsdp cp=4"  # the only layout that fits
