@@ -22,7 +22,13 @@ from torch import nn
 
 logger = logging.getLogger("paratrain")
 
-TensorParallelStyle = Literal["colwise", "rowwise"]
+# colwise/rowwise: Megatron's pair (a split output feeds a split input; one all-reduce). The rest are styles
+# transformers' tp_plans use: colwise_gather_output gathers the split output (what follows needs whole
+# features), rowwise_split_input takes a whole input and splits it, replicated_with_grad_allreduce keeps a
+# per-head parameter (Qwen3's q_norm/k_norm) whole on every rank and sums its gradient over them.
+TensorParallelStyle = Literal[
+    "colwise", "rowwise", "colwise_gather_output", "rowwise_split_input", "replicated_with_grad_allreduce"
+]
 
 
 @dataclass(frozen=True)
@@ -33,7 +39,8 @@ class ParallelPlan:
         blocks: Module paths (as in ``model.get_submodule``) of the repeated blocks, in forward order.
         block_tp_plan: Tensor-parallel style of linear layers inside each block, by path relative
             to the block: "colwise" splits output features, "rowwise" input features (Megatron style:
-            a colwise layer feeds a rowwise one, so each pair needs one all-reduce).
+            a colwise layer feeds a rowwise one, so each pair needs one all-reduce); the other
+            ``TensorParallelStyle`` values are transformers' variants (see there).
         block_norms: Paths of each block's norm layers, relative to the block, that sequence
             parallel shards along the sequence dimension.
         tp_divisible: Sizes a tensor-parallel degree must divide, by the config key that sets them

@@ -89,8 +89,10 @@ def materialize(
     if not is_on_meta(model):
         return
     source = _weight_source(model, factory=factory, seed=seed, pretrained=pretrained)
+    tied = _tied_parameters(model)
     for module in allocate_via if allocate_via is not None else [model]:
         module.to_empty(device=device)
+    _tie_again(tied)
     missing = []
     with torch.no_grad():
         for name, tensor in _named_tensors(model):
@@ -104,6 +106,25 @@ def materialize(
         raise ConfigError(
             f"model: no initial values for {_first_few(missing)} ({len(missing)} tensors): {_fix(pretrained)}"
         )
+
+
+def _tied_parameters(model: nn.Module) -> list[list[tuple[nn.Module, str]]]:
+    """Where one parameter is registered under several names (a head tied to the embedding), each place.
+
+    ``to_empty`` gives every registration a tensor of its own, which would untie them: a layout that keeps
+    tied modules apart from FSDP's units (tp alone) then trained two weights where the model has one."""
+    places: dict[int, list[tuple[nn.Module, str]]] = {}
+    for module in model.modules():
+        for name, param in module.named_parameters(recurse=False):
+            places.setdefault(id(param), []).append((module, name))
+    return [group for group in places.values() if len(group) > 1]
+
+
+def _tie_again(tied: list[list[tuple[nn.Module, str]]]) -> None:
+    for (first_module, first_name), *others in tied:
+        shared = getattr(first_module, first_name)
+        for module, name in others:
+            setattr(module, name, shared)
 
 
 def _named_tensors(model: nn.Module) -> list[tuple[str, torch.Tensor]]:

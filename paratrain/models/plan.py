@@ -37,8 +37,18 @@ def plan_of(model: nn.Module) -> ParallelPlan:
     )
 
 
-# Styles of transformers' tp_plan that are Megatron's column and row splits of an nn.Linear.
-_TRANSFORMERS_STYLES: dict[str, TensorParallelStyle] = {"colwise": "colwise", "rowwise": "rowwise"}
+# Styles of transformers' tp_plan that paratrain applies (parallel/tensor.py says how); the expert styles of
+# mixture-of-experts plans (packed_colwise, moe_tp_experts) are not among them.
+_TRANSFORMERS_STYLES: dict[str, TensorParallelStyle] = {
+    style: style
+    for style in (
+        "colwise",
+        "rowwise",
+        "colwise_gather_output",
+        "rowwise_split_input",
+        "replicated_with_grad_allreduce",
+    )
+}
 
 
 def transformers_tensor_parallel(model: nn.Module, blocks: tuple[str, ...]) -> dict:

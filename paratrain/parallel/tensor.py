@@ -1,5 +1,19 @@
 """Tensor parallel on DTensor: each block's linear layers split across ``mesh["tp"]`` as the model's
-plan declares (``parallelize_module`` with column-wise and row-wise styles)."""
+plan declares (``parallelize_module`` with torch's parallel styles).
+
+A plan's styles (models/contract.py ``TensorParallelStyle``) map onto torch's:
+
+==============================  ===============================================================
+colwise                         ``ColwiseParallel()``: output features split, left split
+rowwise                         ``RowwiseParallel()``: input features split, output all-reduced
+colwise_gather_output           ``ColwiseParallel(output_layouts=Replicate())``: split, then gathered
+rowwise_split_input             ``RowwiseParallel(input_layouts=Replicate())``: a whole input split
+replicated_with_grad_allreduce  ``SequenceParallel(sequence_dim=2)`` (local output) on a per-head norm: its input is
+                                (batch, seq, heads, head_dim) with this rank's heads, i.e. dim 2
+                                sharded; the weight stays whole (Replicate) and DTensor sums its
+                                gradient over the ranks, as the style's name asks
+==============================  ===============================================================
+"""
 
 from __future__ import annotations
 
@@ -20,10 +34,16 @@ from paratrain.models.plan import ParallelPlan
 
 def check_tensor_parallel_plan(plan: ParallelPlan, tp: int, *, sequence_parallel: bool = False) -> None:
     """Raises ConfigError when the model declares no plan, or tp does not divide its sizes."""
+    extra = sorted({kind for kind in plan.block_tp_plan.values() if kind not in ("colwise", "rowwise")})
+    if sequence_parallel and extra:
+        raise ConfigError(
+            f"parallel.sequence_parallel=true: the model's tensor-parallel plan uses {', '.join(extra)}, which "
+            "paratrain applies with replicated activations only; set parallel.sequence_parallel=false"
+        )
     if plan.tp_unsupported:
         raise ConfigError(
             f"parallel.tp={tp}: the model's tensor-parallel plan uses styles paratrain does not apply "
-            f"({', '.join(plan.tp_unsupported)}); paratrain applies colwise and rowwise; use fsdp/ddp"
+            f"({', '.join(plan.tp_unsupported)}); paratrain applies {', '.join(STYLES)}; use fsdp/ddp"
         )
     if sequence_parallel and plan.block_tp_plan and not plan.block_norms:
         raise ConfigError(
@@ -48,10 +68,9 @@ def apply_tensor_parallel(model: nn.Module, mesh: DeviceMesh, *, plan: ParallelP
     activations between blocks and the norms are sharded along the sequence dimension (dim 1), and
     the embedding output and the final norm's input are converted at the edges.
     """
-    styles = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
     for block_path in plan.blocks:
         block = model.get_submodule(block_path)
-        layer_plan = {path: _style(styles[kind], kind, sequence_parallel) for path, kind in plan.block_tp_plan.items()}
+        layer_plan = {path: _style(kind, sequence_parallel) for path, kind in plan.block_tp_plan.items()}
         if sequence_parallel:
             layer_plan.update({norm: SequenceParallel() for norm in plan.block_norms})
         parallelize_module(block, mesh, layer_plan)
@@ -59,12 +78,21 @@ def apply_tensor_parallel(model: nn.Module, mesh: DeviceMesh, *, plan: ParallelP
         _shard_sequence_at_block_edges(model, mesh, plan)
 
 
-def _style(style_class, kind: str, sequence_parallel: bool):
+STYLES = {
+    "colwise": ColwiseParallel,
+    "rowwise": RowwiseParallel,
+    "colwise_gather_output": lambda: ColwiseParallel(output_layouts=Replicate()),
+    "rowwise_split_input": lambda: RowwiseParallel(input_layouts=Replicate()),
+    "replicated_with_grad_allreduce": lambda: SequenceParallel(sequence_dim=2, use_local_output=True),
+}
+
+
+def _style(kind: str, sequence_parallel: bool):
     if not sequence_parallel:
-        return style_class()
+        return STYLES[kind]()
     if kind == "colwise":  # gathers the sequence-sharded input that the preceding norm produced
-        return style_class(input_layouts=Shard(1))
-    return style_class(output_layouts=Shard(1))  # reduce-scatters back to sequence shards
+        return ColwiseParallel(input_layouts=Shard(1))
+    return RowwiseParallel(output_layouts=Shard(1))  # reduce-scatters back to sequence shards
 
 
 def _shard_sequence_at_block_edges(model: nn.Module, mesh: DeviceMesh, plan: ParallelPlan) -> None:
