@@ -48,7 +48,7 @@ test: $(INSTALLED) $(MLFLOW_SERVER)
 	$(BIN)/ruff format --check .
 	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile
 
-# The inner loop: the suite without its longest files (marked slow in tests/conftest.py), about half the time.
+# The inner loop: the suite without its longest files (marked slow in tests/conftest.py), over half its time.
 # `make test` runs everything; CI runs `make test`.
 test-fast: $(INSTALLED)
 	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile -m "not slow"
