@@ -25,7 +25,7 @@ FLOOR_TESTS := tests/parity/test_hf_matches_single.py tests/unit/test_hf_models.
 # several waiting on each other, which leaves a second core idle; more workers than cores only queue.
 TEST_WORKERS ?= 2
 
-.PHONY: demo test test-floor docs
+.PHONY: demo test test-fast test-floor docs
 
 $(INSTALLED): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -47,6 +47,11 @@ test: $(INSTALLED) $(MLFLOW_SERVER)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile
+
+# The inner loop: the suite without its longest files (marked slow in tests/conftest.py), over half its time.
+# `make test` runs everything; CI runs `make test`.
+test-fast: $(INSTALLED)
+	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile -m "not slow"
 
 $(FLOOR_INSTALLED): pyproject.toml constraints-floor.txt
 	$(PYTHON) -m venv $(FLOOR_VENV)

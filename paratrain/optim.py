@@ -6,7 +6,6 @@ import math
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor
 from torch.optim.lr_scheduler import LambdaLR
 
 from paratrain.config.schema import OptimConfig
@@ -51,6 +50,9 @@ def build_optimizer(model: nn.Module, options: OptimConfig, *, dp_size: int) -> 
     On CUDA the fused kernel runs (one launch per step instead of foreach's several), and it can skip
     a step on the device (see paratrain.nonfinite).
     """
+    # lazy: DTensor's import (with sympy, ~0.6 s) stays out of the launcher, whose preflight imports this module
+    from torch.distributed.tensor import DTensor
+
     params = [p for p in model.parameters() if p.requires_grad]
     groups = [
         {"params": [p for p in params if p.ndim >= 2], "weight_decay": options.weight_decay},
