@@ -125,7 +125,27 @@ def maybe_train_with_aux_loss(model: nn.Module) -> nn.Module:
         return model
     config.output_router_logits = True  # the forward computes aux_loss only when it returns the router logits
     model.register_forward_hook(_add_weighted_aux_loss)
+    for module in model.modules():
+        if isinstance(getattr(module, "experts", None), nn.ModuleList):
+            module.register_forward_hook(_every_expert_in_the_graph)
     return model
+
+
+def _every_expert_in_the_graph(block: nn.Module, args: tuple, output):
+    """Adds each expert's output on no tokens (a zero) to a mixture-of-experts block's output.
+
+    transformers 4.x families keep their experts as a ModuleList and compute only the experts some token
+    was routed to, so in a step where an expert got no tokens on one rank its parameters get no gradient
+    there and a gradient on another: FSDP's reduce-scatters then disagree in size across ranks (gloo aborts:
+    "Received data size doesn't match expected size") and DDP finds unused parameters. With this, every
+    expert's parameters get a gradient on every rank (zero where it had no tokens); the sum is unchanged.
+    """
+    hidden = args[0]
+    nothing = hidden.reshape(-1, hidden.shape[-1])[:0]
+    zero = sum(expert(nothing).sum() for expert in block.experts)
+    if isinstance(output, tuple):
+        return (output[0] + zero, *output[1:])
+    return output + zero
 
 
 def _add_weighted_aux_loss(model: nn.Module, inputs, outputs):
