@@ -130,7 +130,8 @@ def test_the_dry_run_lists_the_hooks_the_model_defines_and_warns_of_a_misspelt_o
     code, out, err = dry_run(capsys, config_path, nproc=1, nnodes=1)
     assert code == 0, err
     assert (
-        "model hooks: parallel_plan(), init_parameter(), flops_per_token(), use_sequence_functions(); "
+        "model hooks: parallel_plan(), init_parameter(), flops_per_token(), use_sequence_functions(), "
+        "use_expert_dispatch(); "
         "not defined: flops_per_sample()" in out
     )
     assert "warning:" not in out
@@ -139,7 +140,7 @@ def test_the_dry_run_lists_the_hooks_the_model_defines_and_warns_of_a_misspelt_o
     assert code == 0, err
     assert (
         "model hooks: none; not defined: parallel_plan(), init_parameter(), flops_per_sample(), flops_per_token(), "
-        "use_sequence_functions()" in out
+        "use_sequence_functions(), use_expert_dispatch()" in out
     )
     assert "  warning: model MisspeltMLP defines paralel_plan(), one letter away from the hook parallel_plan()" in out
 
