@@ -9,8 +9,9 @@ and reports from every rank's own tensors:
   ep share: measured inside the experts' forward). The goal (issue 24): ``full / ep`` within 2 %;
 - *other held*: the rest of the model's parameter bytes a rank stores (sharded over all dp_shard ranks,
   whatever ep is);
-- *step* and *all-to-all*: median step time, and the share of it spent in all-to-all collectives
-  (forward dispatch, combine, and their backward, from torch.profiler's gloo events, rank 0).
+- *step* and *all-to-all*: median step time, and the share of it spent in all-to-all collectives (rank
+  0): the counts' exchange, the dispatch and the combine in forward, timed around each call until its
+  result is there, and their backward, timed between stamps autograd runs just before and just after it.
 
 ``world:ep`` pairs choose the runs: with world = ep every rank holds exactly its experts; at a fixed
 world of 4, ep moves expert memory from "held" (FSDP shards it anyway) to "computed" (what is gathered).
@@ -32,6 +33,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
 
+import paratrain.parallel.expert as expert_parallel
 from paratrain.config.schema import ParallelConfig
 from paratrain.models.gpt import build_gpt
 from paratrain.models.init import materialize
@@ -50,6 +52,51 @@ def local_bytes(tensor: torch.Tensor) -> int:
     return local.numel() * local.element_size()
 
 
+class Clock:
+    """Seconds spent in all-to-all collectives, forward and backward, since the last ``reset``."""
+
+    def __init__(self):
+        self.seconds, self._backward_started = 0.0, []
+
+    def time_collectives(self) -> None:
+        """Wraps the collectives paratrain.parallel.expert calls (this process only)."""
+        differentiable, counts = expert_parallel.all_to_all_single_autograd, dist.all_to_all_single
+
+        def timed_differentiable(x, output_sizes, input_sizes, group):
+            start = time.perf_counter()
+            x = _Stamp.apply(x, self, "end")  # its backward runs after the collective's backward
+            y = _Stamp.apply(differentiable(x, output_sizes, input_sizes, group), self, "start")
+            self.seconds += time.perf_counter() - start  # the stamp's forward waited for the result
+            return y
+
+        def timed_counts(*args, **kwargs):
+            start = time.perf_counter()
+            counts(*args, **kwargs)
+            self.seconds += time.perf_counter() - start
+
+        expert_parallel.all_to_all_single_autograd = timed_differentiable
+        dist.all_to_all_single = timed_counts
+
+    def stamp(self, which: str) -> None:
+        if which == "start":
+            self._backward_started.append(time.perf_counter())
+        else:
+            self.seconds += time.perf_counter() - self._backward_started.pop()
+
+
+class _Stamp(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, clock, which):
+        ctx.clock, ctx.which = clock, which
+        return x * 1  # an op on the collective's result waits for it
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad * 1  # likewise for the collective's gradient
+        ctx.clock.stamp(ctx.which)
+        return grad, None, None
+
+
 def worker(rank: int, world: int, ep: int, steps: int, store_path: str, results: dict) -> None:
     os.environ["OMP_NUM_THREADS"] = "1"
     torch.set_num_threads(1)
@@ -62,34 +109,36 @@ def worker(rank: int, world: int, ep: int, steps: int, store_path: str, results:
         model = factory()
     parallelize(model, dims, plan=plan_of(model), options=ParallelConfig())
     materialize(model, factory=factory, device=torch.device("cpu"), seed=0)
-    computed = []
+    computed = {}  # per experts module: the weight bytes it computed with (gathered by FSDP, its ep share)
     for module in model.modules():
         if isinstance(module, Experts):
             module.register_forward_pre_hook(
-                lambda m, _: computed.append(local_bytes(m.up_proj) + local_bytes(m.down_proj))
+                lambda m, _: computed.__setitem__(id(m), local_bytes(m.up_proj) + local_bytes(m.down_proj))
             )
+    clock = Clock()
+    clock.time_collectives()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     generator = torch.Generator().manual_seed(rank)
     times, a2a = [], []
     for step in range(steps):
         tokens = torch.randint(0, MODEL["vocab_size"], (BATCH, MODEL["block_size"] + 1), generator=generator)
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
-            start = time.perf_counter()
-            out = model(tokens[:, :-1])
-            loss = F.cross_entropy(out.logits.flatten(0, 1), tokens[:, 1:].flatten()) + out.weighted_aux_loss
-            loss.backward()
-            optimizer.step()
-            optimizer.zero_grad()
-            elapsed = time.perf_counter() - start
+        if world > 1:
+            dist.barrier()  # each step starts together, so waits for a slower rank stay inside the step
+        clock.seconds, start = 0.0, time.perf_counter()
+        out = model(tokens[:, :-1])
+        loss = F.cross_entropy(out.logits.flatten(0, 1), tokens[:, 1:].flatten()) + out.weighted_aux_loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
         if step >= 2:  # the first steps warm up allocators and process groups
-            times.append(elapsed)
-            a2a.append(sum(e.cpu_time_total for e in profile.key_averages() if "all_to_all" in e.key) / 1e6)
+            times.append(time.perf_counter() - start)
+            a2a.append(clock.seconds)
     params = dict(model.named_parameters())
     experts = sum(local_bytes(p) for name, p in params.items() if ".experts." in name)
     others = sum(local_bytes(p) for name, p in params.items() if ".experts." not in name)
     if rank == 0:
         share = statistics.median(a / t for a, t in zip(a2a, times, strict=True))
-        results[(world, ep)] = (experts, max(computed) // 1, others, statistics.median(times), share)
+        results[(world, ep)] = (experts, sum(computed.values()), others, statistics.median(times), share)
     if world > 1:
         dist.destroy_process_group()
 
