@@ -82,10 +82,6 @@ class Experts(nn.Module):
         """Expert ``expert`` (of those held here) applied to the tokens ``x`` (tokens, dim) sent to it."""
         return F.gelu(x @ _local(self.up_proj)[expert]) @ _local(self.down_proj)[expert]
 
-    @property
-    def num_local_experts(self) -> int:
-        return _local(self.up_proj).shape[0]
-
 
 def _local(weight: torch.Tensor) -> torch.Tensor:
     # A DTensor's own shard (expert parallel); to_local keeps the gradient flowing back to the DTensor.

@@ -96,21 +96,14 @@ class AllToAllDispatch:
         """``x``: (assignments, dim) sorted by global expert; ``counts``: (num_experts,) assignments each.
         Returns each assignment's expert output, in ``x``'s order."""
         local = counts.numel() // self.ep
-        # received[s, e]: rows source rank s sends for this rank's local expert e.
-        received = self._exchange_counts(counts.view(self.ep, local))
+        received = self._exchange_counts(counts.view(self.ep, local))  # [source rank, local expert]: rows
         send_sizes = counts.view(self.ep, local).sum(dim=1).tolist()
         recv_sizes = received.sum(dim=1).tolist()
         incoming = all_to_all_single_autograd(x, recv_sizes, send_sizes, self.group)
-        # Rows arrive by (source, expert); the experts want them by (expert, source).
-        by_source = incoming.split(received.reshape(-1).tolist())
-        order = [source * local + expert for expert in range(local) for source in range(self.ep)]
-        per_expert = received.t().sum(dim=1).tolist()
-        grouped = torch.cat([by_source[i] for i in order]) if by_source else incoming
-        outputs = torch.cat([experts(piece, e) for e, piece in enumerate(grouped.split(per_expert))])
-        # Back to (source, expert) order, then home.
-        pieces = outputs.split(received.t().reshape(-1).tolist())
-        back = [expert * self.ep + source for source in range(self.ep) for expert in range(local)]
-        returning = torch.cat([pieces[i] for i in back])
+        by_expert = _regroup(incoming, received)  # arrived by (source, expert); the experts take (expert, source)
+        pieces = by_expert.split(received.sum(dim=0).tolist())
+        outputs = torch.cat([experts(piece, expert) for expert, piece in enumerate(pieces)])
+        returning = _regroup(outputs, received.t())  # back to (source, expert), then home
         return all_to_all_single_autograd(returning, send_sizes, recv_sizes, self.group)
 
     def _exchange_counts(self, counts: torch.Tensor) -> torch.Tensor:
@@ -118,3 +111,10 @@ class AllToAllDispatch:
         received = torch.empty_like(counts)
         dist.all_to_all_single(received, counts.contiguous(), group=self.group)
         return received
+
+
+def _regroup(rows: torch.Tensor, sizes: torch.Tensor) -> torch.Tensor:
+    """``rows`` in blocks ordered by (a, b), ``sizes[a, b]`` rows each -> the same blocks ordered by (b, a)."""
+    blocks = rows.split(sizes.reshape(-1).tolist())
+    outer, inner = sizes.shape
+    return torch.cat([blocks[a * inner + b] for b in range(inner) for a in range(outer)])

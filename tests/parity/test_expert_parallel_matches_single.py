@@ -1,7 +1,8 @@
 """Expert parallel (parallel.ep) trains paratrain's MoE GPT like a single process: ep x2 and x4, ep beside
 FSDP over the ranks ep leaves (dp_shard=4, ep=2) and beside a pipeline; the experts each rank's router
 sends tokens to are counted as one process counts them; checkpoints hold whole stacked experts, so an
-ep x4 run resumes under ep x2 and that one in a single process (issue 24)."""
+ep x4 run resumes under ep x2 and that one in a single process, and an ep run restarted from a checkpoint
+trains on bit for bit (issue 24)."""
 
 from __future__ import annotations
 
@@ -32,6 +33,11 @@ LAYOUTS = {
     "ep x4": (GPT_MOE + ["parallel.dp_shard=4", "parallel.ep=4"], 4),
     "ep x2 x dp_shard 4": (GPT_MOE + ["parallel.dp_shard=4", "parallel.ep=2"], 4),
     "ep x2 x pp 2": (GPT_MOE_NO_AUX + ["parallel.pp=2", "parallel.dp_shard=2", "parallel.ep=2"], 4),
+    # The ep x2 run restarted from its step-5 checkpoint, in the same layout.
+    "ep x2 restarted": (
+        GPT_MOE + ["parallel.dp_shard=2", "parallel.ep=2", "checkpoint.resume={run:ep x2}/checkpoints/step-5"],
+        2,
+    ),
     # The ep x4 run's step-10 checkpoint resumed under ep x2, and that one's step 15 in one process.
     "ep x4 to ep x2": (
         GPT_MOE + ["parallel.dp_shard=2", "parallel.ep=2", "checkpoint.resume={run:ep x4}/checkpoints/step-10"],
@@ -39,7 +45,7 @@ LAYOUTS = {
     ),
     "ep x2 to single": (GPT_MOE + ["checkpoint.resume={run:ep x4 to ep x2}/checkpoints/step-15"], 1),
 }
-EP_LAYOUTS = [name for name in LAYOUTS if name.startswith("ep") and " to " not in name]
+EP_LAYOUTS = [name for name in LAYOUTS if name.startswith("ep") and " to " not in name and "restarted" not in name]
 ROUTER_FIELDS = ("moe_expert_tokens_min", "moe_expert_tokens_max", "moe_dropped_tokens")
 
 
@@ -100,3 +106,17 @@ def test_an_ep_x4_checkpoint_resumes_under_ep_x2_then_in_one_process_and_trains_
     assert expected["blocks.0.mlp.experts.up_proj"].shape == (4, 32, 128)  # whole stacked experts
     for name in expected:
         torch.testing.assert_close(actual[name], expected[name], rtol=0, atol=1e-5, msg=name)
+
+
+def test_an_ep_run_restarted_from_a_checkpoint_trains_on_bit_identical(runs):
+    """ep x2 restarted from its step-5 checkpoint in a new process group: the same losses and, at step 20,
+    the same weights bit for bit (the token exchange adds nothing nondeterministic)."""
+    origin, restarted = runs.get("ep x2"), runs.get("ep x2 restarted")
+    resumed_losses = losses_by_step(restarted)
+    assert sorted(resumed_losses) == list(range(6, STEPS + 1))
+    assert resumed_losses == {step: loss for step, loss in losses_by_step(origin).items() if step > 5}
+    expected = checkpoint_weights(origin / f"checkpoints/step-{STEPS}")
+    actual = checkpoint_weights(restarted / f"checkpoints/step-{STEPS}")
+    assert actual.keys() == expected.keys()
+    for name in expected:
+        assert torch.equal(actual[name], expected[name]), f"{name} differs after the restart"
