@@ -89,7 +89,8 @@ def step_traffic(
         micro_batch_size(inputs.train, inputs.pipeline, dims=dims) * dims.dp
     )
     # Before FSDP cuts it; of an expert tensor under ep, the rank's ep share, which FSDP gathers over the efsdp
-    # ranks (counted at dp_shard's ring factor: (n-1)/n of a smaller group, slightly less in truth).
+    # ranks. Approximate: counted at dp_shard's ring factor ((n-1)/n of a smaller group is slightly less), and
+    # hsdp's replica all-reduce of it as of a dp_shard shard (an efsdp one is ep times larger).
     numel = sum(param.local_numel(tp=dims.tp, ep=dims.ep) for param in share.params)
     units = fsdp_units(facts, share)
     traffic = _data_parallel_traffic(

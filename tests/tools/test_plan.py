@@ -263,3 +263,24 @@ def test_the_planner_counts_expert_parallels_shares_and_all_to_all_traffic():
     assert traffic.messages == 4 * 2 * 2
     assert traffic.intra_node == 16 * (16 * 2 * 2 * 64 * 4) / 2
     assert expert_traffic(facts, share, inputs, fsdp, micro_batches=2, gpus_per_node=8).total == 0
+
+
+def test_the_planner_offers_expert_parallel_for_a_mixture_of_experts_and_recommends_it_when_cheaper():
+    config = load_config(
+        None,
+        [
+            "model.args={n_layer: 8, n_head: 4, n_embd: 512, block_size: 64, moe_experts: 8}",
+            "train.global_batch_size=16",
+            "train.micro_batch_size=4",
+        ],
+    )
+    plan, _, _ = plan_layouts(config, gpus=4, gpu_memory="80GB")
+    by_layout = {estimate.dims: estimate for estimate in plan.ranked}
+    fsdp, ep4 = ParallelDims("fsdp", dp_shard=4), ParallelDims("fsdp", dp_shard=4, ep=4)
+    assert ParallelDims("fsdp", dp_shard=4, ep=2) in by_layout and ep4 in by_layout
+    # The same bytes stored, a quarter of the experts gathered, and far less gathered over the network.
+    assert by_layout[ep4].peak.model_state == by_layout[fsdp].peak.model_state
+    assert by_layout[ep4].peak.working < by_layout[fsdp].peak.working
+    assert plan.recommended.dims == ep4
+    dense = load_config(None, ["model.args={n_layer: 2, n_head: 4, n_embd: 64}"])
+    assert all(not estimate.dims.ep_enabled for estimate in plan_layouts(dense, gpus=4, gpu_memory="80GB")[0].ranked)
