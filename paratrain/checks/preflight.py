@@ -15,6 +15,7 @@ from paratrain.callbacks.build import check_callback_configs
 from paratrain.checkpoint import find_checkpoints, verify_checkpoint
 from paratrain.checkpoint.config_changes import check_resume_config
 from paratrain.checkpoint.manifest import is_complete, read_manifest
+from paratrain.checks.experts import check_expert_layout
 from paratrain.checks.pipeline import check_pipeline
 from paratrain.checks.sequence import check_sequence_layout
 from paratrain.config.factories import call_factory, check_factory_args
@@ -50,6 +51,7 @@ def preflight(config: Config, *, world_size: int, nproc_per_node: int) -> None:
         lambda: check_factory_args(config.data, key="data"),
         lambda: _check_data_fits_model(config, model_on_meta),
         lambda: _check_sequence_layout(config, _dims(config, world_size, nproc_per_node), model_on_meta),
+        lambda: _check_expert_layout(config, _dims(config, world_size, nproc_per_node), model_on_meta),
         lambda: _check_final_hf_export(config, model_on_meta),
         lambda: check_factory_args(config.loss, key="loss"),
         lambda: check_callback_configs(config.callbacks),
@@ -137,6 +139,12 @@ def _check_sequence_layout(config: Config, dims: ParallelDims, model_on_meta: Ca
     model = _built_or_none(model_on_meta)
     if model is not None:
         check_sequence_layout(config.parallel, config.data, dims, model=model)
+
+
+def _check_expert_layout(config: Config, dims: ParallelDims, model_on_meta: Callable[[], nn.Module]) -> None:
+    model = _built_or_none(model_on_meta) if dims.ep_enabled else None
+    if model is not None:
+        check_expert_layout(dims, model=model)
 
 
 def _built_or_none(model_on_meta: Callable[[], nn.Module]) -> nn.Module | None:

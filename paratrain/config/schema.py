@@ -193,6 +193,13 @@ class ParallelConfig(Section):
     early and a late chunk, so causal attention's work is even), for sequences whose activations do
     not fit one rank. cp x 2 must divide the sequence length, and cp x tp the attention (and key/value)
     heads. Parameters are sharded over dp_shard x cp (FSDP). null: 1; -1: fill the world size."""
+    ep: int | None = None
+    """Expert-parallel degree: ranks that divide each mixture-of-experts layer's experts between them
+    (whole experts, num_experts / ep each) and send every token to the ranks holding its experts with
+    all-to-all. It borrows the data-parallel ranks FSDP shards over (ep divides dp_shard x cp): the
+    experts are FSDP-sharded over the dp_shard x cp / ep ranks holding the same ones, the other
+    parameters over dp_shard x cp as without ep. For paratrain's GPT with model.args.moe_experts (ep
+    must divide it). null: 1; -1: all of dp_shard x cp."""
     cp_attention: Literal["auto", "all_to_all", "ring"] = "auto"
     """How context-parallel ranks exchange attention. all_to_all (DeepSpeed Ulysses): heads for tokens
     before attention and back after it, with any attention kernel (CPU included). ring: torch's
@@ -223,6 +230,7 @@ class ParallelConfig(Section):
             "dp_shard": self.dp_shard,
             "cp": self.cp,
             "tp": self.tp,
+            "ep": self.ep,
         }
 
 

@@ -63,6 +63,10 @@ class ParallelPlan:
             root takes what is left: a transformers model's input embedding, and its final norm with
             its head (as Accelerate and torchtitan do), so the embedding is freed after forward instead
             of staying gathered with the head. Empty: the root holds them.
+        block_experts: Paths, relative to each block, of the modules holding a mixture of experts' stacked
+            weights (every parameter's dim 0 is the expert): expert parallel gives each ep rank whole
+            experts along it, and FSDP shards them over the data-parallel ranks ep leaves.
+        num_experts: The experts per block, by the config key that sets them: ep must divide it.
     """
 
     blocks: tuple[str, ...] = ()
@@ -75,6 +79,8 @@ class ParallelPlan:
     pipeline_refusal: str = ""
     outer_units: tuple[tuple[str, ...], ...] = ()
     attention_heads: Mapping[str, int] = field(default_factory=dict)
+    block_experts: tuple[str, ...] = ()
+    num_experts: Mapping[str, int] = field(default_factory=dict)
 
     def describe_outer_units(self) -> str:
         """``model.embed_tokens; model.norm + lm_head``, or "" when there are none (logs, the dry run)."""
@@ -151,6 +157,23 @@ class UsesSequenceFunctions(Protocol):
     def use_sequence_functions(self, *, attention: Any, positions: Any) -> None: ...
 
 
+@runtime_checkable
+class DispatchesToExperts(Protocol):
+    """``use_expert_dispatch(self, dispatch) -> None``: replaces how the model's mixture-of-experts layers
+    hand tokens to their experts.
+
+    Called once, before any parallelism is applied, by expert parallel (``parallel.ep``), whose ranks each
+    hold whole experts (``num_experts / ep`` of them: the leading dimension of the stacked expert weights
+    the plan's ``experts`` name). ``dispatch(experts, x, counts)`` takes the layer's ``experts`` module,
+    ``x`` the ``(assignments, dim)`` token copies sorted by expert and ``counts`` the ``(num_experts,)``
+    assignments per expert, and returns each assignment's expert output in the same order; the default
+    computes every expert locally. ``experts(x, index)`` applies the rank's expert ``index`` (counted among
+    those it holds). Without the hook expert parallel is refused.
+    """
+
+    def use_expert_dispatch(self, dispatch: Any) -> None: ...
+
+
 @dataclass(frozen=True)
 class RoutingStats:
     """What a mixture-of-experts layer routed over some training forwards (``RoutesTokens``).
@@ -196,6 +219,7 @@ HOOKS: tuple[type, ...] = (
     CountsFlopsPerSample,
     CountsFlopsPerToken,
     UsesSequenceFunctions,
+    DispatchesToExperts,
 )
 
 

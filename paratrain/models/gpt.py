@@ -164,6 +164,13 @@ class GPT(nn.Module):
             elif isinstance(module, CausalSelfAttention):
                 module.attend = attention
 
+    def use_expert_dispatch(self, dispatch) -> None:
+        """How every MoE feed-forward hands its tokens to the experts, from a layout (expert parallel:
+        paratrain.parallel.expert)."""
+        for module in self.modules():
+            if isinstance(module, MoEFeedForward):
+                module.dispatch = dispatch
+
     def reset_parameters(self) -> None:
         """GPT-2 initialisation from the global RNG, for use outside paratrain."""
         for name, param in self.named_parameters():
@@ -211,7 +218,9 @@ def _moe_plan(dense: ParallelPlan, moe: MoEConfig) -> ParallelPlan:
     return dataclasses.replace(
         dense,
         block_tp_plan=attention,
-        tp_unsupported=(f"mlp.experts: experts (model.args.moe_experts={moe.num_experts}; needs expert parallel)",),
+        tp_unsupported=(f"mlp.experts: experts (model.args.moe_experts={moe.num_experts}; use parallel.ep)",),
+        block_experts=("mlp.experts",),
+        num_experts={"model.args.moe_experts": moe.num_experts},
         pipeline_sequence=dense.pipeline_sequence if moe.aux_loss_coef == 0 else (),
         pipeline_refusal="" if moe.aux_loss_coef == 0 else refusal,
     )

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from paratrain.models.contract import RoutingStats
 
@@ -66,7 +67,11 @@ class Router(nn.Module):
 
 
 class Experts(nn.Module):
-    """``num_experts`` GELU feed-forwards (``dim -> hidden -> dim``) as two stacked weights."""
+    """``num_experts`` GELU feed-forwards (``dim -> hidden -> dim``) as two stacked weights.
+
+    Under expert parallel each weight is a DTensor sharded on dim 0 over the ep ranks; ``forward`` uses
+    the rank's own slice, so ``expert`` counts among the experts this rank holds.
+    """
 
     def __init__(self, dim: int, hidden: int, *, num_experts: int):
         super().__init__()
@@ -74,12 +79,27 @@ class Experts(nn.Module):
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden, dim))
 
     def forward(self, x: torch.Tensor, expert: int) -> torch.Tensor:
-        """Expert ``expert`` applied to the tokens ``x`` (tokens, dim) sent to it."""
-        return F.gelu(x @ self.up_proj[expert]) @ self.down_proj[expert]
+        """Expert ``expert`` (of those held here) applied to the tokens ``x`` (tokens, dim) sent to it."""
+        return F.gelu(x @ _local(self.up_proj)[expert]) @ _local(self.down_proj)[expert]
+
+
+def _local(weight: torch.Tensor) -> torch.Tensor:
+    # A DTensor's own shard (expert parallel); to_local keeps the gradient flowing back to the DTensor.
+    return weight.to_local() if isinstance(weight, DTensor) else weight
+
+
+def compute_experts_locally(experts: Experts, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """Every expert on this rank: ``x`` (assignments sorted by expert) split by ``counts``, each piece
+    through its expert, in the same order (the default dispatch; expert parallel installs an all-to-all)."""
+    pieces = x.split(counts.tolist())
+    return torch.cat([experts(piece, index) for index, piece in enumerate(pieces)])
 
 
 class MoEFeedForward(nn.Module):
     """Routes each token to its top-k experts and sums their outputs, weighted by the router.
+
+    The token copies go to the experts through ``dispatch`` (``compute_experts_locally`` unless a layout
+    installs another: expert parallel's all-to-all), grouped by expert.
 
     After a forward, ``aux_loss`` holds that forward's load-balancing loss (unweighted); in training mode
     the tokens each expert computed, the dropped assignments and the aux loss also accumulate until
@@ -93,6 +113,7 @@ class MoEFeedForward(nn.Module):
         self.router = Router(dim, num_experts=moe.num_experts, top_k=moe.top_k)
         self.experts = Experts(dim, hidden, num_experts=moe.num_experts)
         self.dropout = nn.Dropout(dropout)
+        self.dispatch = compute_experts_locally
         self.aux_loss: torch.Tensor | None = None
         self._stats: RoutingStats | None = None
 
@@ -100,12 +121,14 @@ class MoEFeedForward(nn.Module):
         tokens = x.reshape(-1, x.shape[-1])
         routing = self.router(tokens)
         kept = keep_within_capacity(routing.experts, num_experts=self.moe.num_experts, capacity=self._capacity(tokens))
-        out = torch.zeros_like(tokens)
-        for expert in range(self.moe.num_experts):
-            token_index, slot = torch.where((routing.experts == expert) & kept)
-            if token_index.numel():
-                computed = self.experts(tokens[token_index], expert) * routing.weights[token_index, slot, None]
-                out.index_add_(0, token_index, computed.to(out.dtype))
+        # Kept assignments grouped by expert (stable: token order within each), as the dispatch takes them.
+        token_index, slot = torch.where(kept)
+        order = torch.sort(routing.experts[token_index, slot], stable=True).indices
+        token_index, slot = token_index[order], slot[order]
+        counts = torch.bincount(routing.experts[token_index, slot], minlength=self.moe.num_experts)
+        computed = self.dispatch(self.experts, tokens[token_index], counts)
+        weighted = computed * routing.weights[token_index, slot, None]
+        out = torch.zeros_like(tokens).index_add_(0, token_index, weighted.to(tokens.dtype))
         self.aux_loss = load_balancing_loss(routing.probs, routing.experts, num_experts=self.moe.num_experts)
         if self.training and torch.is_grad_enabled():  # not a pipeline stage's no-grad shape probe
             self._record(routing.experts, kept)

@@ -31,6 +31,14 @@ parallel with replicas, since DDP cannot wrap DTensor parameters); DDP over dp_r
 Context-parallel ranks (cp) read the same samples and each computes a slice of every sequence
 (paratrain.parallel.sequence); their gradients add up to the whole sequence's, so FSDP shards and
 averages over them as over dp_shard (torchtitan's dp_shard_cp), and no cp rank holds whole parameters.
+
+Expert parallel (ep) is not a dimension of its own: as in torchtitan, it borrows ranks from the
+data-parallel ones that FSDP shards over. The dp_shard x cp ranks (flattened, cp inner) are viewed as
+``(efsdp, ep)`` = ``(dp_shard x cp / ep, ep)``: each group of ep consecutive ones holds the experts
+between them (whole experts, ``num_experts / ep`` each) and trades tokens with all-to-all, and FSDP
+shards each rank's experts over the efsdp ranks holding the same ones (with dp_replicate's replicas),
+while the other parameters stay sharded over dp_shard x cp as without ep. With dp_shard=4, ep=2: ranks
+{0, 1} and {2, 3} are the ep groups, {0, 2} and {1, 3} shard the same experts.
 """
 
 from __future__ import annotations
@@ -101,6 +109,7 @@ class ParallelDims:
     dp_shard: int = 1
     cp: int = 1
     tp: int = 1
+    ep: int = 1
     mesh: DeviceMesh | None = field(default=None, compare=False, repr=False)
     # The flattened role meshes, kept as _flatten returns them: torch deprecates slicing them back out
     # of the root mesh (UserWarning in torch 2.13: "Users need to bookkeep the flattened mesh directly").
@@ -125,11 +134,13 @@ class ParallelDims:
             ConfigError: naming the degrees and the world size when they do not fit.
         """
         given = _given(degrees)
-        _check_one_process(strategy, given, world_size)
+        ep = given.pop("ep", 1)  # borrows data-parallel ranks: not a factor of the world size
+        _check_one_process(strategy, given | ({"ep": ep} if ep != 1 else {}), world_size)
         _check_no_contradiction(strategy, given, world_size=world_size, local_world_size=local_world_size)
         shorthand = strategy or ("single" if world_size == 1 else "ddp")
         filled = _fill({**_unset_defaults(shorthand, local_world_size, given), **given}, world_size)
-        return cls(_layout_name(strategy or shorthand, filled, named=strategy is not None), **filled)
+        ep = _expert_degree(ep, filled)
+        return cls(_layout_name(strategy or shorthand, filled, named=strategy is not None), **filled, ep=ep)
 
     # Sizes and switches -------------------------------------------------------------------------
 
@@ -176,6 +187,16 @@ class ParallelDims:
         return self.cp > 1
 
     @property
+    def ep_enabled(self) -> bool:
+        """Experts are divided over ``ep`` ranks, which trade tokens with all-to-all (expert parallel)."""
+        return self.ep > 1
+
+    @property
+    def efsdp(self) -> int:
+        """Ranks that hold the same experts and FSDP-shard them between them (dp_shard x cp / ep)."""
+        return self.dp_shard * self.cp // self.ep
+
+    @property
     def dataparallel_enabled(self) -> bool:
         """One process driving torch.nn.DataParallel over its local GPUs (strategy dp)."""
         return self.strategy == "dp"
@@ -210,6 +231,11 @@ class ParallelDims:
             "loss": mesh["pp", "dp_replicate", "dp_shard", "cp"]._flatten("loss"),
             "dp_shard_cp": mesh["dp_shard", "cp"]._flatten("dp_shard_cp"),
         }
+        if self.ep_enabled:
+            # The same ranks seen as (efsdp, ep), ep inner: meshes of the one root, which FSDP requires of
+            # the mesh it shards DTensor experts over and theirs.
+            experts = flattened["dp_shard_cp"]._unflatten(0, (self.efsdp, self.ep), ("efsdp", "ep"))
+            flattened |= {"efsdp": experts["efsdp"], "ep": experts["ep"]}
         return replace(self, mesh=mesh, flattened=flattened)
 
     @property
@@ -234,6 +260,20 @@ class ParallelDims:
         shards = self.flattened["dp_shard_cp"]
         # Concatenated rather than sliced: torch deprecates slicing a flattened dimension out of the root.
         return DeviceMesh._concatenate([self.mesh["dp_replicate"], shards]) if self.dp_replicate > 1 else shards
+
+    @property
+    def ep_mesh(self) -> DeviceMesh | None:
+        """The ranks that divide each MoE layer's experts between them and trade tokens (expert parallel)."""
+        return self.flattened.get("ep")
+
+    @property
+    def expert_fsdp_mesh(self) -> DeviceMesh | None:
+        """What fully_shard shards experts over under expert parallel: the efsdp ranks holding the same
+        experts, with dp_replicate's replicas in front for hsdp."""
+        if not self.ep_enabled or self.mesh is None:
+            return None
+        efsdp = self.flattened["efsdp"]
+        return DeviceMesh._concatenate([self.mesh["dp_replicate"], efsdp]) if self.dp_replicate > 1 else efsdp
 
     @property
     def ddp_mesh(self) -> DeviceMesh | None:
@@ -269,13 +309,17 @@ class ParallelDims:
     # Words --------------------------------------------------------------------------------------
 
     def describe(self) -> str:
-        """Every degree: ``pp=1 x dp_replicate=2 x dp_shard=2 x cp=1 x tp=1``."""
-        return " x ".join(f"{name}={getattr(self, name)}" for name in MESH_DIMS)
+        """Every degree: ``pp=1 x dp_replicate=2 x dp_shard=2 x cp=1 x tp=1`` (``, ep=2`` with experts
+        divided: ep borrows dp_shard x cp's ranks, so it is no factor of the product)."""
+        return " x ".join(f"{name}={getattr(self, name)}" for name in MESH_DIMS) + self._describe_ep()
 
     def describe_layout(self) -> str:
         """The layout as the start-up log names it: ``hsdp: dp_replicate=2 x dp_shard=2``."""
         used = [f"{name}={getattr(self, name)}" for name in MESH_DIMS if getattr(self, name) > 1]
-        return f"{self.strategy}: {' x '.join(used) or 'one process'}"
+        return f"{self.strategy}: {' x '.join(used) or 'one process'}{self._describe_ep()}"
+
+    def _describe_ep(self) -> str:
+        return f", ep={self.ep} (experts over ep ranks of dp_shard x cp)" if self.ep_enabled else ""
 
 
 def _given(degrees: dict[str, int | None] | None) -> dict[str, int]:
@@ -284,6 +328,20 @@ def _given(degrees: dict[str, int | None] | None) -> dict[str, int]:
         if value == 0 or value < -1:
             raise ConfigError(f"parallel.{name}={value}: a degree is a positive number, or -1 to fill the world size")
     return given
+
+
+def _expert_degree(ep: int, degrees: dict[str, int]) -> int:
+    """ep as given, -1 resolved to all of dp_shard x cp; checked to divide dp_shard x cp."""
+    shards = degrees["dp_shard"] * degrees["cp"]
+    if ep == -1:
+        return shards
+    if shards % ep:
+        raise ConfigError(
+            f"parallel.ep={ep} does not divide parallel.dp_shard={degrees['dp_shard']} x parallel.cp={degrees['cp']} "
+            f"= {shards}: expert parallel borrows the ranks FSDP shards over (each group of ep of them divides the "
+            f"experts); set parallel.ep to a divisor of {shards}, or raise parallel.dp_shard"
+        )
+    return ep
 
 
 def _check_one_process(strategy: Strategy | None, given: dict[str, int], world_size: int) -> None:

@@ -63,6 +63,32 @@ def apply_fsdp(
     )
 
 
+def apply_fsdp_to_experts(
+    experts: list[nn.Module], mesh: DeviceMesh, *, options: FSDPConfig, data_parallel_ranks: int
+) -> None:
+    """Shards each expert module (its parameters DTensors over the ep mesh: expert parallel) over ``mesh``,
+    the ranks holding the same experts, before their blocks are sharded (which then leave them out).
+
+    Each expert's gradient already sums what every ep rank's tokens contributed (the all-to-all's
+    backward), so it is divided by all ``data_parallel_ranks``, as the other parameters' gradients are
+    averaged over them, not by the ranks of ``mesh`` alone (torchtitan does the same).
+    """
+    common = {"mesh": mesh, "mp_policy": _mixed_precision(options), "offload_policy": _offload(options)}
+    for module in experts:
+        fully_shard(module, reshard_after_forward=options.reshard_after_forward, **common)
+        module.set_gradient_divide_factor(float(data_parallel_ranks))
+        # A custom factor reduce-scatters with a pre-multiplied sum, which gloo lacks: force a plain sum and a
+        # division after it. Not over one shard rank, where torch 2.13 divides the copied gradient by the
+        # factor and then again after the (skipped) reduce-scatter.
+        module.set_force_sum_reduction_for_comms(_shard_ranks(mesh) > 1)
+    if experts:
+        logger.info("fsdp: %d expert unit(s) sharded over %d rank(s) each", len(experts), mesh.size())
+
+
+def _shard_ranks(mesh: DeviceMesh) -> int:
+    return mesh.size(mesh.ndim - 1)  # hsdp's mesh: (replicate, shard)
+
+
 def set_gradient_sync(model: nn.Module, enabled: bool) -> None:
     """Whether the next backward reduce-scatters gradients (False: keep accumulating unsharded)."""
     if isinstance(model, FSDPModule):

@@ -24,7 +24,8 @@ from paratrain.parallel.activation import apply_activation_checkpointing, apply_
 from paratrain.parallel.data_parallel import apply_data_parallel
 from paratrain.parallel.ddp import apply_ddp
 from paratrain.parallel.dims import ParallelDims
-from paratrain.parallel.fsdp import apply_fsdp
+from paratrain.parallel.expert import apply_expert_parallel, expert_modules
+from paratrain.parallel.fsdp import apply_fsdp, apply_fsdp_to_experts
 from paratrain.parallel.sequence import SequenceSharding
 from paratrain.parallel.tensor import apply_tensor_parallel, check_tensor_parallel_plan
 
@@ -43,7 +44,8 @@ def parallelize(
     """Applies this rank's layout to ``model`` in place and returns it.
 
     Order: the sequence functions (context parallel, document masking) -> tensor parallel (over
-    ``dims.tp_mesh``) -> activation checkpointing -> compile -> FSDP (over ``dims.fsdp_mesh``). Each step
+    ``dims.tp_mesh``) -> expert parallel (over ``dims.ep_mesh``) -> activation checkpointing -> compile ->
+    FSDP (the experts over ``dims.expert_fsdp_mesh``, then the rest over ``dims.fsdp_mesh``). Each step
     does nothing where the layout does not use it.
 
     Args:
@@ -67,11 +69,18 @@ def parallelize(
     if dims.tp_enabled:
         check_tensor_parallel_plan(plan, dims.tp, sequence_parallel=options.sequence_parallel)
         apply_tensor_parallel(model, dims.tp_mesh, plan=plan, sequence_parallel=options.sequence_parallel)
+    if dims.ep_enabled:
+        apply_expert_parallel(model, dims.ep_mesh, plan=plan)
     if options.activation_checkpointing:
         apply_activation_checkpointing(model, plan=plan)
     if options.compile:
         apply_compile(model, plan=plan, backend=options.compile_backend)
     modules = roots(model) if roots is not None else [model]
+    if dims.fsdp_enabled and dims.ep_enabled:
+        experts = expert_modules(model, plan)
+        apply_fsdp_to_experts(
+            experts, dims.expert_fsdp_mesh, options=options.fsdp, data_parallel_ranks=dims.fsdp_mesh.size()
+        )
     if dims.fsdp_enabled:
         apply_fsdp(model, dims.fsdp_mesh, plan=plan, options=options.fsdp, roots=modules)
     return modules

@@ -65,8 +65,16 @@ def model_state_bytes(
     params: list[ParamFacts] | tuple[ParamFacts, ...], *, dims: ParallelDims, optim: OptimConfig
 ) -> tuple[int, int, int]:
     """(parameter, gradient, optimizer-state) bytes one rank holds for these parameters."""
-    numel = sum(param.local_numel(tp=dims.tp, dp_shard=fsdp_degree(dims)) for param in params)
+    numel = sum(held_numel(param, dims) for param in params)
     return FP32 * numel, FP32 * numel, optimizer_bytes(numel, num_tensors=len(params), optim=optim)
+
+
+def held_numel(param: ParamFacts, dims: ParallelDims) -> int:
+    """Elements of ``param`` one rank stores: an expert tensor under expert parallel is its ep share, sharded
+    over the efsdp ranks holding the same experts; every other parameter is sharded over dp_shard x cp."""
+    if param.expert and dims.ep_enabled:
+        return param.local_numel(tp=dims.tp, dp_shard=dims.efsdp, ep=dims.ep)
+    return param.local_numel(tp=dims.tp, dp_shard=fsdp_degree(dims))
 
 
 def optimizer_bytes(numel: int, *, num_tensors: int, optim: OptimConfig) -> int:
@@ -156,7 +164,7 @@ def _fsdp_working_bytes(
     reduced = DTYPE_BYTES[fsdp.resolved_reduce_dtype() or "fp32"]
 
     def size(paths) -> int:
-        return _tp_numel(facts.params_in(list(paths)), dims.tp)
+        return gathered_numel(facts.params_in(list(paths)), dims)
 
     # Units gathered in turn: the blocks, and the outer groups but the last (the embedding); the last outer
     # group (final norm and head) stays gathered from forward into backward, as the root does.
@@ -164,7 +172,7 @@ def _fsdp_working_bytes(
     streamed = sorted(
         [*(size([block]) for block in facts.plan.blocks if share.holds(block)), *outer[:-1]], reverse=True
     )
-    everything = _tp_numel(share.params, dims.tp)
+    everything = gathered_numel(share.params, dims)
     kept = everything - sum(streamed)  # the root's parameters and the last outer group
     if not streamed:  # the model is one unit: gathered whole
         return (gathered + reduced) * everything
@@ -172,8 +180,10 @@ def _fsdp_working_bytes(
     return gathered * (kept + sum(streamed[:2])) + reduced * held_gradients
 
 
-def _tp_numel(params, tp: int) -> int:
-    return sum(param.local_numel(tp=tp) for param in params)
+def gathered_numel(params, dims: ParallelDims) -> int:
+    """Elements a rank computes with once FSDP has gathered them: its tensor-parallel piece, and of expert
+    tensors its ep share."""
+    return sum(param.local_numel(tp=dims.tp, ep=dims.ep) for param in params)
 
 
 def _accumulates(inputs: PlanInputs, dims: ParallelDims) -> bool:

@@ -27,6 +27,7 @@ DDP_BUCKET_BYTES = 25 * 2**20  # DDP's default bucket_cap_mb: one all-reduce per
 TP_ALL_REDUCES_PER_LAYER = 4  # attention and MLP outputs in forward, their inputs' gradients in backward
 # Context parallel's all_to_all: q, k, v and the attention output in forward, their gradients in backward.
 CP_ALL_TO_ALLS_PER_LAYER = 8
+ALL_TO_ALLS_PER_MOE_LAYER = 4  # expert parallel: dispatch and combine in forward, their gradients in backward
 
 
 @dataclass(frozen=True)
@@ -87,14 +88,42 @@ def step_traffic(
     micro_batches = inputs.train.global_batch_size // (
         micro_batch_size(inputs.train, inputs.pipeline, dims=dims) * dims.dp
     )
-    numel = sum(param.local_numel(tp=dims.tp) for param in share.params)  # before FSDP cuts it
+    # Before FSDP cuts it; of an expert tensor under ep, the rank's ep share, which FSDP gathers over the efsdp
+    # ranks. Approximate: counted at dp_shard's ring factor ((n-1)/n of a smaller group is slightly less), and
+    # hsdp's replica all-reduce of it as of a dp_shard shard (an efsdp one is ep times larger).
+    numel = sum(param.local_numel(tp=dims.tp, ep=dims.ep) for param in share.params)
     units = fsdp_units(facts, share)
     traffic = _data_parallel_traffic(
         numel, inputs, dims, micro_batches=micro_batches, units=units, gpus_per_node=gpus_per_node
     )
-    return traffic + _activation_traffic(
-        facts, share, inputs, dims, micro_batches=micro_batches, gpus_per_node=gpus_per_node
+    return (
+        traffic
+        + _activation_traffic(facts, share, inputs, dims, micro_batches=micro_batches, gpus_per_node=gpus_per_node)
+        + expert_traffic(facts, share, inputs, dims, micro_batches=micro_batches, gpus_per_node=gpus_per_node)
     )
+
+
+def expert_traffic(
+    facts: ModelFacts,
+    share: StageShare,
+    inputs: PlanInputs,
+    dims: ParallelDims,
+    *,
+    micro_batches: int,
+    gpus_per_node: int,
+) -> Traffic:
+    """Expert parallel's all-to-alls: in each MoE layer and micro-batch, every token copy (top k of them per
+    token) goes to its expert's rank and back in forward, and their gradients likewise in backward; the
+    share staying on this rank ((1/ep) of them, with even routing) is not sent."""
+    sizes = facts.transformer
+    if not dims.ep_enabled or sizes is None or not sizes.moe_layers:
+        return Traffic()
+    shape = activation_shape(inputs, dims)
+    copies = sizes.seq_len / dims.cp * shape.micro_batch * sizes.experts_per_token
+    layers = min(share.layers, sizes.moe_layers)
+    messages = ALL_TO_ALLS_PER_MOE_LAYER * layers * micro_batches
+    sent = messages * copies * sizes.hidden * shape.element_bytes * (dims.ep - 1) / dims.ep
+    return _sent(sent, dims, "dp_shard_cp", gpus_per_node=gpus_per_node, messages=messages)
 
 
 def fsdp_units(facts: ModelFacts, share: StageShare) -> int:

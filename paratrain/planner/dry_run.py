@@ -203,13 +203,21 @@ def _group_lines(ranks: torch.Tensor, dims: ParallelDims) -> list[str]:
     """The rank groups along each mesh dimension of size > 1, as the mesh lays them out."""
     lines = ["rank groups (from the mesh):"]
     for axis, name in enumerate(MESH_DIMS):
-        size = getattr(dims, name)
-        if size == 1:
-            continue
-        groups = ranks.movedim(axis, -1).reshape(-1, size).tolist()
-        shown = "; ".join(_span(group) for group in groups[:3]) + ("; ..." if len(groups) > 3 else "")
-        lines.append(f"  {name}: {len(groups)} group(s) of {size}: {shown}")
+        lines += _groups_along(ranks, axis, name, getattr(dims, name))
+    if dims.ep_enabled:
+        # ep's view of dp_shard x cp (ParallelDims.with_mesh): (efsdp, ep), ep inner.
+        experts = ranks.reshape(dims.pp, dims.dp_replicate, dims.efsdp, dims.ep, dims.tp)
+        lines += _groups_along(experts, 3, "ep (divide the experts)", dims.ep)
+        lines += _groups_along(experts, 2, "efsdp (shard the same experts)", dims.efsdp)
     return lines
+
+
+def _groups_along(ranks: torch.Tensor, axis: int, name: str, size: int) -> list[str]:
+    if size == 1:
+        return []
+    groups = ranks.movedim(axis, -1).reshape(-1, size).tolist()
+    shown = "; ".join(_span(group) for group in groups[:3]) + ("; ..." if len(groups) > 3 else "")
+    return [f"  {name}: {len(groups)} group(s) of {size}: {shown}"]
 
 
 def _span(group: list[int]) -> str:

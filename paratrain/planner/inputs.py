@@ -69,5 +69,5 @@ def plan_inputs(config: Config) -> PlanInputs:
 
 def parallel_with_layout(parallel: ParallelConfig, dims: ParallelDims) -> ParallelConfig:
     """The parallel section with its strategy and every degree replaced by this layout's."""
-    degrees = {name: getattr(dims, name) for name in MESH_DIMS}
+    degrees = {name: getattr(dims, name) for name in (*MESH_DIMS, "ep")}
     return parallel.model_copy(update={"strategy": dims.strategy, **degrees})

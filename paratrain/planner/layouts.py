@@ -10,7 +10,7 @@ ranks is one that would start.
 from __future__ import annotations
 
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from paratrain.checks.sequence import check_sequence_layout
 from paratrain.errors import ConfigError
@@ -45,9 +45,11 @@ def divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def candidate_layouts(cluster: Cluster) -> Iterator[ParallelDims]:
+def candidate_layouts(cluster: Cluster, *, num_experts: int = 0) -> Iterator[ParallelDims]:
     """Every strategy and degree combination for the cluster, tensor parallel within a node; those with
-    context parallel after all the others (listed, and refused, after them)."""
+    context parallel after all the others (listed, and refused, after them). For a model with
+    ``num_experts`` experts per block, each sharded layout is followed by itself with every expert-parallel
+    degree that divides both dp_shard x cp and the experts."""
     splits = [
         (pp, tp, cluster.gpus // (pp * tp))
         for pp in divisors(cluster.gpus)
@@ -55,10 +57,22 @@ def candidate_layouts(cluster: Cluster) -> Iterator[ParallelDims]:
         if cluster.gpus_per_node % tp == 0
     ]
     for pp, tp, dp in splits:
-        yield from _data_parallel_choices(pp, tp, dp)
+        for dims in _data_parallel_choices(pp, tp, dp):
+            yield dims
+            yield from _expert_parallel_choices(dims, num_experts)
     for pp, tp, dp in splits:
         for cp in divisors(dp)[1:]:  # sequences split over cp of the ranks, FSDP over dp_shard x cp
-            yield ParallelDims("fsdp", pp=pp, dp_shard=dp // cp, cp=cp, tp=tp)
+            dims = ParallelDims("fsdp", pp=pp, dp_shard=dp // cp, cp=cp, tp=tp)
+            yield dims
+            yield from _expert_parallel_choices(dims, num_experts)
+
+
+def _expert_parallel_choices(dims: ParallelDims, num_experts: int) -> Iterator[ParallelDims]:
+    if not num_experts or not dims.fsdp_enabled:
+        return
+    for ep in divisors(dims.dp_shard * dims.cp)[1:]:
+        if num_experts % ep == 0:
+            yield replace(dims, ep=ep)
 
 
 def _data_parallel_choices(pp: int, tp: int, dp: int) -> Iterator[ParallelDims]:
@@ -77,12 +91,13 @@ def _data_parallel_choices(pp: int, tp: int, dp: int) -> Iterator[ParallelDims]:
 
 def layout_overrides(dims: ParallelDims) -> list[str]:
     """Config overrides that select this layout, every degree explicit (so the file's own degrees do not mix in)."""
-    return [f"parallel.strategy={dims.strategy}", *(f"parallel.{name}={getattr(dims, name)}" for name in MESH_DIMS)]
+    degrees = [f"parallel.{name}={getattr(dims, name)}" for name in MESH_DIMS]
+    return [f"parallel.strategy={dims.strategy}", *degrees, *([f"parallel.ep={dims.ep}"] if dims.ep_enabled else [])]
 
 
 def describe_layout(dims: ParallelDims) -> str:
     """Short name: the strategy and the degrees above 1, e.g. ``fsdp dp_shard=8 tp=8``."""
-    degrees = [f"{name}={getattr(dims, name)}" for name in MESH_DIMS if getattr(dims, name) > 1]
+    degrees = [f"{name}={getattr(dims, name)}" for name in (*MESH_DIMS, "ep") if getattr(dims, name) > 1]
     return " ".join([dims.strategy, *degrees])
 
 
@@ -117,6 +132,11 @@ def check_layout(inputs: PlanInputs, facts: ModelFacts, *, world_size: int, gpus
         from paratrain.parallel.tensor import check_tensor_parallel_plan  # loads DTensor: only when used
 
         check_tensor_parallel_plan(facts.plan, resolved.tp)
+    if resolved.ep_enabled:
+        # lazy: loads DTensor only for layouts that use it
+        from paratrain.parallel.expert import check_expert_plan
+
+        check_expert_plan(facts.model, facts.plan, ep=resolved.ep)
     if resolved.pp > 1:
         # lazy: pipeline and tensor-parallel checks load their torch modules only for layouts that use them
         from paratrain.checks.pipeline import check_pipeline

@@ -229,4 +229,5 @@ def describe_auto_choice(config: Config) -> str:
     """The log line naming the layout auto chose (the config resolve_auto_layout returned)."""
     parallel = config.parallel
     degrees = " x ".join(f"{name}={getattr(parallel, name)}" for name in MESH_DIMS)
-    return f"parallel.strategy=auto: training with the planner's layout {parallel.strategy} ({degrees})"
+    experts = f", ep={parallel.ep}" if parallel.ep and parallel.ep > 1 else ""
+    return f"parallel.strategy=auto: training with the planner's layout {parallel.strategy} ({degrees}{experts})"

@@ -25,16 +25,20 @@ class ParamFacts:
     name: str
     shape: tuple[int, ...]
     tp_style: TensorParallelStyle | None = None
+    expert: bool = False  # stacked experts along dim 0 (ParallelPlan.block_experts): expert parallel divides it
 
     @property
     def numel(self) -> int:
         return math.prod(self.shape)
 
-    def local_numel(self, *, tp: int = 1, dp_shard: int = 1) -> int:
+    def local_numel(self, *, tp: int = 1, dp_shard: int = 1, ep: int = 1) -> int:
         """Elements one rank holds: tensor parallel splits a colwise weight or bias on dim 0 and a
-        rowwise weight on dim 1 (a rowwise bias stays whole); FSDP then cuts dim 0 of that piece into
-        ``dp_shard`` parts, padded up (FSDP2's uneven shards: rank 0 holds the largest)."""
+        rowwise weight on dim 1 (a rowwise bias stays whole); expert parallel gives each of ``ep`` ranks
+        its share of an expert tensor's experts; FSDP then cuts dim 0 of that piece into ``dp_shard`` parts,
+        padded up (FSDP2's uneven shards: rank 0 holds the largest)."""
         shape = list(self.shape) or [1]
+        if self.expert:
+            shape[0] //= ep
         if tp > 1 and self.tp_style == "colwise":
             shape[0] //= tp
         elif tp > 1 and self.tp_style == "rowwise" and len(shape) > 1:
@@ -52,6 +56,8 @@ class TransformerSizes:
     heads: int
     seq_len: int
     vocab: int
+    moe_layers: int = 0  # blocks with a mixture-of-experts feed-forward
+    experts_per_token: int = 0  # their router's top k: copies of each token sent to experts
 
 
 @dataclass(frozen=True)
@@ -126,8 +132,16 @@ def transformer_sizes(model: nn.Module, *, seq_len: int | None = None) -> Transf
     names = ("n_layer", "n_embd", "n_head", "block_size", "vocab_size")
     if config is None or not all(isinstance(getattr(config, name, None), int) for name in names):
         return None
+    moe = getattr(config, "moe", None)
+    top_k = getattr(moe, "top_k", 0)
     return TransformerSizes(
-        config.n_layer, config.n_embd, config.n_head, seq_len or config.block_size, config.vocab_size
+        config.n_layer,
+        config.n_embd,
+        config.n_head,
+        seq_len or config.block_size,
+        config.vocab_size,
+        moe_layers=config.n_layer if top_k else 0,
+        experts_per_token=top_k,
     )
 
 
@@ -138,8 +152,9 @@ def _param_facts(model: nn.Module, plan: ParallelPlan) -> Iterable[ParamFacts]:
         for layer, style in plan.block_tp_plan.items()
         for kind in ("weight", "bias")
     }
+    experts = tuple(f"{block}.{path}." for block in plan.blocks for path in plan.block_experts)
     for name, param in model.named_parameters():
         style = styles.get(name)
         if style == "rowwise" and name.endswith(".bias"):
             style = None  # a rowwise layer adds its bias once, after the reduction: kept whole
-        yield ParamFacts(name, tuple(param.shape), style)
+        yield ParamFacts(name, tuple(param.shape), style, expert=bool(experts) and name.startswith(experts))

@@ -105,7 +105,7 @@ def rank_layouts(facts: ModelFacts, inputs: PlanInputs, cluster: Cluster, *, mea
     """Estimates every runnable candidate layout and ranks them (see the module docstring)."""
     cluster.check()
     estimates, refused = [], []
-    for dims in candidate_layouts(cluster):
+    for dims in candidate_layouts(cluster, num_experts=max(facts.plan.num_experts.values(), default=0)):
         problem = layout_problem(inputs, facts, dims, gpus_per_node=cluster.gpus_per_node)
         if problem:
             refused.append((dims, problem))

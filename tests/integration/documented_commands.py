@@ -125,6 +125,9 @@ COMMANDS: dict[str, Run | Elsewhere] = {
     "--nproc-per-node 2": short("hf", output="step 2/2"),
     # --- examples/gpt_moe.yaml: paratrain's GPT with a mixture-of-experts feed-forward, fsdp over 2 ranks ----
     "paratrain train examples/gpt_moe.yaml --nproc-per-node 2 train.max_steps=10": Run(output="layout fsdp"),
+    "paratrain train examples/gpt_moe.yaml parallel.ep=2 --nproc-per-node 2 train.max_steps=10": Run(
+        output="layout fsdp: dp_shard=2, ep=2"
+    ),
     # --- docs/data.md and examples/llama_text.yaml: a corpus made locally, then trained on --------------
     "python -m paratrain.data.stdlib_corpus runs/llama_text/data": Run(recipe="corpus"),
     "paratrain train examples/llama_text.yaml --nproc-per-node 2": short("corpus"),

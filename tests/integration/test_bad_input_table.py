@@ -269,6 +269,34 @@ CASES: dict[str, Case] = {
     "moe experts under tensor parallel": train(
         "model.args.moe_experts=4", "parallel.tp=2", *TWO, expect=("parallel.tp=2", "model.args.moe_experts=4")
     ),
+    "expert parallel not dividing the experts": train(
+        "model.args.moe_experts=3",
+        "model.args.moe_top_k=1",
+        "parallel.dp_shard=2",
+        "parallel.ep=2",
+        *TWO,
+        expect=("parallel.ep=2 does not divide model.args.moe_experts=3", "divisor of 3"),
+    ),
+    "expert parallel on a model with no experts": train(
+        "parallel.dp_shard=2", "parallel.ep=2", *TWO, expect=("parallel.ep=2", "declares no experts", "moe_experts")
+    ),
+    "expert parallel not dividing the data-parallel ranks": train(
+        "model.args.moe_experts=4",
+        "parallel.dp_replicate=2",
+        "parallel.ep=2",
+        *TWO,
+        expect=("parallel.ep=2 does not divide parallel.dp_shard=1 x parallel.cp=1 = 1", "raise parallel.dp_shard"),
+    ),
+    "expert parallel on a transformers MoE": train(
+        "model.factory=paratrain.models.hf:causal_lm",
+        "model.args={model_type: qwen3_moe, vocab_size: 128, hidden_size: 16, intermediate_size: 32, "
+        "moe_intermediate_size: 16, num_hidden_layers: 1, num_attention_heads: 2, num_key_value_heads: 2, "
+        "num_experts: 4, num_experts_per_tok: 2, max_position_embeddings: 16}",
+        "parallel.dp_shard=2",
+        "parallel.ep=2",
+        *TWO,
+        expect=("parallel.ep=2: transformers' Qwen3MoeForCausalLM", "remove parallel.ep"),
+    ),
     "moe load-balancing loss under a pipeline": train(
         "model.args.moe_experts=4",
         "parallel.strategy=pp",

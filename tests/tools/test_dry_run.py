@@ -130,7 +130,8 @@ def test_the_dry_run_lists_the_hooks_the_model_defines_and_warns_of_a_misspelt_o
     code, out, err = dry_run(capsys, config_path, nproc=1, nnodes=1)
     assert code == 0, err
     assert (
-        "model hooks: parallel_plan(), init_parameter(), flops_per_token(), use_sequence_functions(); "
+        "model hooks: parallel_plan(), init_parameter(), flops_per_token(), use_sequence_functions(), "
+        "use_expert_dispatch(); "
         "not defined: flops_per_sample()" in out
     )
     assert "warning:" not in out
@@ -139,7 +140,7 @@ def test_the_dry_run_lists_the_hooks_the_model_defines_and_warns_of_a_misspelt_o
     assert code == 0, err
     assert (
         "model hooks: none; not defined: parallel_plan(), init_parameter(), flops_per_sample(), flops_per_token(), "
-        "use_sequence_functions()" in out
+        "use_sequence_functions(), use_expert_dispatch()" in out
     )
     assert "  warning: model MisspeltMLP defines paralel_plan(), one letter away from the hook parallel_plan()" in out
 
@@ -152,3 +153,14 @@ def test_a_context_parallel_dry_run_shows_each_cp_ranks_tokens_and_the_cp_mesh(c
     assert "tokens of each 16-token sequence held: cp rank 0: 0-3 and 12-15; cp rank 1: 4-7 and 8-11" in out
     assert "cp: 2 group(s) of 2: [0, 1]; [2, 3]" in out
     assert "S(0) on dp_shard_cp" in out  # parameters sharded over dp_shard x cp, not whole on each cp rank
+
+
+def test_an_expert_parallel_dry_run_shows_the_ep_groups_and_each_ranks_share_of_the_experts(capsys, config_path):
+    experts = ["model.args.moe_experts=4", "parallel.dp_shard=4", "parallel.ep=2"]
+    code, out, err = dry_run(capsys, config_path, *experts, nproc=4, nnodes=1)
+    assert code == 0, err
+    assert "layout fsdp: pp=1 x dp_replicate=1 x dp_shard=4 x cp=1 x tp=1, ep=2" in out
+    assert "ep (divide the experts): 2 group(s) of 2: [0, 1]; [2, 3]" in out
+    assert "efsdp (shard the same experts): 2 group(s) of 2: [0, 2]; [1, 3]" in out
+    # 4 experts: 2 per ep rank, each pair FSDP-sharded over the 2 efsdp ranks holding them.
+    assert "blocks.*.mlp.experts.up_proj: [4, 64, 256] -> [1, 64, 256]: _S(0, 2) on efsdp, S(0) on ep" in out

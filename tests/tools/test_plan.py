@@ -13,9 +13,9 @@ from paratrain.config.schema import OptimConfig, load_config
 from paratrain.errors import ConfigError
 from paratrain.models.gpt import build_gpt
 from paratrain.parallel.dims import ParallelDims, resolve_parallel_dims
-from paratrain.planner.accounting import model_state_bytes, stage_shares
+from paratrain.planner.accounting import model_state_bytes, stage_shares, working_bytes
 from paratrain.planner.activations import ActivationShape, head_bytes, layer_bytes, measure_saved_bytes
-from paratrain.planner.communication import fsdp_units
+from paratrain.planner.communication import expert_traffic, fsdp_units
 from paratrain.planner.inputs import plan_inputs
 from paratrain.planner.layouts import describe_layout
 from paratrain.planner.model_facts import ParamFacts, read_model_facts, transformer_sizes
@@ -232,3 +232,55 @@ def test_context_parallel_is_recommended_when_a_long_sequences_activations_do_no
     assert recommended("4GiB") == "ddp dp_replicate=4"  # everything fits: no reason to split sequences
     assert recommended("0.5GiB") == "fsdp dp_shard=2 cp=2"  # its all-to-alls cost less than tp's all-reduces
     assert recommended("0.3GiB") == "fsdp cp=4"  # the only layout that fits
+
+
+def test_the_planner_counts_expert_parallels_shares_and_all_to_all_traffic():
+    config = load_config(
+        None,
+        [
+            "model.args={n_layer: 2, n_head: 4, n_embd: 64, block_size: 16, moe_experts: 4, moe_top_k: 2}",
+            "train.global_batch_size=8",
+            "train.micro_batch_size=2",
+        ],
+    )
+    facts, inputs = read_model_facts(config.model, seq_len=16), plan_inputs(config)
+    experts = [param for param in facts.params if param.expert]
+    assert [param.name for param in experts] == [
+        f"blocks.{i}.mlp.experts.{name}" for i in range(2) for name in ("up_proj", "down_proj")
+    ]
+    fsdp, ep = ParallelDims("fsdp", dp_shard=4), ParallelDims("fsdp", dp_shard=4, ep=2)
+    # Stored: FSDP shards experts over 4 ranks either way (2 per ep rank, over 2 efsdp ranks).
+    assert model_state_bytes(experts, dims=ep, optim=OptimConfig()) == model_state_bytes(
+        experts, dims=fsdp, optim=OptimConfig()
+    )
+    # Gathered to compute: half the experts under ep=2 (blocks streamed two at a time, plus one gradient).
+    (share,) = stage_shares(facts, inputs, fsdp)
+    expert_numel = sum(param.numel for param in experts)
+    saved = working_bytes(facts, share, inputs, fsdp) - working_bytes(facts, share, inputs, ep)
+    assert saved == 4 * 3 * expert_numel // 2 // 2  # fp32 x (2 blocks gathered + 1 gradient) x half of a block's
+    # All-to-all: 4 per MoE layer and micro-batch, each of 16 tokens x 2 samples x top-2 x 64 x 4 bytes, half sent.
+    traffic = expert_traffic(facts, share, inputs, ep, micro_batches=2, gpus_per_node=8)
+    assert traffic.messages == 4 * 2 * 2
+    assert traffic.intra_node == 16 * (16 * 2 * 2 * 64 * 4) / 2
+    assert expert_traffic(facts, share, inputs, fsdp, micro_batches=2, gpus_per_node=8).total == 0
+
+
+def test_the_planner_offers_expert_parallel_for_a_mixture_of_experts_and_recommends_it_when_cheaper():
+    config = load_config(
+        None,
+        [
+            "model.args={n_layer: 8, n_head: 4, n_embd: 512, block_size: 64, moe_experts: 8}",
+            "train.global_batch_size=16",
+            "train.micro_batch_size=4",
+        ],
+    )
+    plan, _, _ = plan_layouts(config, gpus=4, gpu_memory="80GB")
+    by_layout = {estimate.dims: estimate for estimate in plan.ranked}
+    fsdp, ep4 = ParallelDims("fsdp", dp_shard=4), ParallelDims("fsdp", dp_shard=4, ep=4)
+    assert ParallelDims("fsdp", dp_shard=4, ep=2) in by_layout and ep4 in by_layout
+    # The same bytes stored, a quarter of the experts gathered, and far less gathered over the network.
+    assert by_layout[ep4].peak.model_state == by_layout[fsdp].peak.model_state
+    assert by_layout[ep4].peak.working < by_layout[fsdp].peak.working
+    assert plan.recommended.dims == ep4
+    dense = load_config(None, ["model.args={n_layer: 2, n_head: 4, n_embd: 64}"])
+    assert all(not estimate.dims.ep_enabled for estimate in plan_layouts(dense, gpus=4, gpu_memory="80GB")[0].ranked)

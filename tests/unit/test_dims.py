@@ -116,3 +116,26 @@ def test_a_name_whose_own_degree_is_set_to_one_is_a_contradiction_shown_with_the
     assert f"parallel.strategy={strategy} contradicts parallel.{degree}=1 at world size 2" in message
     assert "without the name the degrees resolve to ddp: dp_replicate=2" in message
     assert "Remove parallel.strategy" in message
+
+
+@pytest.mark.parametrize(
+    ("degrees", "ep", "efsdp"),
+    [
+        ({"dp_shard": 4, "ep": 2}, 2, 2),
+        ({"dp_shard": 4, "ep": -1}, 4, 1),
+        ({"dp_shard": 2, "cp": 2, "ep": 4}, 4, 1),
+        ({"dp_replicate": 2, "dp_shard": 2, "ep": 2}, 2, 1),
+    ],
+)
+def test_expert_parallel_borrows_the_sharded_data_parallel_ranks_without_changing_the_world(degrees, ep, efsdp):
+    dims = ParallelDims.resolve(None, world_size=4, degrees=degrees)
+    assert (dims.ep, dims.efsdp, dims.strategy) == (ep, efsdp, "hsdp" if "dp_replicate" in degrees else "fsdp")
+    assert dims.world_size == 4
+    assert dims.describe().endswith(f", ep={ep} (experts over ep ranks of dp_shard x cp)")
+
+
+def test_expert_parallel_that_does_not_divide_the_sharded_ranks_is_refused_with_the_fix():
+    with pytest.raises(ConfigError, match=r"parallel.ep=3 does not divide parallel.dp_shard=4 x parallel.cp=1 = 4"):
+        ParallelDims.resolve(None, world_size=4, degrees={"dp_shard": 4, "ep": 3})
+    with pytest.raises(ConfigError, match=r"parallel.strategy=single runs in one process.*parallel.ep"):
+        ParallelDims.resolve("single", world_size=1, degrees={"ep": 2})

@@ -34,6 +34,7 @@ def test_each_hook_protocol_names_the_one_method_it_asks_for():
         "flops_per_sample",
         "flops_per_token",
         "use_sequence_functions",
+        "use_expert_dispatch",
     ]
 
 
@@ -41,7 +42,13 @@ def test_paratrains_gpt_provides_the_plan_initialisation_flops_per_token_and_seq
     model = build_gpt(block_size=16, n_layer=2, n_head=2, n_embd=32)
     assert isinstance(model, DeclaresParallelPlan) and isinstance(model, InitialisesParameters)
     assert isinstance(model, CountsFlopsPerToken) and not isinstance(model, CountsFlopsPerSample)
-    assert provided_hooks(model) == ["parallel_plan", "init_parameter", "flops_per_token", "use_sequence_functions"]
+    assert provided_hooks(model) == [
+        "parallel_plan",
+        "init_parameter",
+        "flops_per_token",
+        "use_sequence_functions",
+        "use_expert_dispatch",
+    ]
     assert plan_of(model).blocks == ("blocks.0", "blocks.1")
     assert misspelt_hooks(model) == []
 
