@@ -16,6 +16,7 @@ Launches: one-process runs train in the test process; the 2- and 4-process runs 
 
 from __future__ import annotations
 
+import itertools
 import math
 from pathlib import Path
 
@@ -119,7 +120,11 @@ def test_combination_trains_three_steps_or_is_refused_naming_the_alternative(mat
 def documented_table() -> dict[tuple[str, str], str]:
     """docs/layouts.md's combination table: (layout, option) -> its cell."""
     text = (Path(__file__).resolve().parents[2] / "docs" / "layouts.md").read_text()
-    rows = [line for line in text.split("## Combination matrix", 1)[1].splitlines() if line.startswith("| ")]
+    section = text.split("## Combination matrix", 1)[1].splitlines()
+    # The section's first table only: later sections have tables of their own.
+    start = next(i for i, line in enumerate(section) if line.startswith("| "))
+    rows = list(itertools.takewhile(lambda line: line.startswith("|"), section[start:]))
+    rows = [row for row in rows if row.startswith("| ")]
     options = [cell.strip() for cell in rows[0].strip("|").split("|")[1:]]
     table = {}
     for row in rows[1:]:
