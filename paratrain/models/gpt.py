@@ -206,9 +206,14 @@ class GPT(nn.Module):
 
 
 def _moe_plan(dense: ParallelPlan, moe: MoEConfig) -> ParallelPlan:
-    """The dense plan without the feed-forward's tensor-parallel styles (refused: the experts' own split
-    comes with expert parallel), and without a pipeline when the load-balancing loss is on: the loss
-    function sees only the last stage's output, so earlier stages' blocks would train without it."""
+    """The dense plan without the feed-forward's tensor-parallel styles, and without a pipeline when the
+    load-balancing loss is on: the loss function sees only the last stage's output, so earlier stages'
+    blocks would train without it.
+
+    Under tp the attention is split and the MoE feed-forward stays whole on every tp rank: its input is
+    the replicated residual stream, so each tp rank routes the same tokens to the same experts and gets
+    the same gradients, like the norms (torchtitan instead splits each expert over tp too). Experts are
+    divided by expert parallel, over ranks of dp_shard x cp, which tp does not touch."""
     attention = {path: style for path, style in dense.block_tp_plan.items() if not path.startswith("mlp.")}
     refusal = (
         f"model.args.moe_experts={moe.num_experts} with model.args.moe_aux_loss_coef={moe.aux_loss_coef}: under a "
@@ -218,7 +223,6 @@ def _moe_plan(dense: ParallelPlan, moe: MoEConfig) -> ParallelPlan:
     return dataclasses.replace(
         dense,
         block_tp_plan=attention,
-        tp_unsupported=(f"mlp.experts: experts (model.args.moe_experts={moe.num_experts}; use parallel.ep)",),
         block_experts=("mlp.experts",),
         num_experts={"model.args.moe_experts": moe.num_experts},
         pipeline_sequence=dense.pipeline_sequence if moe.aux_loss_coef == 0 else (),

@@ -80,6 +80,11 @@ class ModelFacts:
     def num_params(self) -> int:
         return sum(param.numel for param in self.params)
 
+    @property
+    def expert_params(self) -> int:
+        """Elements of the stacked expert tensors (ParallelPlan.block_experts); 0 for a dense model."""
+        return sum(param.numel for param in self.params if param.expert)
+
     def params_in(self, pieces: Iterable[str]) -> list[ParamFacts]:
         """Parameters that live in any of these module paths (a pipeline stage's pieces)."""
         prefixes = tuple(f"{piece}." for piece in pieces)

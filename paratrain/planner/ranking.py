@@ -6,6 +6,8 @@ leaves out. Layouts that fit are ranked by their estimated overhead per step, th
 
     overhead = communication time (not overlapped, at the nominal link speeds of communication.py)
              + pipeline bubble (p-1)/(v·m + p-1) x compute time
+             + repeated work: (tp-1) x the experts' share of compute time (a mixture of experts stays
+               whole on every tensor-parallel rank, which all compute it for the same tokens)
     compute time = 6 x Ψ x tokens per step / (GPUs x NOMINAL_FLOPS)
 
 (6Ψ FLOPs per token for forward and backward; samples instead of tokens for models that are not
@@ -36,10 +38,11 @@ class LayoutEstimate:
     per_pp_rank: tuple[RankMemory, ...]
     traffic: Traffic  # of the pipeline rank that sends most
     bubble_seconds: float  # pipeline idle time per step (0 without a pipeline)
+    repeated_seconds: float = 0.0  # expert compute repeated on every tp rank (0 without experts or tp)
 
     @property
     def overhead_seconds(self) -> float:
-        return self.traffic.seconds + self.bubble_seconds
+        return self.traffic.seconds + self.bubble_seconds + self.repeated_seconds
 
     @property
     def peak(self) -> RankMemory:
@@ -80,7 +83,9 @@ def estimate_layout(
         (step_traffic(facts, share, inputs, dims, gpus_per_node=gpus_per_node) for share in shares),
         key=lambda sent: sent.seconds,
     )
-    return LayoutEstimate(dims, memory, traffic, bubble_fraction(inputs, dims) * compute_seconds(facts, inputs, dims))
+    compute = compute_seconds(facts, inputs, dims)
+    repeated = (dims.tp - 1) * compute * facts.expert_params / facts.num_params if facts.num_params else 0.0
+    return LayoutEstimate(dims, memory, traffic, bubble_fraction(inputs, dims) * compute, repeated)
 
 
 def compute_seconds(facts: ModelFacts, inputs: PlanInputs, dims: ParallelDims) -> float:
@@ -132,6 +137,8 @@ def recommendation_reason(plan: Plan) -> str:
     )
     if best.dims.pp > 1:
         reason += f" + {format_seconds(best.bubble_seconds)} of pipeline bubble"
+    if best.repeated_seconds:
+        reason += f" + {format_seconds(best.repeated_seconds)} of expert compute repeated on its tp ranks"
     others = [estimate for estimate in plan.fitting[1:] if estimate.traffic.seconds < best.traffic.seconds]
     if others:
         reason += (

@@ -266,9 +266,6 @@ CASES: dict[str, Case] = {
     "moe router top-k larger than the experts": train(
         "model.args.moe_experts=4", "model.args.moe_top_k=5", expect=("model.args.moe_top_k=5", "moe_experts=4")
     ),
-    "moe experts under tensor parallel": train(
-        "model.args.moe_experts=4", "parallel.tp=2", *TWO, expect=("parallel.tp=2", "model.args.moe_experts=4")
-    ),
     "expert parallel not dividing the experts": train(
         "model.args.moe_experts=3",
         "model.args.moe_top_k=1",

@@ -1,5 +1,6 @@
 """Expert parallel (parallel.ep) trains paratrain's MoE GPT like a single process: ep x2 and x4, ep beside
-FSDP over the ranks ep leaves (dp_shard=4, ep=2) and beside a pipeline; the experts each rank's router
+FSDP over the ranks ep leaves (dp_shard=4, ep=2), beside a pipeline and beside tensor parallel (and tp
+alone, the MoE feed-forward whole on each tp rank); the experts each rank's router
 sends tokens to are counted as one process counts them; checkpoints hold whole stacked experts, so an
 ep x4 run resumes under ep x2 and that one in a single process, and an ep run restarted from a checkpoint
 trains on bit for bit (issue 24)."""
@@ -33,6 +34,9 @@ LAYOUTS = {
     "ep x4": (GPT_MOE + ["parallel.dp_shard=4", "parallel.ep=4"], 4),
     "ep x2 x dp_shard 4": (GPT_MOE + ["parallel.dp_shard=4", "parallel.ep=2"], 4),
     "ep x2 x pp 2": (GPT_MOE_NO_AUX + ["parallel.pp=2", "parallel.dp_shard=2", "parallel.ep=2"], 4),
+    # Attention split over tp, the MoE feed-forward whole on each tp rank; then its experts divided by ep too.
+    "tp x2": (GPT_MOE + ["parallel.tp=2"], 2),
+    "ep x2 x tp 2": (GPT_MOE + ["parallel.dp_shard=2", "parallel.ep=2", "parallel.tp=2"], 4),
     # The ep x2 run restarted from its step-5 checkpoint, in the same layout.
     "ep x2 restarted": (
         GPT_MOE + ["parallel.dp_shard=2", "parallel.ep=2", "checkpoint.resume={run:ep x2}/checkpoints/step-5"],
@@ -45,7 +49,9 @@ LAYOUTS = {
     ),
     "ep x2 to single": (GPT_MOE + ["checkpoint.resume={run:ep x4 to ep x2}/checkpoints/step-15"], 1),
 }
-EP_LAYOUTS = [name for name in LAYOUTS if name.startswith("ep") and " to " not in name and "restarted" not in name]
+EP_LAYOUTS = [
+    name for name in LAYOUTS if name.startswith(("ep", "tp")) and " to " not in name and "restarted" not in name
+]
 ROUTER_FIELDS = ("moe_expert_tokens_min", "moe_expert_tokens_max", "moe_dropped_tokens")
 
 

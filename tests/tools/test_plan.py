@@ -282,5 +282,8 @@ def test_the_planner_offers_expert_parallel_for_a_mixture_of_experts_and_recomme
     assert by_layout[ep4].peak.model_state == by_layout[fsdp].peak.model_state
     assert by_layout[ep4].peak.working < by_layout[fsdp].peak.working
     assert plan.recommended.dims == ep4
+    # tp keeps the experts whole on every tp rank: the planner counts their repeated compute against it.
+    tp4 = by_layout[ParallelDims("tp", tp=4)]
+    assert tp4.repeated_seconds > 0 and by_layout[fsdp].repeated_seconds == by_layout[ep4].repeated_seconds == 0
     dense = load_config(None, ["model.args={n_layer: 2, n_head: 4, n_embd: 64}"])
     assert all(not estimate.dims.ep_enabled for estimate in plan_layouts(dense, gpus=4, gpu_memory="80GB")[0].ranked)
