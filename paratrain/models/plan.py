@@ -40,14 +40,20 @@ def plan_of(model: nn.Module) -> ParallelPlan:
 # Styles of transformers' tp_plan that paratrain applies (parallel/tensor.py says how); the expert styles of
 # mixture-of-experts plans (packed_colwise, moe_tp_experts) are not among them.
 _TRANSFORMERS_STYLES: dict[str, TensorParallelStyle] = {
-    style: style
-    for style in (
-        "colwise",
-        "rowwise",
-        "colwise_gather_output",
-        "rowwise_split_input",
-        "replicated_with_grad_allreduce",
-    )
+    **{
+        style: style
+        for style in (
+            "colwise",
+            "rowwise",
+            "colwise_gather_output",
+            "rowwise_split_input",
+            "replicated_with_grad_allreduce",
+        )
+    },
+    # transformers 4.x names of the same torch styles (ColwiseParallel(output_layouts=Replicate()) and
+    # RowwiseParallel(input_layouts=Replicate())), which Phi-3's and OLMo2's plans use there.
+    "colwise_rep": "colwise_gather_output",
+    "rowwise_rep": "rowwise_split_input",
 }
 
 
@@ -61,9 +67,34 @@ def transformers_tensor_parallel(model: nn.Module, blocks: tuple[str, ...]) -> d
     prefix = re.sub(r"\.\d+$", ".*", blocks[0]) + "."
     inside = {key.removeprefix(prefix): style for key, style in tp_plan.items() if key.startswith(prefix)}
     supported = {path: _TRANSFORMERS_STYLES[style] for path, style in inside.items() if style in _TRANSFORMERS_STYLES}
+    supported |= _per_head_norms_left_out(model.get_submodule(blocks[0]), supported)
     unsupported = tuple(f"{path}: {style}" for path, style in inside.items() if style not in _TRANSFORMERS_STYLES)
     heads = transformers_attention_heads(model)
     return {"block_tp_plan": {} if unsupported else supported, "tp_unsupported": unsupported, "tp_divisible": heads}
+
+
+def _per_head_norms_left_out(block: nn.Module, styles: dict[str, TensorParallelStyle]) -> dict:
+    """``replicated_with_grad_allreduce`` for a per-head ``q_norm``/``k_norm`` after a colwise ``q_proj``/``k_proj``
+    that the plan does not name. transformers 4.x plans leave out Qwen3's: with the heads split over tp, each
+    rank's copy of the norm's weight sees only its own heads, so its gradient must be summed over the tp
+    ranks (5.x plans name the style); left plain, the tp ranks' weights would drift apart."""
+    added = {}
+    for path, style in styles.items():
+        parent, _, leaf = path.rpartition(".")
+        if style != "colwise" or leaf not in ("q_proj", "k_proj"):
+            continue
+        norm = f"{parent}.{leaf[0]}_norm" if parent else f"{leaf[0]}_norm"
+        if norm not in styles and _has_submodule(block, norm):
+            added[norm] = "replicated_with_grad_allreduce"
+    return added
+
+
+def _has_submodule(module: nn.Module, path: str) -> bool:
+    try:
+        module.get_submodule(path)
+    except AttributeError:
+        return False
+    return True
 
 
 def transformers_attention_heads(model: nn.Module) -> dict[str, int]:
