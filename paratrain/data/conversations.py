@@ -89,7 +89,8 @@ def _rows(path: Path) -> Iterator[dict[str, Any]]:
     elif path.suffix == ".txt":
         raise ConfigError(f"data.args.files: {path} is plain text; chat data is .jsonl, .parquet or a saved dataset")
     else:
-        import datasets  # the data extra; a second to import, so only for saved datasets
+        # Lazy: an optional dependency (the data extra), a second to import, so only for saved datasets.
+        import datasets
 
         yield from datasets.load_from_disk(str(path))
 
