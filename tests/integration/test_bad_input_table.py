@@ -28,6 +28,11 @@ MLP = [
     "loss.factory=paratrain.losses:mse",
 ]
 TWO = ["--nproc-per-node", "2"]
+TINY_LLAMA = [
+    "model.factory=paratrain.models.hf:causal_lm",
+    "model.args={model_type: llama, vocab_size: 128, hidden_size: 16, intermediate_size: 32, num_hidden_layers: 1, "
+    "num_attention_heads: 2, num_key_value_heads: 2, max_position_embeddings: 16}",
+]
 CHAT = [
     "data.factory=paratrain.data.chat:chat_data",
     "data.args={files: {tmp}/chat.jsonl, tokenizer: {chat_tokenizer}, seq_len: 16}",
@@ -314,6 +319,19 @@ CASES: dict[str, Case] = {
         "model.pretrained={cut_model}", expect=("cut_model/model.safetensors", "damaged or incomplete")
     ),
     "model.args a list": train("model.args=[1]", expect="model.args"),
+    # LoRA (paratrain.models.lora)
+    "model.lora on a model peft cannot wrap": train(
+        "model.lora={r: 4}", expect=("model.lora: GPT is not a transformers model", "remove model.lora")
+    ),
+    "model.lora.r zero": train("model.lora={r: 0}", expect=("model.lora.r", "greater than 0")),
+    "model.lora target matching no module": train(
+        *TINY_LLAMA,
+        "model.lora={r: 4, target_modules: [qproj]}",
+        expect=("matches no Linear module", "q_proj, up_proj"),
+    ),
+    "model.lora under tensor parallel": train(
+        *TINY_LLAMA, "model.lora={r: 4}", "parallel.strategy=tp", *TWO, expect=("model.lora with parallel.tp=2", "fsdp")
+    ),
     "transformers release outside the supported range": train(
         "model.factory=paratrain.models.hf:causal_lm",
         "model.args={model_type: llama, vocab_size: 64}",
