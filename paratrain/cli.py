@@ -210,8 +210,8 @@ def export_command(args: argparse.Namespace) -> int:
             raise ConfigError(f"--hf {args.hf} is a file: give the directory to write the Hugging Face model into")
         count = export_hf(checkpoint, Path(args.hf), merge=args.merge)
         print(
-            f"wrote {checkpoint.name}: {count} tensors and config.json to {args.hf} (transformers' from_pretrained "
-            f"loads it; a LoRA run's adapter without --merge: peft's PeftModel.from_pretrained)"
+            f"wrote {checkpoint.name}: {count} tensors and their config to {args.hf} (transformers' from_pretrained "
+            f"loads it; a LoRA run's adapter, without --merge, peft's PeftModel.from_pretrained onto the base)"
         )
     else:
         if Path(args.out).is_dir():
