@@ -1,4 +1,4 @@
-"""LoRA through peft on a pretrained tiny Llama with chat data: fsdp x2 and ddp x2 train like one process,
+"""LoRA through peft on a pretrained tiny Llama with chat data: ddp x2, fsdp x2 and hsdp 2x2 train like one process,
 only the adapters train (the base stays as loaded), a resume is exact, and the exported adapter, loaded by
 peft, gives the logits of paratrain's model (as does the merged export, loaded by transformers)."""
 
@@ -40,6 +40,7 @@ LAYOUTS = {
     "single": ([LORA, "parallel.strategy=single"], 1),
     "ddp": ([LORA, "parallel.strategy=ddp", "train.micro_batch_size=1"], 2),
     "fsdp": ([LORA, "parallel.strategy=fsdp"], 2),
+    "hsdp": ([LORA, "parallel.strategy=hsdp", "parallel.dp_replicate=2", "train.micro_batch_size=1"], 4),
     # the fsdp run's step 6, resumed on one process to the end
     "resumed": ([LORA, "parallel.strategy=single", "checkpoint.resume={run:fsdp}/checkpoints/step-6"], 1),
 }
@@ -73,7 +74,7 @@ def runs(tmp_path_factory, inputs) -> LayoutRuns:
     )
 
 
-@pytest.mark.parametrize("layout", ["ddp", "fsdp", "resumed"])
+@pytest.mark.parametrize("layout", ["ddp", "fsdp", "hsdp", "resumed"])
 def test_lora_trains_alike_under_data_parallel_layouts_and_resumes_exactly(runs, layout):
     reference, other = runs.get("single"), runs.get(layout)
     single_losses = losses_by_step(reference)
