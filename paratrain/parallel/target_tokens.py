@@ -33,6 +33,14 @@ def count_targets(targets: torch.Tensor) -> int:
     return int((targets != IGNORE_INDEX).sum().item())
 
 
+def global_target_count(local: int, *, group: ProcessGroup | None, ranks: int, device: torch.device) -> float:
+    """The sum of ``local`` over the ``group``'s ``ranks`` (one all-reduce of a number)."""
+    total = torch.tensor(local, dtype=torch.float64, device=device)
+    if group is not None and ranks > 1:
+        dist.all_reduce(total, group=group)
+    return total.item()
+
+
 def micro_batch_weights(
     local_counts: list[int], *, group: ProcessGroup | None, ranks: int, device: torch.device
 ) -> list[float]:
@@ -48,10 +56,7 @@ def micro_batch_weights(
     Returns:
         One weight per micro-batch; 0 for a micro-batch without targets.
     """
-    total = torch.tensor(sum(local_counts), dtype=torch.float64, device=device)
-    if group is not None and ranks > 1:
-        dist.all_reduce(total, group=group)
-    global_count = total.item()
+    global_count = global_target_count(sum(local_counts), group=group, ranks=ranks, device=device)
     if global_count == 0:  # a step without any target: nothing to learn, weights of 0 keep it finite
         return [0.0 for _ in local_counts]
     if all(count * ranks * len(local_counts) == global_count for count in local_counts):

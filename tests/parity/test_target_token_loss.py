@@ -23,9 +23,12 @@ LAYOUTS = {
     "single": (["parallel.strategy=single"], 1),
     # ...one micro-batch of 8...
     "whole": (["parallel.strategy=single", "train.micro_batch_size=8"], 1),
-    # ...2 ranks x 1 x 4 accumulation steps, and fsdp over 2 ranks x 2 x 2.
+    # ...2 ranks x 1 x 4 accumulation steps, fsdp over 2 ranks x 2 x 2...
     "ddp_accum": (["parallel.strategy=ddp", "train.micro_batch_size=1"], 2),
     "fsdp": (["parallel.strategy=fsdp"], 2),
+    # ...and pipelines of 2 stages whose schedules run the 4 micro-batches.
+    "pp": (["parallel.strategy=pp"], 2),
+    "pp zero bubble V": (["parallel.strategy=pp", "pipeline.schedule=ZBVZeroBubble"], 2),
 }
 
 
@@ -41,7 +44,7 @@ def runs(tmp_path_factory) -> LayoutRuns:
     )
 
 
-@pytest.mark.parametrize("layout", ["whole", "ddp_accum", "fsdp"])
+@pytest.mark.parametrize("layout", ["whole", "ddp_accum", "fsdp", "pp", "pp zero bubble V"])
 def test_unevenly_masked_targets_train_alike_under_every_layout(runs, layout):
     reference, other = runs.get("single"), runs.get(layout)
     assert len(losses_by_step(reference)) == STEPS
