@@ -64,8 +64,9 @@ def write_tokenizer(directory: Path) -> int:
 
 
 def write_base_model(directory: Path, *, vocab_size: int, seed: int = 0) -> None:
+    # Lazy: torch and the hf extra are loaded only when the base model is written, not for --help.
     import torch
-    import transformers  # Lazy: the hf extra, only for this command.
+    import transformers
 
     torch.manual_seed(seed)
     config = transformers.AutoConfig.for_model("llama", vocab_size=vocab_size, **LLAMA)
