@@ -140,7 +140,8 @@ def maybe_export_final_hf(config: Config, *, node_rank: int) -> int:
         return 1
     out_dir = config.run.output_dir / "hf"
     count = export_hf(latest, out_dir)
-    print(f"paratrain: wrote {latest.name} as a Hugging Face model to {out_dir} ({count} tensors)", file=sys.stderr)
+    kind = "its LoRA adapter (peft's format)" if config.model.lora is not None else "a Hugging Face model"
+    print(f"paratrain: wrote {latest.name} as {kind} to {out_dir} ({count} tensors)", file=sys.stderr)
     return 0
 
 

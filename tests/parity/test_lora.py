@@ -40,6 +40,8 @@ LAYOUTS = {
     "single": ([LORA, "parallel.strategy=single"], 1),
     "ddp": ([LORA, "parallel.strategy=ddp", "train.micro_batch_size=1"], 2),
     "fsdp": ([LORA, "parallel.strategy=fsdp"], 2),
+    # context parallel: each rank holds a different number of a padded chat sample's targets
+    "fsdp cp": ([LORA, "parallel.strategy=fsdp", "parallel.cp=2"], 2),
     "hsdp": ([LORA, "parallel.strategy=hsdp", "parallel.dp_replicate=2", "train.micro_batch_size=1"], 4),
     # the fsdp run's step 6, resumed on one process to the end
     "resumed": ([LORA, "parallel.strategy=single", "checkpoint.resume={run:fsdp}/checkpoints/step-6"], 1),
@@ -74,7 +76,7 @@ def runs(tmp_path_factory, inputs) -> LayoutRuns:
     )
 
 
-@pytest.mark.parametrize("layout", ["ddp", "fsdp", "hsdp", "resumed"])
+@pytest.mark.parametrize("layout", ["ddp", "fsdp", "fsdp cp", "hsdp", "resumed"])
 def test_lora_trains_alike_under_data_parallel_layouts_and_resumes_exactly(runs, layout):
     reference, other = runs.get("single"), runs.get(layout)
     single_losses = losses_by_step(reference)
