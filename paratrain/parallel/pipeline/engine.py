@@ -23,7 +23,7 @@ from paratrain.losses import LossFn
 from paratrain.parallel.pipeline.recorder import TimelineRecorder
 from paratrain.parallel.pipeline.schedules import PipelineShape, is_multi_stage, schedule_class
 from paratrain.parallel.sequence import SequenceSharding
-from paratrain.parallel.target_tokens import count_targets, global_target_count
+from paratrain.parallel.target_tokens import IGNORE_INDEX, count_targets, global_target_count
 from paratrain.tensors import move_to
 
 
@@ -77,10 +77,11 @@ class PipelineEngine:
     def forward_backward(self, micro_batches: list[Any]) -> torch.Tensor:
         """Runs the schedule over the step; returns the mean loss on the last stage's rank, else 0."""
         inputs = move_to(torch.cat([inputs for inputs, _ in micro_batches]), self.device)
-        targets = move_to(torch.cat([targets for _, targets in micro_batches]), self.device)
+        host_targets = torch.cat([targets for _, targets in micro_batches])
+        self.target_scale = self._target_scale(host_targets)  # counted where the loader left them: no device sync
+        targets = move_to(host_targets, self.device)
         if self.sequence is not None:
             inputs, targets = self.sequence.shard(inputs, targets)
-        self.target_scale = self._target_scale(targets)
         losses: list[torch.Tensor] = []
         args = (inputs,) if self.holds_first_stage else ()
         with self._recording():
@@ -98,6 +99,8 @@ class PipelineEngine:
     def _target_scale(self, targets: torch.Tensor) -> float | None:
         """What a micro-batch's mean loss is multiplied by per target token it holds; None when every
         micro-batch holds as many (full-length samples: the schedule's plain mean, unchanged)."""
+        if self.sequence is not None:
+            targets = self.sequence.local_targets(targets)
         counts = [count_targets(part) for part in targets.tensor_split(self.microbatches)]
         ranks = self.loss_ranks
         total = global_target_count(sum(counts), group=self.loss_group, ranks=ranks, device=self.device)
@@ -110,10 +113,10 @@ class PipelineEngine:
         loss = self.loss_fn(outputs, targets)
         if self.target_scale is None:
             return loss
-        count = count_targets(targets)
-        if count == 0:  # no targets: the mean is 0/0; a 0 weight gives it a zero gradient all the same
-            loss = torch.nan_to_num(loss, nan=0.0)
-        return loss * (count * self.target_scale)
+        # A tensor: no device sync inside the schedule. No targets: the mean is 0/0 and counts 0 (a NaN of a
+        # micro-batch with targets is kept, for the non-finite guard to see).
+        count = (targets != IGNORE_INDEX).sum() if not targets.is_floating_point() else torch.tensor(targets.numel())
+        return torch.where(count > 0, loss * (count * self.target_scale), torch.zeros_like(loss))
 
     def flush(self) -> None:
         """Writes the recorded timeline, if any (called when training stops)."""
