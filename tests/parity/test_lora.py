@@ -16,6 +16,7 @@ from tests.harness import (
     losses_by_step,
     max_relative_difference,
     max_weight_difference,
+    read_metrics,
     run_cli,
 )
 
@@ -73,6 +74,8 @@ def runs(tmp_path_factory, inputs) -> LayoutRuns:
         checkpoint={"every_steps": 6, "keep_last": None},
         model={"factory": "paratrain.models.hf:causal_lm", "args": {}, "pretrained": str(inputs["base"])},
         data={"factory": "paratrain.data.chat:chat_data", "args": chat},
+        # evaluation over conversations of different target counts: a token-weighted mean on every layout
+        eval={"factory": "paratrain.data.chat:chat_data", "args": {**chat, "seq_len": 16}, "every_steps": 6},
     )
 
 
@@ -92,6 +95,11 @@ def test_lora_trains_alike_under_data_parallel_layouts_and_resumes_exactly(runs,
     assert (
         max_weight_difference(checkpoint_weights(other / final), checkpoint_weights(reference / final)) <= WEIGHT_ATOL
     )
+    evaluated, reference_eval = (
+        {record["step"]: record["eval_loss"] for record in read_metrics(run) if "eval_loss" in record}
+        for run in (other, reference)
+    )
+    assert STEPS in evaluated and abs(evaluated[STEPS] - reference_eval[STEPS]) <= LOSS_RTOL * reference_eval[STEPS]
 
 
 def test_only_the_adapters_train_and_hold_optimizer_state(runs, inputs):
