@@ -80,7 +80,7 @@ class MicroBatchEngine:
         """Each micro-batch's share of the global batch's target tokens, times the averaging ranks."""
         counts = []
         for _, targets in micro_batches:
-            if self.sequence is not None:
+            if self.sequence is not None and isinstance(targets, torch.Tensor):
                 targets = self.sequence.local_targets(targets)
             counts.append(count_targets(targets))
         return micro_batch_weights(counts, group=self.loss_group, ranks=self.loss_ranks, device=self.device)

@@ -132,7 +132,9 @@ class Evaluator:
         try:
             for indices, weight in self._rank_batches():
                 batch = default_collate([self.dataset[i] for i in indices])
-                counted = count_targets(batch[1]) * weight  # on the host: no device sync
+                # On the host: no device sync. Targets that are not one tensor: by samples, as the loss cannot be read.
+                tokens = count_targets(batch[1]) if isinstance(batch[1], torch.Tensor) else len(indices)
+                counted = tokens * weight
                 inputs, targets = move_to(batch, self.device)
                 if self.sequence is not None:
                     inputs = self.sequence.whole(inputs)

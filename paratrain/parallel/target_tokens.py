@@ -26,8 +26,12 @@ IGNORE_INDEX = -100
 """The label of a token left out of the loss: PyTorch's cross_entropy default, and transformers'."""
 
 
-def count_targets(targets: torch.Tensor) -> int:
-    """How many of ``targets`` count in the loss. Floating targets (a regression) all count."""
+def count_targets(targets: object) -> int:
+    """How many of ``targets`` count in the loss. Floating targets (a regression) all count; targets that are
+    not one tensor (a user's structure, whose loss paratrain cannot read) count 1 per micro-batch, weighing
+    every micro-batch alike as before."""
+    if not isinstance(targets, torch.Tensor):
+        return 1
     if targets.is_floating_point():
         return targets.numel()
     return int((targets != IGNORE_INDEX).sum().item())

@@ -32,3 +32,8 @@ def test_a_micro_batch_without_targets_weighs_nothing_and_a_step_without_any_sta
 
 def test_floating_targets_all_count():
     assert count_targets(torch.full((2, 3), -100.0)) == 6
+
+
+def test_targets_that_are_not_one_tensor_weigh_each_micro_batch_alike():
+    assert count_targets({"labels": torch.zeros(2, 3)}) == 1
+    assert micro_batch_weights([1, 1], group=None, ranks=1, device=CPU) == [0.5, 0.5]
