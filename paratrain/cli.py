@@ -140,7 +140,8 @@ def maybe_export_final_hf(config: Config, *, node_rank: int) -> int:
         return 1
     out_dir = config.run.output_dir / "hf"
     count = export_hf(latest, out_dir)
-    print(f"paratrain: wrote {latest.name} as a Hugging Face model to {out_dir} ({count} tensors)", file=sys.stderr)
+    kind = "its LoRA adapter (peft's format)" if config.model.lora is not None else "a Hugging Face model"
+    print(f"paratrain: wrote {latest.name} as {kind} to {out_dir} ({count} tensors)", file=sys.stderr)
     return 0
 
 
@@ -203,12 +204,15 @@ def export_command(args: argparse.Namespace) -> int:
     from paratrain.tools.export import export_hf, export_safetensors  # keeps safetensors off the training path
 
     checkpoint = named_checkpoint(Path(args.checkpoint))
+    if args.merge and not args.hf:
+        raise ConfigError("--merge writes a Hugging Face model directory: give it with --hf OUT_DIR")
     if args.hf:
         if Path(args.hf).is_file():
             raise ConfigError(f"--hf {args.hf} is a file: give the directory to write the Hugging Face model into")
-        count = export_hf(checkpoint, Path(args.hf))
+        count = export_hf(checkpoint, Path(args.hf), merge=args.merge)
         print(
-            f"wrote {checkpoint.name}: {count} tensors and config.json to {args.hf} (transformers' from_pretrained loads it)"
+            f"wrote {checkpoint.name}: {count} tensors and their config to {args.hf} (transformers' from_pretrained "
+            f"loads it; a LoRA run's adapter, without --merge, peft's PeftModel.from_pretrained onto the base)"
         )
     else:
         if Path(args.out).is_dir():
@@ -394,6 +398,11 @@ def add_export_parser(commands: argparse._SubParsersAction) -> None:
     target = export.add_mutually_exclusive_group(required=True)
     target.add_argument("--out", help="output .safetensors file")
     target.add_argument("--hf", metavar="OUT_DIR", help="output Hugging Face model directory (transformers models)")
+    export.add_argument(
+        "--merge",
+        action="store_true",
+        help="with --hf, a LoRA run: the model with its adapter merged in (default: the adapter)",
+    )
     export.set_defaults(handler=export_command)
 
 

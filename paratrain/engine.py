@@ -12,11 +12,13 @@ from typing import Any, Protocol
 
 import torch
 from torch import nn
+from torch.distributed import ProcessGroup
 from torch.nn.parallel import DistributedDataParallel
 
 from paratrain.losses import LossFn
 from paratrain.parallel.fsdp import set_gradient_sync
 from paratrain.parallel.sequence import SequenceSharding
+from paratrain.parallel.target_tokens import count_targets, micro_batch_weights
 from paratrain.precision import MixedPrecision
 from paratrain.tensors import move_to, output_device
 
@@ -32,8 +34,9 @@ class Engine(Protocol):
 class MicroBatchEngine:
     """Gradient accumulation over micro-batches for layouts where each rank holds whole layers.
 
-    Each micro-batch's loss is divided by their number, so the accumulated gradient is the gradient
-    of the mean loss over the step's samples, as one large batch would give. Gradients are
+    Each micro-batch's mean loss is weighted by its share of the global batch's target tokens (see
+    parallel.target_tokens), so the accumulated gradient is the gradient of the mean loss over every
+    target token of the step, whatever the accumulation and data-parallel size. Gradients are
     synchronised across data-parallel ranks only on the last micro-batch, unless
     sync_every_micro_batch (FSDP's memory-saving policy: reduce-scatter as you go). Under context parallel
     or document masking (``sequence``), each micro-batch is cut to this rank's tokens first, and its masks
@@ -49,8 +52,11 @@ class MicroBatchEngine:
         device: torch.device,
         sync_every_micro_batch: bool = False,
         sequence: SequenceSharding | None = None,
+        loss_group: ProcessGroup | None = None,
+        loss_ranks: int = 1,
     ):
         self.sequence = sequence
+        self.loss_group, self.loss_ranks = loss_group, loss_ranks
         self.model = model
         self.loss_fn = loss_fn
         self.precision = precision
@@ -58,13 +64,26 @@ class MicroBatchEngine:
         self.sync_every_micro_batch = sync_every_micro_batch
 
     def forward_backward(self, micro_batches: list[Any]) -> torch.Tensor:
+        weights = self._weights(micro_batches)
+        uniform = all(weight == 1.0 / len(micro_batches) for weight in weights)
         total = torch.zeros((), device=self.device)
-        for index, (inputs, targets) in enumerate(micro_batches):
+        for index, ((inputs, targets), weight) in enumerate(zip(micro_batches, weights, strict=True)):
             last = index == len(micro_batches) - 1
             with self._gradient_sync(enabled=last):
-                loss = self._forward_backward_one(inputs, targets, weight=1.0 / len(micro_batches))
-            total += loss.to(total.device)  # model_parallel: the loss is on the last part's device
-        return total / len(micro_batches)
+                loss = self._forward_backward_one(inputs, targets, weight=weight)
+            # model_parallel: the loss is on the last part's device
+            total += loss.to(total.device) if uniform else loss.to(total.device) * weight
+        # Uniform weights keep today's sum-then-divide order, so full-length pretraining's logged loss is unchanged.
+        return total / len(micro_batches) if uniform else total
+
+    def _weights(self, micro_batches: list[Any]) -> list[float]:
+        """Each micro-batch's share of the global batch's target tokens, times the averaging ranks."""
+        counts = []
+        for _, targets in micro_batches:
+            if self.sequence is not None and isinstance(targets, torch.Tensor):
+                targets = self.sequence.local_targets(targets)
+            counts.append(count_targets(targets))
+        return micro_batch_weights(counts, group=self.loss_group, ranks=self.loss_ranks, device=self.device)
 
     def flush(self) -> None:
         """Nothing is recorded here."""
@@ -76,6 +95,8 @@ class MicroBatchEngine:
         with self.precision.autocast():
             outputs = self.model(inputs)
             loss = self.loss_fn(outputs, move_to(targets, output_device(outputs, default=self.device)))
+        if weight == 0.0:  # no targets: the mean is 0/0; its gradient through a 0 weight is 0 all the same
+            loss = torch.nan_to_num(loss, nan=0.0)
         self.precision.scale(loss * weight).backward()
         if self.sequence is not None:
             self.sequence.release()

@@ -2,8 +2,9 @@
 
 The validation set is read in global batches of ``eval.batch_size x data-parallel size`` samples, in
 order; data-parallel rank r takes every dp-th sample of each (tensor-parallel ranks of one replica take
-the same ones). Each rank adds up ``batch loss x samples``; one all-reduce of (loss sum, sample count)
-gives the sample-weighted mean, the loss one process would compute over the same samples.
+the same ones). Each rank adds up ``batch loss x target tokens`` (those not ``IGNORE_INDEX``); one
+all-reduce of (loss sum, token count) gives the token-weighted mean, the loss one process would compute
+over the same samples, also when samples hold different numbers of targets (chat data).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from paratrain.losses import LossFn
 from paratrain.parallel.collectives import all_reduce_sum
 from paratrain.parallel.dims import ParallelDims
 from paratrain.parallel.sequence import SequenceSharding
+from paratrain.parallel.target_tokens import count_targets
 from paratrain.tensors import move_to
 
 
@@ -126,25 +128,28 @@ class Evaluator:
         """The mean loss over the validation samples of every rank (the same value on every rank)."""
         was_training = self.model.training
         self.model.eval()
-        totals = torch.zeros(2, dtype=torch.float64, device=self.device)  # loss x samples, samples
+        totals = torch.zeros(2, dtype=torch.float64, device=self.device)  # loss x target tokens, target tokens
         try:
             for indices, weight in self._rank_batches():
                 batch = default_collate([self.dataset[i] for i in indices])
+                # On the host: no device sync. Targets that are not one tensor: by samples, as the loss cannot be read.
+                tokens = count_targets(batch[1]) if isinstance(batch[1], torch.Tensor) else len(indices)
+                counted = tokens * weight
                 inputs, targets = move_to(batch, self.device)
                 if self.sequence is not None:
                     inputs = self.sequence.whole(inputs)
                 with self.autocast():
                     loss = self.loss_fn(self.model(inputs), targets)
-                samples = len(indices) * weight
-                totals += torch.stack([loss.double() * samples, torch.tensor(float(samples), device=self.device)])
+                loss = loss.double() if counted else torch.zeros((), dtype=torch.float64, device=self.device)  # 0/0
+                totals += torch.stack([loss * counted, torch.tensor(float(counted), device=self.device)])
         finally:
             self.model.train(was_training)
             if self.sequence is not None:
                 self.sequence.release()
         if self.group is not None:
             all_reduce_sum(totals, group=self.group)
-        loss_sum, samples = totals.tolist()
-        return loss_sum / samples
+        loss_sum, counted = totals.tolist()
+        return loss_sum / counted if counted else float("nan")
 
     def _rank_batches(self) -> Iterator[tuple[list[int], int]]:
         """This rank's sample indices of each global batch, with weight 1; a rank left without samples in

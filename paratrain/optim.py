@@ -58,6 +58,11 @@ def build_optimizer(model: nn.Module, options: OptimConfig, *, dp_size: int) -> 
         {"params": [p for p in params if p.ndim >= 2], "weight_decay": options.weight_decay},
         {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0},
     ]
+    if len(params) < len(list(model.parameters())):
+        # Frozen parameters (LoRA: only the adapters train, all matrices, in every layout alike): an empty group
+        # is left out, as torch's set_optimizer_state_dict fails on a last group without parameters (IndexError
+        # in _unflatten_optim_state_dict, torch 2.13).
+        groups = [group for group in groups if group["params"]]
     foreach = len({isinstance(p, DTensor) for p in params}) == 1
     fused = use_fused_kernel({p.device.type for p in params}, uniform=foreach, setting=options.fused)
     kernel = {"fused": True} if fused else {"foreach": foreach}

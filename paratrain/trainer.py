@@ -34,6 +34,7 @@ from paratrain.launch.preemption import StopSignals, end_on_signal
 from paratrain.launch.process_group import destroy_distributed
 from paratrain.launch.watchdog import StepWatchdog
 from paratrain.losses import LossFn
+from paratrain.models.lora import maybe_apply_lora
 from paratrain.nonfinite import NonFiniteGuard, PendingVerdicts, step_optimizer, stop_on_nonfinite, weights_are_finite
 from paratrain.optim import build_lr_scheduler, build_optimizer
 from paratrain.rank_setup import (
@@ -251,7 +252,9 @@ class Trainer:
         """Lays the model out on this rank (see build_rank_model); returns the loss it trains with."""
         config = self.config
         built = build_rank_model(
-            model_factory or (lambda: call_factory(config.model, key="model")),
+            lambda: maybe_apply_lora(
+                model_factory() if model_factory else call_factory(config.model, key="model"), config.model.lora
+            ),
             loss_fn or call_factory(config.loss, key="loss"),
             dataset,
             given=given,

@@ -50,9 +50,11 @@ def compare_configs(saved: dict[str, Any], current: dict[str, Any]) -> ConfigCha
     old, new = flatten_dotted(saved), flatten_dotted(current)
     math, harmless = [], []
     for key in sorted(old.keys() | new.keys()):
-        before, after = old.get(key, _UNSET), new.get(key, _UNSET)
+        before, after = _section_or(old, key), _section_or(new, key)
         if before == after or ((before is _UNSET or after is _UNSET) and not _is_factory_argument(key)):
             continue
+        if "." in key and key.rsplit(".", 1)[0] in old.keys() | new.keys():
+            continue  # a key of a section set on one side only (model.lora): reported once, as the section
         (math if _alters_math(key, current) else harmless).append(f"{key}: {before!r} -> {after!r}")
     return ConfigChanges(math, harmless)
 
@@ -98,6 +100,15 @@ class _Unset:
 
 
 _UNSET = _Unset()
+
+
+def _section_or(flat: dict[str, Any], key: str) -> Any:
+    """flat[key], or for a key that names an optional section given on this side (model.lora: {r: 8}, flattened
+    to model.lora.r), the section as a dict: so a section set on one side and null on the other is a change."""
+    if key in flat:
+        return flat[key]
+    inner = {name.removeprefix(key + "."): value for name, value in flat.items() if name.startswith(key + ".")}
+    return inner or _UNSET
 
 
 def _alters_math(key: str, current: dict[str, Any]) -> bool:

@@ -24,6 +24,7 @@ from paratrain.data.checks import check_data_fits_model
 from paratrain.errors import CheckpointError, ConfigError
 from paratrain.evaluation import check_evaluation
 from paratrain.models.hf import is_transformers_model
+from paratrain.models.lora import maybe_apply_lora
 from paratrain.models.meta import on_meta
 from paratrain.models.plan import plan_of
 from paratrain.optim import check_fused_setting
@@ -53,6 +54,7 @@ def preflight(config: Config, *, world_size: int, nproc_per_node: int) -> None:
         lambda: _check_sequence_layout(config, _dims(config, world_size, nproc_per_node), model_on_meta),
         lambda: _check_expert_layout(config, _dims(config, world_size, nproc_per_node), model_on_meta),
         lambda: _check_final_hf_export(config, model_on_meta),
+        lambda: _check_lora_layout(config, _dims(config, world_size, nproc_per_node)),
         lambda: check_factory_args(config.loss, key="loss"),
         lambda: check_callback_configs(config.callbacks),
         lambda: _check_evaluation(config, _dims(config, world_size, nproc_per_node)),
@@ -104,7 +106,19 @@ def _check_layout(config: Config, world_size: int, nproc_per_node: int, model_on
 def _model_on_meta(config: Config) -> nn.Module:
     """The config's model, built without memory, to read its parallel plan."""
     with on_meta():
-        return call_factory(config.model, key="model")
+        return maybe_apply_lora(call_factory(config.model, key="model"), config.model.lora)
+
+
+def _check_lora_layout(config: Config, dims: ParallelDims) -> None:
+    """LoRA adapters run where each rank holds whole layers (data parallel, sharded or not)."""
+    if config.model.lora is None:
+        return
+    if dims.tp > 1 or dims.pp > 1:
+        raise ConfigError(
+            f"model.lora with parallel.tp={dims.tp} and parallel.pp={dims.pp}: peft replaces each adapted Linear "
+            f"with a wrapper that the tensor-parallel plan (which names the Linear itself) and the pipeline split "
+            f"do not know; use ddp, fsdp or hsdp (LoRA's frozen base needs little memory sharded by fsdp)"
+        )
 
 
 def _check_final_hf_export(config: Config, model_on_meta: Callable[[], nn.Module]) -> None:

@@ -35,10 +35,22 @@ def render_reference() -> str:
 def _leaf_fields(model: type[BaseModel], defaults: BaseModel, *, prefix: str):
     for name, field in model.model_fields.items():
         value = getattr(defaults, name)
+        section = _optional_section(field.annotation)
         if isinstance(value, BaseModel):
             yield from _leaf_fields(type(value), value, prefix=f"{prefix}{name}.")
+        elif section is not None:  # a section that is off (null) unless given: its row, then its keys
+            yield f"{prefix}{name}", field, value
+            for key, inner in section.model_fields.items():
+                default = "required" if inner.is_required() else inner.default
+                yield f"{prefix}{name}.{key}", inner, default
         else:
             yield f"{prefix}{name}", field, value
+
+
+def _optional_section(annotation: Any) -> type[BaseModel] | None:
+    """X for an annotation ``X | None`` where X is a config section, else None."""
+    sections = [arg for arg in get_args(annotation) if isinstance(arg, type) and issubclass(arg, BaseModel)]
+    return sections[0] if len(sections) == 1 and type(None) in get_args(annotation) else None
 
 
 def _row(key: str, field: Any, default: Any) -> str:
@@ -48,6 +60,8 @@ def _row(key: str, field: Any, default: Any) -> str:
 
 
 def _type_name(annotation: Any) -> str:
+    if _optional_section(annotation) is not None:
+        return "section or None"
     if get_origin(annotation) is Literal:
         return "one of " + ", ".join(f"`{choice}`" for choice in get_args(annotation))
     if get_args(annotation):

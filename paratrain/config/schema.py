@@ -323,6 +323,21 @@ class FactoryConfig(Section):
 HF_CAUSAL_LM = "paratrain.models.hf:causal_lm"
 
 
+class LoraConfig(Section):
+    """Low-rank adapters (LoRA, through peft) on a transformers model: the base weights are frozen and only
+    the adapters train (see docs/fine-tuning.md)."""
+
+    r: int = Field(gt=0)
+    """Rank of each adapter (the update is B @ A with A of r rows)."""
+    alpha: float = Field(16.0, gt=0)
+    """Scale of the update: it is multiplied by alpha / r."""
+    dropout: float = Field(0.0, ge=0, lt=1)
+    """Dropout on each adapter's input."""
+    target_modules: list[str] | str = "all-linear"
+    """Names (or name suffixes) of the Linear modules that get adapters, e.g. [q_proj, v_proj]; a string is
+    a regular expression over full names; 'all-linear': every Linear but the output head."""
+
+
 class ModelConfig(FactoryConfig):
     factory: str = "paratrain.models.gpt:build_gpt"
     """Import path of a callable returning an nn.Module."""
@@ -332,6 +347,9 @@ class ModelConfig(FactoryConfig):
     built on meta and each rank reads only its shards. Without model.factory, or with
     paratrain.models.hf:causal_lm, the model is built from the directory's config.json (args override
     its fields)."""
+    lora: LoraConfig | None = None
+    """Train low-rank adapters instead of the whole model (transformers models; ddp, fsdp and hsdp layouts);
+    null: full fine-tune."""
 
     @model_validator(mode="before")
     @classmethod

@@ -140,6 +140,8 @@ def build_layout(request: LayoutRequest) -> LaidOutModel:
         device=device,
         sync_every_micro_batch=every_micro_batch,
         sequence=request.sequence,
+        loss_group=dims.loss_mesh.get_group() if dims.mesh is not None and dims.loss_mesh is not None else None,
+        loss_ranks=dims.loss_ranks,
     )
     return LaidOutModel(built.bare, runnable, engine, request.sequence)
 

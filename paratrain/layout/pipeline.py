@@ -73,6 +73,9 @@ def build_pipeline_runtime(request: LayoutRequest) -> LaidOutModel:
         device=ctx.device,
         recorder=recorder,
         sequence=request.sequence,
+        # Every stage's ranks count the step's targets: the loss mesh spans the stages, whose counts add pp times.
+        loss_group=dims.loss_mesh.get_group() if dims.loss_mesh is not None else None,
+        loss_ranks=dims.loss_ranks * dims.pp,
     )
     return LaidOutModel(part.model, nn.ModuleList(part.modules), engine, request.sequence)
 

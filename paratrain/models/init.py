@@ -38,6 +38,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 
 from paratrain.errors import ConfigError
 from paratrain.models.contract import declares_init
+from paratrain.models.lora import init_adapter, is_adapter
 from paratrain.models.meta import on_meta
 from paratrain.models.weights import LocalPiece, WeightSource, canonical_name
 
@@ -138,7 +139,9 @@ def _weight_source(
         # lazy: safetensors is loaded only for runs with model.pretrained
         from paratrain.models.pretrained import pretrained_source  # safetensors: only when loading
 
-        return pretrained_source(model, pretrained, buffers=_buffers_of_parameterless_build(factory))
+        base = pretrained_source(model, pretrained, buffers=_buffers_of_parameterless_build(factory))
+        # LoRA adapters are not in the files: drawn by name, so every layout starts from the same ones.
+        return lambda name, tensor: init_adapter(name, tensor, seed) if is_adapter(name) else base(name, tensor)
     if declares_init(model):
         return lambda name, tensor: _init_by_name(model, name, tensor, seed)
     return _reference_source(factory, seed)

@@ -23,6 +23,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from paratrain.errors import ConfigError
+from paratrain.models.lora import base_name, is_adapter
 from paratrain.models.weights import LocalPiece, canonical_name
 
 logger = logging.getLogger("paratrain")
@@ -104,13 +105,19 @@ def pretrained_source(model: nn.Module, directory: Path, *, buffers: dict[str, t
         ConfigError: naming the first few parameters the files lack or hold in another shape.
     """
     located = weight_files(directory)
-    expected = {canonical_name(name): tuple(p.shape) for name, p in model.named_parameters()}
+    # LoRA: adapters are not in the base model's files, and a wrapped Linear keeps its weight under base_layer.
+    expected = {
+        base_name(canonical_name(name)): tuple(p.shape) for name, p in model.named_parameters() if not is_adapter(name)
+    }
     _check_names_and_shapes(expected, located, directory)
     unused = sorted(set(located) - set(expected) - {canonical_name(name) for name, _ in model.named_buffers()})
     if unused:
         logger.warning("model.pretrained: %d tensors the model does not have are ignored: %s", len(unused), unused[:5])
 
     def source(name: str, tensor: torch.Tensor) -> torch.Tensor | None:
+        if is_adapter(name):
+            return None
+        name = base_name(name)
         file = located.get(name)
         if file is None:
             return buffers.get(name)

@@ -133,6 +133,10 @@ class SequenceSharding:
         self.current = CutMicroBatch(positions[:, local], documents, exchange=self.cp > 1)
         return inputs[:, local], targets[:, local]
 
+    def local_targets(self, targets: torch.Tensor) -> torch.Tensor:
+        """This rank's tokens of ``targets``, without remembering anything (to count them ahead of the step)."""
+        return targets[:, self._order(targets.shape[1], targets.device)[0]]
+
     def whole(self, inputs: torch.Tensor) -> torch.Tensor:
         """``inputs`` kept whole on this rank (evaluation): attention stays local, documents still apply."""
         documents, positions = self._documents_and_positions(inputs)

@@ -64,9 +64,12 @@ def fsdp_degree(dims: ParallelDims) -> int:
 def model_state_bytes(
     params: list[ParamFacts] | tuple[ParamFacts, ...], *, dims: ParallelDims, optim: OptimConfig
 ) -> tuple[int, int, int]:
-    """(parameter, gradient, optimizer-state) bytes one rank holds for these parameters."""
+    """(parameter, gradient, optimizer-state) bytes one rank holds for these parameters; frozen ones (a LoRA
+    run's base) have no gradient or optimizer state."""
     numel = sum(held_numel(param, dims) for param in params)
-    return FP32 * numel, FP32 * numel, optimizer_bytes(numel, num_tensors=len(params), optim=optim)
+    trainable = [param for param in params if param.trainable]
+    trained = sum(held_numel(param, dims) for param in trainable)
+    return FP32 * numel, FP32 * trained, optimizer_bytes(trained, num_tensors=len(trainable), optim=optim)
 
 
 def held_numel(param: ParamFacts, dims: ParallelDims) -> int:

@@ -14,6 +14,7 @@ from torch import nn
 from paratrain.config.factories import call_factory
 from paratrain.config.schema import ModelConfig
 from paratrain.errors import ConfigError
+from paratrain.models.lora import maybe_apply_lora
 from paratrain.models.meta import on_meta
 from paratrain.models.plan import ParallelPlan, TensorParallelStyle, plan_of
 
@@ -26,6 +27,7 @@ class ParamFacts:
     shape: tuple[int, ...]
     tp_style: TensorParallelStyle | None = None
     expert: bool = False  # stacked experts along dim 0 (ParallelPlan.block_experts): expert parallel divides it
+    trainable: bool = True  # False: frozen (a LoRA run's base), so no gradient or optimizer state
 
     @property
     def numel(self) -> int:
@@ -107,7 +109,7 @@ def read_model_facts(model_config: ModelConfig, *, seq_len: int | None = None) -
     """
     try:
         with on_meta():
-            model = call_factory(model_config, key="model")
+            model = maybe_apply_lora(call_factory(model_config, key="model"), model_config.lora)
     except ConfigError:
         raise
     except Exception as error:  # the user's constructor may fail in any way on meta tensors
@@ -162,4 +164,5 @@ def _param_facts(model: nn.Module, plan: ParallelPlan) -> Iterable[ParamFacts]:
         style = styles.get(name)
         if style == "rowwise" and name.endswith(".bias"):
             style = None  # a rowwise layer adds its bias once, after the reduction: kept whole
-        yield ParamFacts(name, tuple(param.shape), style, expert=bool(experts) and name.startswith(experts))
+        expert = bool(experts) and name.startswith(experts)
+        yield ParamFacts(name, tuple(param.shape), style, expert=expert, trainable=param.requires_grad)

@@ -23,7 +23,7 @@ from paratrain.checkpoint.checkpointer import quiet_single_process
 from paratrain.checkpoint.manifest import verify_checkpoint
 from paratrain.checkpoint.safe_reader import SafeFileSystemReader, SafeLoadPlanner
 from paratrain.config.factories import call_factory
-from paratrain.config.schema import ModelConfig
+from paratrain.config.schema import LoraConfig, ModelConfig
 from paratrain.errors import ConfigError
 from paratrain.models.hf import is_transformers_model
 from paratrain.models.meta import on_meta
@@ -70,16 +70,21 @@ def export_safetensors(checkpoint: Path, out: Path) -> int:
     return len(names)
 
 
-def export_hf(checkpoint: Path, out_dir: Path, *, max_shard_bytes: int = 2 << 30) -> int:
+def export_hf(checkpoint: Path, out_dir: Path, *, max_shard_bytes: int = 2 << 30, merge: bool = False) -> int:
     """Writes a Hugging Face model directory (config.json, safetensors shards of at most
     ``max_shard_bytes`` and model.safetensors.index.json) from a checkpoint of a transformers model,
     streaming one tensor at a time; ``from_pretrained(out_dir)`` loads it. Returns the tensor count.
+    A LoRA run's checkpoint is written as a peft adapter directory instead, or with ``merge`` as the
+    model with its adapter merged in (tools.export_lora).
 
     Raises:
-        ConfigError: when the checkpoint's model is not a transformers model.
+        ConfigError: when the checkpoint's model is not a transformers model, or ``merge`` without LoRA.
     """
     manifest = verify_checkpoint(checkpoint)
     model = _model_on_meta(manifest["config"]["model"])
+    lora = manifest["config"]["model"].get("lora")
+    if lora is not None or merge:
+        return _export_lora(checkpoint, out_dir, manifest["config"]["model"], model, merge=merge)
     names = dict(sorted(tensor_names(checkpoint).items()))
     shards = _split_into_shards(names, max_shard_bytes)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -93,6 +98,28 @@ def export_hf(checkpoint: Path, out_dir: Path, *, max_shard_bytes: int = 2 << 30
     (out_dir / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
     model.config.save_pretrained(out_dir)  # last: a directory with config.json is a finished export
     return len(names)
+
+
+def _export_lora(checkpoint: Path, out_dir: Path, model_section: dict, model, *, merge: bool) -> int:
+    from paratrain.tools.export_lora import export_adapter, merged_tensors  # Lazy: peft, only for LoRA runs
+
+    if model_section.get("lora") is None:
+        raise ConfigError(
+            f"export --merge: {checkpoint} is a full fine-tune's checkpoint, with no LoRA adapter to merge; "
+            f"export it with --hf alone"
+        )
+    lora = LoraConfig(**model_section["lora"])
+    names = {MODEL_PREFIX + name: item for name, item in tensor_names(checkpoint).items()}
+    tensors = read_tensors(checkpoint, names, prefix=MODEL_PREFIX)
+    if not merge:
+        return export_adapter(tensors, lora, out_dir, base=model_section.get("pretrained"))
+    from safetensors.torch import save_file  # Lazy: safetensors only for exports
+
+    merged = merged_tensors(tensors, lora)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    save_file(merged, out_dir / "model.safetensors", metadata={"format": "pt"})
+    model.config.save_pretrained(out_dir)  # last: a directory with config.json is a finished export
+    return len(merged)
 
 
 def _model_on_meta(model_section: dict):

@@ -123,6 +123,15 @@ COMMANDS: dict[str, Run | Elsewhere] = {
     ),
     "paratrain train examples/hf_llama.yaml 'model.args={}' model.pretrained=out/llama run.output_dir=runs/hf_llama_ft "
     "--nproc-per-node 2": short("hf", output="step 2/2"),
+    # --- docs/fine-tuning.md and examples/hf_sft_lora.yaml: chat data, LoRA, the adapter exported and loaded ---
+    "python -m paratrain.tools.sft_example runs/sft/data": Run(recipe="sft"),
+    "paratrain train examples/hf_sft_lora.yaml --nproc-per-node 2": Run(
+        ("train.max_steps=10",), "export needs a checkpoint, not 150 steps of training", "sft"
+    ),
+    "paratrain export runs/hf_sft_lora --hf out/adapter": Run(recipe="sft", output="step-10"),
+    'python -c "import peft, transformers; peft.PeftModel.from_pretrained(transformers.AutoModelForCausalLM.'
+    "from_pretrained('runs/sft/data/base'), 'out/adapter')\"": Run(recipe="sft"),
+    "paratrain export runs/hf_sft_lora --hf out/merged --merge": Run(recipe="sft", output="step-10"),
     # --- examples/gpt_moe.yaml: paratrain's GPT with a mixture-of-experts feed-forward, fsdp over 2 ranks ----
     "paratrain train examples/gpt_moe.yaml --nproc-per-node 2 train.max_steps=10": Run(output="layout fsdp"),
     "paratrain train examples/gpt_moe.yaml parallel.ep=2 --nproc-per-node 2 train.max_steps=10": Run(

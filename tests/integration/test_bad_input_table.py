@@ -8,6 +8,7 @@ output directory holds an earlier run's files; a refused ``train`` must leave th
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -15,6 +16,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
+from tests.chat_fixtures import write_chat_jsonl, write_chat_tokenizer
 from tests.harness import as_new_user, run_cli_in_process, tiny_config, write_config
 
 SENTINEL = "earlier results\n"
@@ -26,6 +28,15 @@ MLP = [
     "loss.factory=paratrain.losses:mse",
 ]
 TWO = ["--nproc-per-node", "2"]
+TINY_LLAMA = [
+    "model.factory=paratrain.models.hf:causal_lm",
+    "model.args={model_type: llama, vocab_size: 128, hidden_size: 16, intermediate_size: 32, num_hidden_layers: 1, "
+    "num_attention_heads: 2, num_key_value_heads: 2, max_position_embeddings: 16}",
+]
+CHAT = [
+    "data.factory=paratrain.data.chat:chat_data",
+    "data.args={files: {tmp}/chat.jsonl, tokenizer: {chat_tokenizer}, seq_len: 16}",
+]
 
 
 @dataclass(frozen=True)
@@ -305,6 +316,19 @@ CASES: dict[str, Case] = {
         "model.pretrained={cut_model}", expect=("cut_model/model.safetensors", "damaged or incomplete")
     ),
     "model.args a list": train("model.args=[1]", expect="model.args"),
+    # LoRA (paratrain.models.lora)
+    "model.lora on a model peft cannot wrap": train(
+        "model.lora={r: 4}", expect=("model.lora: GPT is not a transformers model", "remove model.lora")
+    ),
+    "model.lora.r zero": train("model.lora={r: 0}", expect=("model.lora.r", "greater than 0")),
+    "model.lora target matching no module": train(
+        *TINY_LLAMA,
+        "model.lora={r: 4, target_modules: [qproj]}",
+        expect=("matches no Linear module", "q_proj, up_proj"),
+    ),
+    "model.lora under tensor parallel": train(
+        *TINY_LLAMA, "model.lora={r: 4}", "parallel.strategy=tp", *TWO, expect=("model.lora with parallel.tp=2", "fsdp")
+    ),
     "transformers release outside the supported range": train(
         "model.factory=paratrain.models.hf:causal_lm",
         "model.args={model_type: llama, vocab_size: 64}",
@@ -312,6 +336,19 @@ CASES: dict[str, Case] = {
         expect=("transformers 4.40.0 is installed", "pip install 'transformers>=4.56"),
     ),
     # --- data, and data against the model (shape checks) -----------------------------------------
+    # chat data (paratrain.data.chat), refused as the dataset is built
+    "chat rows without messages or prompt/completion": train(
+        *CHAT, "data.args.files={chat_columns}", expect=("neither a 'messages' column", "it has: question, text")
+    ),
+    "chat turns out of order": train(
+        *CHAT, "data.args.files={chat_order}", expect=("turn 1 ('assistant' after 'system') is out of order",)
+    ),
+    "chat empty assistant reply": train(
+        *CHAT, "data.args.files={chat_empty}", expect="turn 1 is an empty assistant reply"
+    ),
+    "chat tokenizer without a template": train(
+        *CHAT, "data.args.tokenizer={bare_tokenizer}", expect=("has no chat template", "data.args.chat_template")
+    ),
     "data factory that does not import": train("data.factory=nope.data:build", expect=("data.factory", "nope.data")),
     "data factory argument it does not take": train("data.args.nope=1", expect=("data.args", "nope")),
     "data.num_workers negative": train("data.num_workers=-1", expect="data.num_workers"),
@@ -608,8 +645,21 @@ def files(tmp_path_factory) -> dict[str, str]:
     old_transformers = tmp / "old-transformers/transformers-4.40.0.dist-info"
     old_transformers.mkdir(parents=True)
     (old_transformers / "METADATA").write_text("Metadata-Version: 2.1\nName: transformers\nVersion: 4.40.0\n")
+    write_chat_tokenizer(tmp / "chat_tokenizer")
+    write_chat_tokenizer(tmp / "bare_tokenizer", template=None)
+    write_chat_jsonl(tmp / "chat.jsonl", 2)
+    chat_rows = {
+        "chat_columns": {"question": "hi", "text": "hello"},
+        "chat_order": {"messages": [{"role": "system", "content": "hi"}, {"role": "assistant", "content": "hi"}]},
+        "chat_empty": {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": " "}]},
+    }
+    for name, row in chat_rows.items():
+        (tmp / f"{name}.jsonl").write_text(json.dumps(row) + "\n")
     return {
         "tmp": str(tmp),
+        "chat_tokenizer": str(tmp / "chat_tokenizer"),
+        "bare_tokenizer": str(tmp / "bare_tokenizer"),
+        **{name: str(tmp / f"{name}.jsonl") for name in chat_rows},
         "run": str(run),
         "config": str(write_config(tmp / "config.yaml", tiny_config(run))),
         "nan_file": str(write_config(tmp / "nan.yaml", nan)),

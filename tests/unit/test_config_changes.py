@@ -151,3 +151,15 @@ def test_trainer_refuses_a_changed_config_and_logs_harmless_changes_on_resume(tm
         "config changes that keep the training math: log.every_steps: 1 -> 5; precision: 'fp32' -> 'fp16'; "
         "train.micro_batch_size: 2 -> 1"
     ) in caplog.text
+
+
+def test_an_optional_section_set_on_one_side_only_is_one_change_to_the_math():
+    from paratrain.checkpoint.config_changes import compare_configs
+
+    lora = {"model": {"factory": "f", "lora": {"r": 4, "alpha": 8.0}}}
+    full = {"model": {"factory": "f", "lora": None}}
+    assert compare_configs(lora, full).math == ["model.lora: {'r': 4, 'alpha': 8.0} -> None"]
+    assert compare_configs(full, lora).math == ["model.lora: None -> {'r': 4, 'alpha': 8.0}"]
+    assert compare_configs(lora, {"model": {"factory": "f", "lora": {"r": 8, "alpha": 8.0}}}).math == [
+        "model.lora.r: 4 -> 8"
+    ]

@@ -1,0 +1,178 @@
+"""Chat and instruction samples: conversations rendered by the tokenizer's chat template, with the loss on
+the assistant's replies only.
+
+Every conversation is tokenized once, when the dataset is built (SFT sets are small next to pretraining
+corpora). Labels: each token of an assistant reply, with the end-of-turn tokens the template puts after it,
+is a target; every other token (system prompt, user turns, the template's role headers) carries
+``IGNORE_INDEX``. A multi-turn conversation is one sample that learns every assistant reply in it, each
+seeing the whole conversation before it.
+
+Which tokens are the reply: a template with ``{% generation %}`` markers tells transformers directly
+(``return_assistant_tokens_mask``); for any other template the conversation is rendered turn by turn, and
+reply ``i`` is the tokens between the rendering of the turns before it (with the generation prompt) and the
+rendering that ends with it. A template whose renderings are not prefixes of each other is refused.
+
+Each sample is padded to ``seq_len`` on its own (no packing): positions start at 0 in every sample, and
+under causal attention no token attends to padding or to another sample.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+from torch.utils.data import Dataset
+
+from paratrain.data.conversations import Conversation, iter_conversations
+from paratrain.data.corpus import resolve_files
+from paratrain.errors import ConfigError
+from paratrain.parallel.target_tokens import IGNORE_INDEX
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ChatSample:
+    """One conversation's tokens and labels (IGNORE_INDEX where no loss is taken), of equal length."""
+
+    tokens: list[int]
+    labels: list[int]
+
+
+class ChatSamples(Dataset):
+    """Tokenized conversations as (inputs, targets) pairs of ``seq_len`` tokens each, padded at the end."""
+
+    def __init__(self, samples: list[ChatSample], *, seq_len: int, pad_id: int, vocab_size: int):
+        self.samples, self.seq_len, self.pad_id = samples, seq_len, pad_id
+        self.vocab_size = vocab_size  # what the shape check before training compares with the model's embedding
+
+    def __len__(self) -> int:
+        return len(self.samples)
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        sample = self.samples[index]
+        inputs = torch.full((self.seq_len,), self.pad_id, dtype=torch.long)
+        targets = torch.full((self.seq_len,), IGNORE_INDEX, dtype=torch.long)
+        length = len(sample.tokens) - 1  # the last token is only ever a target
+        inputs[:length] = torch.tensor(sample.tokens[:-1])
+        targets[:length] = torch.tensor(sample.labels[1:])
+        return inputs, targets
+
+
+def chat_data(
+    *,
+    files: str | list[str],
+    tokenizer: str,
+    seq_len: int,
+    overflow: Literal["truncate", "drop"] = "truncate",
+    chat_template: str | None = None,
+) -> ChatSamples:
+    """Factory for config files: ``data.factory: paratrain.data.chat:chat_data``.
+
+    Args:
+        files: ``.jsonl`` or ``.parquet`` files, or directories written by ``datasets``' ``save_to_disk``, whose
+            rows hold ``messages`` or ``prompt``/``completion`` (see paratrain.data.conversations).
+        tokenizer: A directory a transformers tokenizer was saved to (``save_pretrained``).
+        seq_len: Tokens per sample's inputs; at most the model's positions.
+        overflow: A conversation longer than ``seq_len + 1`` tokens is cut to it (``truncate``) or left out
+            (``drop``); the log counts both, and a sample left with no reply token is dropped either way.
+        chat_template: A Jinja chat template to use instead of the tokenizer's own (or for one without).
+
+    Raises:
+        ConfigError: no files, a tokenizer without a chat template, bad rows, or no sample left.
+    """
+    if seq_len < 1 or overflow not in ("truncate", "drop"):
+        raise ConfigError(
+            f"data.args: seq_len={seq_len} must be at least 1 and overflow={overflow!r} 'truncate' or 'drop'"
+        )
+    loaded = load_chat_tokenizer(tokenizer, chat_template=chat_template)
+    samples, cut, dropped = [], 0, 0
+    for path in resolve_files(files):
+        for conversation in iter_conversations(path):
+            rendered = render(loaded, conversation)
+            sample = fit(rendered, seq_len=seq_len, overflow=overflow)
+            cut += sample is not None and len(sample.tokens) < len(rendered.tokens)
+            dropped += sample is None
+            samples += [sample] if sample is not None else []
+    if not samples:
+        raise ConfigError(f"data.args: no conversation in {files!r} keeps a reply within seq_len={seq_len}")
+    if int(os.environ.get("RANK", 0)) == 0:
+        logger.info(
+            "chat data: %d samples, %d truncated and %d dropped at seq_len=%d", len(samples), cut, dropped, seq_len
+        )
+    pad_id = loaded.pad_token_id if loaded.pad_token_id is not None else (loaded.eos_token_id or 0)
+    return ChatSamples(samples, seq_len=seq_len, pad_id=pad_id, vocab_size=len(loaded))
+
+
+def load_chat_tokenizer(path: str, *, chat_template: str | None):
+    """A transformers tokenizer with a chat template.
+
+    Raises:
+        ConfigError: the path holds no tokenizer, or the tokenizer has no chat template and none is given.
+    """
+    # Lazy: transformers takes seconds to import and is only needed for chat data.
+    from transformers import AutoTokenizer
+
+    try:
+        loaded = AutoTokenizer.from_pretrained(os.path.expanduser(path))
+    except (OSError, ValueError) as error:
+        raise ConfigError(
+            f"data.args.tokenizer={path!r} is not a transformers tokenizer directory ({error}); give the directory "
+            f"a tokenizer was saved to with save_pretrained"
+        ) from None
+    if chat_template is not None:
+        loaded.chat_template = chat_template
+    if not loaded.chat_template:
+        raise ConfigError(
+            f"data.args.tokenizer={path!r} has no chat template; use the tokenizer of the model's instruct version, "
+            f"or give one as data.args.chat_template (a Jinja string)"
+        )
+    return loaded
+
+
+def render(tokenizer, conversation: Conversation) -> ChatSample:
+    """The conversation's tokens, and labels that keep the assistant's replies only (see the module docstring)."""
+    if "{% generation %}" in tokenizer.chat_template or "{%- generation %}" in tokenizer.chat_template:
+        encoded = tokenizer.apply_chat_template(
+            conversation, tokenize=True, return_dict=True, return_assistant_tokens_mask=True
+        )
+        tokens, mask = list(encoded["input_ids"]), encoded["assistant_masks"]
+        return ChatSample(tokens, [token if keep else IGNORE_INDEX for token, keep in zip(tokens, mask, strict=True)])
+    tokens = _tokens(tokenizer, conversation, add_generation_prompt=False)
+    labels = [IGNORE_INDEX] * len(tokens)
+    for index, turn in enumerate(conversation):
+        if turn["role"] != "assistant":
+            continue
+        start = len(_prefix(tokenizer, conversation[:index], tokens, add_generation_prompt=True))
+        end = len(_prefix(tokenizer, conversation[: index + 1], tokens, add_generation_prompt=False))
+        labels[start:end] = tokens[start:end]
+    return ChatSample(tokens, labels)
+
+
+def fit(sample: ChatSample, *, seq_len: int, overflow: str) -> ChatSample | None:
+    """The sample cut to ``seq_len + 1`` tokens (None: dropped, or left without a target)."""
+    if len(sample.tokens) > seq_len + 1:
+        if overflow == "drop":
+            return None
+        sample = ChatSample(sample.tokens[: seq_len + 1], sample.labels[: seq_len + 1])
+    has_target = any(label != IGNORE_INDEX for label in sample.labels[1:])
+    return sample if has_target else None
+
+
+def _tokens(tokenizer, conversation: Conversation, *, add_generation_prompt: bool) -> list[int]:
+    text = tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=add_generation_prompt)
+    return tokenizer(text, add_special_tokens=False)["input_ids"] if conversation else []
+
+
+def _prefix(tokenizer, turns: Conversation, whole: list[int], *, add_generation_prompt: bool) -> list[int]:
+    prefix = _tokens(tokenizer, turns, add_generation_prompt=add_generation_prompt)
+    if whole[: len(prefix)] != prefix:
+        raise ConfigError(
+            "data.args.chat_template: rendering the first turns of a conversation does not begin its full "
+            "rendering, so the assistant's replies cannot be found; use a template with {% generation %} "
+            "markers, or one that renders each turn after the previous ones"
+        )
+    return prefix
