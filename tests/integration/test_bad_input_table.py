@@ -329,6 +329,9 @@ CASES: dict[str, Case] = {
     "model.lora under tensor parallel": train(
         *TINY_LLAMA, "model.lora={r: 4}", "parallel.strategy=tp", *TWO, expect=("model.lora with parallel.tp=2", "fsdp")
     ),
+    "model.lora under a pipeline": train(
+        *TINY_LLAMA, "model.lora={r: 4}", "parallel.strategy=pp", *TWO, expect=("model.lora with", "parallel.pp=2")
+    ),
     "transformers release outside the supported range": train(
         "model.factory=paratrain.models.hf:causal_lm",
         "model.args={model_type: llama, vocab_size: 64}",
