@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 import yaml
+from safetensors.torch import load_file
 
 from paratrain.tools.export import read_tensors, tensor_names
 
@@ -191,6 +192,23 @@ def checkpoint_weights(checkpoint_dir: Path, prefix: str = "model.") -> dict[str
 def max_relative_difference(a: dict[int, float], b: dict[int, float]) -> float:
     assert a.keys() == b.keys(), f"different steps logged: {sorted(a)} vs {sorted(b)}"
     return max(abs(a[k] - b[k]) / abs(b[k]) for k in a)
+
+
+def assert_matches_single_process(
+    reference: Path, laid_out: Path, *, steps: int, loss_rtol: float = 1e-5
+) -> dict[str, torch.Tensor]:
+    """A layout's run against one process's on the same seed and batch: every step's loss within loss_rtol
+    (relative), and the step-1 gradients (``debug.dump_gradients_at_steps: [1]``) tensor by tensor.
+    Returns the reference's gradients, by name, for checks of which tensors there are."""
+    losses = losses_by_step(laid_out)
+    assert len(losses) == steps
+    assert max_relative_difference(losses, losses_by_step(reference)) <= loss_rtol
+    expected = load_file(str(reference / "gradients/step-1.safetensors"))
+    actual = load_file(str(laid_out / "gradients/step-1.safetensors"))
+    assert actual.keys() == expected.keys()
+    for name in expected:
+        torch.testing.assert_close(actual[name], expected[name], rtol=1e-5, atol=1e-7, msg=name)
+    return expected
 
 
 def max_weight_difference(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:

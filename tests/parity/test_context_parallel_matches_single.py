@@ -7,12 +7,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from safetensors.torch import load_file
 
 from paratrain.data.lm import packed_text
 from paratrain.data.stdlib_corpus import train_tokenizer, write_stdlib_corpus
 from tests.harness import (
     LayoutRuns,
+    assert_matches_single_process,
     checkpoint_weights,
     losses_by_step,
     max_relative_difference,
@@ -111,15 +111,7 @@ def single_of(layout: str) -> str:
 @pytest.mark.parametrize("layout", CP_LAYOUTS)
 def test_context_parallel_matches_a_single_process_losses_and_first_gradients(runs, layout):
     reference, laid_out = runs.get(single_of(layout)), runs.get(layout)
-
-    losses = losses_by_step(laid_out)
-    assert len(losses) == STEPS
-    assert max_relative_difference(losses, losses_by_step(reference)) <= LOSS_RTOL
-    expected = load_file(str(reference / "gradients/step-1.safetensors"))
-    actual = load_file(str(laid_out / "gradients/step-1.safetensors"))
-    assert actual.keys() == expected.keys()
-    for name in expected:
-        torch.testing.assert_close(actual[name], expected[name], rtol=1e-5, atol=1e-7, msg=name)
+    assert_matches_single_process(reference, laid_out, steps=STEPS, loss_rtol=LOSS_RTOL)
 
 
 @pytest.mark.parametrize("model", ["gpt", "llama"])

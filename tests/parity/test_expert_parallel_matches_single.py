@@ -9,9 +9,15 @@ from __future__ import annotations
 
 import pytest
 import torch
-from safetensors.torch import load_file
 
-from tests.harness import LayoutRuns, checkpoint_weights, losses_by_step, max_relative_difference, read_metrics
+from tests.harness import (
+    LayoutRuns,
+    assert_matches_single_process,
+    checkpoint_weights,
+    losses_by_step,
+    max_relative_difference,
+    read_metrics,
+)
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -74,16 +80,8 @@ def single_of(layout: str) -> str:
 @pytest.mark.parametrize("layout", EP_LAYOUTS)
 def test_expert_parallel_matches_a_single_process_losses_and_first_gradients(runs, layout):
     reference, laid_out = runs.get(single_of(layout)), runs.get(layout)
-
-    losses = losses_by_step(laid_out)
-    assert len(losses) == STEPS
-    assert max_relative_difference(losses, losses_by_step(reference)) <= LOSS_RTOL
-    expected = load_file(str(reference / "gradients/step-1.safetensors"))
-    actual = load_file(str(laid_out / "gradients/step-1.safetensors"))
-    assert actual.keys() == expected.keys()
+    expected = assert_matches_single_process(reference, laid_out, steps=STEPS, loss_rtol=LOSS_RTOL)
     assert any("experts" in name for name in expected)
-    for name in expected:
-        torch.testing.assert_close(actual[name], expected[name], rtol=1e-5, atol=1e-7, msg=name)
 
 
 @pytest.mark.parametrize("layout", EP_LAYOUTS)

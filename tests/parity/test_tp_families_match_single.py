@@ -6,12 +6,10 @@ and batch (issue 24). Llama's own tp x2 and fsdp+tp 2x2 are in test_hf_matches_s
 from __future__ import annotations
 
 import pytest
-import torch
-from safetensors.torch import load_file
 
 from paratrain.models.hf import causal_lm
 from paratrain.models.plan import plan_of
-from tests.harness import LayoutRuns, losses_by_step, max_relative_difference
+from tests.harness import LayoutRuns, assert_matches_single_process
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -73,11 +71,4 @@ def test_the_familys_plan_uses_the_styles_this_test_covers(family):
 @pytest.mark.parametrize("family", FAMILIES)
 def test_tensor_parallel_of_the_familys_own_plan_matches_a_single_process(runs, family):
     reference, laid_out = runs.get(f"{family} single"), runs.get(f"{family} tp x2")
-    losses = losses_by_step(laid_out)
-    assert len(losses) == STEPS
-    assert max_relative_difference(losses, losses_by_step(reference)) <= LOSS_RTOL
-    expected = load_file(str(reference / "gradients/step-1.safetensors"))
-    actual = load_file(str(laid_out / "gradients/step-1.safetensors"))
-    assert actual.keys() == expected.keys()
-    for name in expected:
-        torch.testing.assert_close(actual[name], expected[name], rtol=1e-5, atol=1e-7, msg=name)
+    assert_matches_single_process(reference, laid_out, steps=STEPS, loss_rtol=LOSS_RTOL)
