@@ -4,22 +4,9 @@
 # benchmarks/mfu.py on the 1.2B GPT. Logs go to $OUT (or ./gpu-lease-out); the summary is printed last.
 #
 #   bash benchmarks/gpu_lease.sh            # on the GPU machine, from the repository root
-#
-# The GPU image has torch but not pydantic: wheels downloaded here into .whl/ (see docs/benchmarks.md)
-# are installed first when present.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-OUT="${OUT:-gpu-lease-out}"
-mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1
-
-if compgen -G ".whl/*.whl" >/dev/null; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
-  export PYTHONPATH="/tmp/site${PYTHONPATH:+:$PYTHONPATH}"
-fi
-# paratrain itself, without touching the image's packages (its version ranges are read from its metadata).
-python3 -m pip install -q --no-index --no-deps --no-build-isolation -e . >"$OUT/install.log" 2>&1 \
-  || export PYTHONPATH="$PWD:${PYTHONPATH:-}"
+source benchmarks/gpu_env.sh
 
 {
   nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv

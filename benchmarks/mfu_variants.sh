@@ -1,17 +1,9 @@
 #!/usr/bin/env bash
 # The MFU tuning runs of issue 27 on one GPU, back to back in one call: benchmarks/mfu.py's 1.2B GPT under
-# each variant, 60 steps (steps 1-10 left out). Run after benchmarks/gpu_lease.sh has installed its wheels
-# (or with pydantic importable); logs go to $OUT.
+# each variant, 60 steps (steps 1-10 left out); logs go to $OUT.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-OUT="${OUT:-gpu-lease-out}"
-mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1
-if compgen -G ".whl/*.whl" >/dev/null; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
-  export PYTHONPATH="/tmp/site${PYTHONPATH:+:$PYTHONPATH}"
-fi
-python3 -m pip install -q --no-index --no-deps --no-build-isolation -e . >/dev/null 2>&1 || export PYTHONPATH="$PWD:${PYTHONPATH:-}"
+source benchmarks/gpu_env.sh
 
 mfu() {  # name, then mfu.py arguments
   local name=$1; shift
