@@ -20,8 +20,9 @@ DTensor has no random-number tracker and every shard would get the same numbers.
 buffer that no source fills is an error naming it, never uninitialised memory.
 
 A factory that returns real weights itself (for example one calling ``from_pretrained``, which
-cannot run under a meta-device context) is detected by ``build_on_meta``: its model is laid out as it
-is and nothing here runs.
+transformers 5 refuses under a meta-device context) is detected by ``build_on_meta``: its model is laid
+out as it is and nothing here runs. (transformers 4.x with accelerate installed does build it on meta;
+source 3 then loads it again for real, so the weights are still the ones it loaded.)
 """
 
 from __future__ import annotations

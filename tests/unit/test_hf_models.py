@@ -86,12 +86,21 @@ def test_a_pretrained_directory_without_config_or_weights_is_refused_naming_the_
         check_pretrained_dir(tmp_path)
 
 
-def test_a_factory_that_cannot_build_on_meta_is_built_for_real(saved):
+def test_a_factory_calling_from_pretrained_trains_from_the_weights_it_loaded(saved):
+    """transformers 5 refuses from_pretrained under a meta-device context, so build_on_meta builds it for real;
+    4.56 with accelerate installed builds it on meta, and materialize loads it again for real (its third
+    source). Either way the weights are the ones the factory loaded."""
     directory, original = saved
     transformers = pytest.importorskip("transformers")
-    model = build_on_meta(lambda: transformers.AutoModelForCausalLM.from_pretrained(directory), seed=0)
+
+    def factory():
+        return transformers.AutoModelForCausalLM.from_pretrained(directory)
+
+    model = build_on_meta(factory, seed=0)
+    materialize(model, factory=factory, device=torch.device("cpu"), seed=0)
     assert not any(p.is_meta for p in model.parameters())
     assert torch.equal(model.lm_head.weight, original.lm_head.weight)
+    assert torch.equal(model.model.embed_tokens.weight, original.model.embed_tokens.weight)
 
 
 def test_causal_lm_needs_exactly_one_of_model_type_and_config_dir():
