@@ -8,11 +8,11 @@ conversational form). Rows come from ``.jsonl`` files, ``.parquet`` files or ðŸ¤
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from paratrain.data.corpus import jsonl_values
 from paratrain.errors import ConfigError
 
 Conversation = list[dict[str, str]]
@@ -96,14 +96,7 @@ def _rows(path: Path) -> Iterator[dict[str, Any]]:
 
 
 def _jsonl_rows(path: Path) -> Iterator[dict[str, Any]]:
-    with path.open(encoding="utf-8") as lines:
-        for number, line in enumerate(lines, start=1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as error:
-                raise ConfigError(f"data: {path}:{number} is not valid JSON ({error.msg})") from None
-            if not isinstance(row, dict):
-                raise ConfigError(f"data.args.files: {path}:{number} is not a JSON object")
-            yield row
+    for number, row in jsonl_values(path):
+        if not isinstance(row, dict):
+            raise ConfigError(f"data.args.files: {path}:{number} is not a JSON object")
+        yield row

@@ -11,6 +11,7 @@ import glob
 import json
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 from paratrain.errors import ConfigError
 
@@ -67,21 +68,30 @@ def iter_documents(path: Path, *, text_field: str) -> Iterator[str]:
         yield from _saved_dataset_documents(path, text_field)
 
 
-def _jsonl_documents(path: Path, text_field: str) -> Iterator[str]:
+def jsonl_values(path: Path) -> Iterator[tuple[int, Any]]:
+    """(line number, parsed value) of each non-blank line of a JSONL file.
+
+    Raises:
+        ConfigError: a line that is not valid JSON, naming the file and line.
+    """
     with path.open(encoding="utf-8") as lines:
         for number, line in enumerate(lines, start=1):
             if not line.strip():
                 continue
             try:
-                record = json.loads(line)
+                yield number, json.loads(line)
             except json.JSONDecodeError as error:
                 raise ConfigError(f"data: {path}:{number} is not valid JSON ({error.msg})") from None
-            if not isinstance(record, dict) or not isinstance(record.get(text_field), str):
-                raise ConfigError(
-                    f"data.args.text_field={text_field!r}: {path}:{number} has no string field {text_field!r}; "
-                    f"fix the line or name the field that holds the text"
-                )
-            yield record[text_field]
+
+
+def _jsonl_documents(path: Path, text_field: str) -> Iterator[str]:
+    for number, record in jsonl_values(path):
+        if not isinstance(record, dict) or not isinstance(record.get(text_field), str):
+            raise ConfigError(
+                f"data.args.text_field={text_field!r}: {path}:{number} has no string field {text_field!r}; "
+                f"fix the line or name the field that holds the text"
+            )
+        yield record[text_field]
 
 
 def _parquet_documents(path: Path, text_field: str) -> Iterator[str]:
