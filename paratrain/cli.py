@@ -109,9 +109,10 @@ def run_or_launch(
 
     if options.world_size == 1 and options.max_restarts == 0:
         # lazy: each command loads only what it runs, so every `paratrain` call starts fast
-        from paratrain.train import configure_logging, run
+        from paratrain.train import configure_logging, freeze_imported_objects, run
 
         configure_logging(rank=0)
+        freeze_imported_objects()
         run(config, config_path=args.config)
         return maybe_export_final_hf(config, node_rank=0)
     # lazy: each command loads only what it runs, so every `paratrain` call starts fast

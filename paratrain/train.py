@@ -7,6 +7,7 @@ start it under torchrun themselves: ``torchrun --nproc-per-node 2 -m paratrain.t
 from __future__ import annotations
 
 import argparse
+import gc
 import logging
 import os
 import sys
@@ -58,6 +59,15 @@ def check_memory_before_allocating(config: Config, *, config_path: str) -> None:
     )
 
 
+def freeze_imported_objects() -> None:
+    """Moves every object alive now (torch's, the model's and the other imports', ~300k) out of the garbage collector's
+    reach, so the collections during training and Trainer.close's ``gc.collect`` only walk what the run
+    made: that collect took a third of a tiny run (0.34 of 1.1 s), most of it walking modules that are
+    never garbage. Only for a process that exists to train: cycles among objects alive now are never freed.
+    """
+    gc.freeze()
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parse_args(argv)
     rank = int(os.environ.get("RANK", 0))
@@ -75,6 +85,7 @@ def main(argv: list[str] | None = None) -> int:
             for warning in ineffective_options(config, dims):
                 logging.getLogger("paratrain").warning("warning: %s", warning)
         with maybe_holding_run_lock(config.run.output_dir):
+            freeze_imported_objects()  # after preflight, which imported the model's modules
             run(config, config_path=args.config)
     except RUN_ENDINGS as error:
         # A stop (preempted, non-finite, a failed save) was reported by the Trainer before any rank could exit.

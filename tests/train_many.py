@@ -11,10 +11,11 @@ import sys
 import torch.distributed as dist
 
 from paratrain.config.schema import load_config
-from paratrain.train import configure_logging, run
+from paratrain.train import configure_logging, freeze_imported_objects, run
 
 
 def main(runs_file: str) -> None:
+    freeze_imported_objects()
     dist.init_process_group("gloo")
     configure_logging(dist.get_rank())
     for config_path, overrides in json.loads(open(runs_file).read()):
