@@ -14,12 +14,12 @@ parameter names that change with the number of experts held.
 from __future__ import annotations
 
 import math
+import sys
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed.tensor import DTensor
 
 from paratrain.models.contract import RoutingStats
 
@@ -85,7 +85,11 @@ class Experts(nn.Module):
 
 def _local(weight: torch.Tensor) -> torch.Tensor:
     # A DTensor's own shard (expert parallel); to_local keeps the gradient flowing back to the DTensor.
-    return weight.to_local() if isinstance(weight, DTensor) else weight
+    # DTensor is looked up, not imported: no weight is one before torch.distributed.tensor is loaded, and
+    # importing it (with sympy) took a quarter of `paratrain train`'s start-up, which builds every model
+    # on meta in preflight without any layout.
+    dtensor = sys.modules.get("torch.distributed.tensor")
+    return weight.to_local() if dtensor is not None and isinstance(weight, dtensor.DTensor) else weight
 
 
 def compute_experts_locally(experts: Experts, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:

@@ -6,6 +6,8 @@ comment says they are deliberately lazy."""
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[2] / "paratrain"
@@ -274,3 +276,20 @@ def test_the_rules_see_what_they_check():
         assert cycle_through("paratrain.errors")
     finally:
         GRAPH["paratrain.errors"].discard("paratrain.trainer")
+
+
+def test_the_launcher_checks_a_config_without_loading_dtensor():
+    """`paratrain train` builds the model on meta in preflight before it launches; DTensor (with sympy) is the
+    workers' to load: importing it there took a quarter of the launcher's start-up (docs/benchmarks.md)."""
+    check = (
+        "import sys\n"
+        "from paratrain.checks.preflight import preflight\n"
+        "from paratrain.config.schema import load_config\n"
+        "for example in ('examples/quickstart.yaml', 'examples/gpt_moe.yaml'):\n"
+        "    preflight(load_config(example, []), world_size=2, nproc_per_node=2)\n"
+        "print(sorted(name for name in sys.modules if name.startswith('torch.distributed.tensor')))\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", check], capture_output=True, text=True, cwd=PACKAGE.parent, check=True, timeout=300
+    )
+    assert result.stdout.strip() == "[]", result.stdout
