@@ -107,7 +107,7 @@ class Checkpointer:
         manifest; ``resume: auto`` never picks a checkpoint recorded as not finite.
         """
         self.wait()
-        self._wait_for_deletion()  # a rotated-out checkpoint's space is free before this one is written
+        self.wait_for_rotation()  # a rotated-out checkpoint's space is free before this one is written
         path = self.directory / f"step-{step}"
         try:
             self._fresh_directory(path)
@@ -169,7 +169,7 @@ class Checkpointer:
         try:
             self.wait()
         finally:
-            self._wait_for_deletion()
+            self.wait_for_rotation()
             if self._executor is not None:
                 self._executor.shutdown()
             if self._stager is not None:
@@ -380,7 +380,8 @@ class Checkpointer:
             )
             self._deleting.start()
 
-    def _wait_for_deletion(self) -> None:
+    def wait_for_rotation(self) -> None:
+        """Blocks until the files of checkpoints rotated out are deleted (``save`` and ``close`` do it)."""
         deleting, self._deleting = self._deleting, None
         if deleting is not None:
             deleting.join()
