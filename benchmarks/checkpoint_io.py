@@ -17,7 +17,9 @@ The state is a GPT from ``paratrain.models.gpt`` sized by ``--state-gb`` (weight
 moments, fp32), saved from one process, and again sharded ``fsdp`` over ``--fsdp-ranks`` processes
 (torchrun, gloo; every rank writes its shard to the same disk at once). Throughput is checkpoint
 bytes on disk over wall time; the ratio is to the disk's write (saves) or read (loads). Each
-operation runs ``--rounds`` times, the order rotating every round; the table holds medians.
+operation runs ``--rounds`` times, the order rotating every round; the table holds medians. Beside the
+wall time it prints the CPU seconds (user + system, every thread, summed over ranks) each operation
+took: on a shared machine others' jobs stretch the wall time several-fold between runs, the CPU far less.
 It prints, it never asserts; results belong in docs/benchmarks.md.
 
     .venv/bin/python benchmarks/checkpoint_io.py --state-gb 1 --rounds 3
@@ -119,15 +121,25 @@ def fresh(directory: Path) -> Path:
     return directory
 
 
-def in_sync(action: Callable[[], object]) -> float:
-    """Wall time of action on every rank, from a common start to the last rank's end."""
+def in_sync(action: Callable[[], object]) -> tuple[float, float]:
+    """Wall time of action on every rank, from a common start to the last rank's end, and the CPU
+    seconds it took (every thread of every rank)."""
     if dist.is_initialized():
         dist.barrier()
-    started = time.perf_counter()
+    started, cpu_started = time.perf_counter(), time.process_time()
     action()
+    cpu = time.process_time() - cpu_started
     if dist.is_initialized():
         dist.barrier()
-    return time.perf_counter() - started
+    return time.perf_counter() - started, summed_over_ranks(cpu)
+
+
+def summed_over_ranks(value: float) -> float:
+    if not dist.is_initialized():
+        return value
+    total = torch.tensor([value], dtype=torch.float64)
+    dist.all_reduce(total)
+    return total.item()
 
 
 class Bench:
@@ -144,23 +156,29 @@ class Bench:
         self.step = 0
         self.no_dist = not distributed
 
-    def _save_sync(self) -> float:
+    def _save_sync(self) -> tuple[float, float]:
         self.step += 1
-        return in_sync(lambda: self.checkpointer.save(self.step, self.state, blocking=True))
+        timing = in_sync(lambda: self.checkpointer.save(self.step, self.state, blocking=True))
+        self._let_rotation_finish()
+        return timing
 
-    def _save_async(self) -> tuple[float, float]:
+    def _save_async(self) -> tuple[tuple[float, float], tuple[float, float]]:
+        """(wall, CPU) until the call returned, and until the checkpoint was complete."""
         self.step += 1
         if dist.is_initialized():
             dist.barrier()
-        started = time.perf_counter()
+        started, cpu_started = time.perf_counter(), time.process_time()
         self.checkpointer.save(self.step, self.state, blocking=False)
-        blocked = time.perf_counter() - started
+        blocked = time.perf_counter() - started, time.process_time() - cpu_started
         self.checkpointer.wait()
+        cpu = time.process_time() - cpu_started
         if dist.is_initialized():
             dist.barrier()
-        return blocked, time.perf_counter() - started
+        until_complete = time.perf_counter() - started, summed_over_ranks(cpu)
+        self._let_rotation_finish()
+        return (blocked[0], summed_over_ranks(blocked[1])), until_complete
 
-    def _load_paratrain(self) -> float:
+    def _load_paratrain(self) -> tuple[float, float]:
         path = self.checkpointer.directory / f"step-{self.step}"
         self._drop(path)
 
@@ -173,16 +191,23 @@ class Bench:
 
         return in_sync(resume)
 
-    def _save_dcp(self) -> float:
+    def _save_dcp(self) -> tuple[float, float]:
         path = self.scratch / "dcp"
         if self.rank == 0:
             fresh(path)
         return in_sync(lambda: dcp.save(self.state, checkpoint_id=path, no_dist=self.no_dist))
 
-    def _load_dcp(self) -> float:
+    def _load_dcp(self) -> tuple[float, float]:
         path = self.scratch / "dcp"
         self._drop(path)
         return in_sync(lambda: dcp.load(self.state, checkpoint_id=path, no_dist=self.no_dist))
+
+    def _let_rotation_finish(self) -> None:
+        """The previous checkpoint's files are deleted after a save completes, beside what follows it
+        (training, in a run): waited for untimed, so that deletion does not land in the next timed load."""
+        self.checkpointer.wait_for_rotation()
+        if dist.is_initialized():
+            dist.barrier()
 
     def _drop(self, path: Path) -> None:
         if dist.is_initialized():
@@ -192,9 +217,9 @@ class Bench:
         if dist.is_initialized():
             dist.barrier()
 
-    def run_round(self, index: int) -> dict[str, float]:
-        """Saves and loads with each side, the side going first rotating by round."""
-        times: dict[str, float] = {}
+    def run_round(self, index: int) -> dict[str, tuple[float, float]]:
+        """(wall, CPU) seconds of each save and load with each side, the side going first rotating by round."""
+        times: dict[str, tuple[float, float]] = {}
 
         def paratrain() -> None:
             times["paratrain sync save"] = self._save_sync()
@@ -227,8 +252,15 @@ def measure(state_gb: float, rounds: int, scratch: Path, *, fsdp: bool) -> dict:
     results = [bench.run_round(index) for index in range(rounds)]
     bench.checkpointer.close()
     paratrain_bytes, dcp_bytes = bench.bytes_on_disk()
-    medians = {name: statistics.median(r[name] for r in results) for name in results[0]}
-    return {"paratrain_bytes": paratrain_bytes, "dcp_bytes": dcp_bytes, "medians": medians, "ranks": world_size}
+    medians = {name: statistics.median(r[name][0] for r in results) for name in results[0]}
+    cpu = {name: statistics.median(r[name][1] for r in results) for name in results[0]}
+    return {
+        "paratrain_bytes": paratrain_bytes,
+        "dcp_bytes": dcp_bytes,
+        "medians": medians,
+        "cpu_medians": cpu,
+        "ranks": world_size,
+    }
 
 
 def measure_disk(scratch: Path, size: int, rounds: int) -> dict[str, float]:
@@ -248,15 +280,16 @@ def print_table(title: str, result: dict, disk: dict[str, float]) -> None:
         f"\n{title}: {result['paratrain_bytes'] / 1e9:.2f} GB per paratrain checkpoint "
         f"({result['dcp_bytes'] / 1e9:.2f} GB plain DCP), {result['ranks']} process(es)"
     )
-    print("| operation | median s | GB/s | x disk |")
-    print("|---|---|---|---|")
-    print(f"| disk: sequential write + fsync | | {disk['write'] / 1e9:.2f} | 1.00 |")
-    print(f"| disk: cold sequential read | | {disk['read'] / 1e9:.2f} | 1.00 |")
+    print("| operation | median s | GB/s | x disk | CPU s |")
+    print("|---|---|---|---|---|")
+    print(f"| disk: sequential write + fsync | | {disk['write'] / 1e9:.2f} | 1.00 | |")
+    print(f"| disk: cold sequential read | | {disk['read'] / 1e9:.2f} | 1.00 | |")
     for name, seconds in medians.items():
         size = result["dcp_bytes"] if name.startswith("dcp") else result["paratrain_bytes"]
         reference = disk["read"] if "load" in name else disk["write"]
         rate = size / seconds
-        print(f"| {name} | {seconds:.2f} | {rate / 1e9:.2f} | {rate / reference:.2f} |")
+        cpu = result["cpu_medians"][name]
+        print(f"| {name} | {seconds:.2f} | {rate / 1e9:.2f} | {rate / reference:.2f} | {cpu:.2f} |")
 
 
 def run_fsdp(args: argparse.Namespace, scratch: Path) -> dict:

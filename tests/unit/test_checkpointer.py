@@ -47,6 +47,21 @@ def test_rotation_removes_stale_incomplete_saves_but_counts_only_complete_ones(t
     assert checkpointer.latest_verified() == checkpointer.directory / "step-20"
 
 
+def test_rotation_hides_a_doomed_checkpoint_at_once_and_frees_its_files_before_the_next_save(tmp_path):
+    checkpointer = make_checkpointer(tmp_path, keep_last=1)
+    checkpointer.save(10, state(10))
+    (checkpointer.directory / ".deleting-step-5").mkdir()  # left by a run killed while deleting
+    (checkpointer.directory / ".deleting-step-5" / "shard.distcp").write_bytes(b"x")
+    checkpointer.save(20, state(20))
+    assert steps_on_disk(checkpointer) == [20]  # step-10 is out of sight as soon as step-20 is complete
+    assert checkpointer.latest_verified() == checkpointer.directory / "step-20"
+    checkpointer.save(30, state(30))  # waits for step-10's deletion before writing
+    assert not (checkpointer.directory / ".deleting-step-10").exists()
+    assert not (checkpointer.directory / ".deleting-step-5").exists()
+    checkpointer.close()  # waits for step-20's
+    assert sorted(path.name for path in checkpointer.directory.iterdir()) == ["step-30"]
+
+
 def test_load_restores_saved_values(tmp_path):
     checkpointer = make_checkpointer(tmp_path)
     saved = state(7)
