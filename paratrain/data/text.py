@@ -9,6 +9,8 @@ from __future__ import annotations
 import ast
 import functools
 import sysconfig
+from collections import deque
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -71,11 +73,26 @@ def _module_docstrings(relative: str) -> tuple[str, ...]:
 
 
 def _docstrings(source: str) -> list[str]:
-    nodes = [node for node in ast.walk(ast.parse(source)) if isinstance(node, _DOCUMENTED)]
-    return [doc for node in nodes if (doc := ast.get_docstring(node))]
+    return [
+        doc
+        for node in _statements(ast.parse(source))
+        if isinstance(node, _DOCUMENTED) and (doc := ast.get_docstring(node))
+    ]
+
+
+def _statements(tree: ast.Module) -> Iterator[ast.AST]:
+    """``ast.walk``'s breadth-first order, restricted to statements and the nodes that hold them: a docstring
+    is never inside an expression, and the expressions were four in five of the nodes ``ast.walk`` visited
+    (most of a worker's time building the quickstart's data). Same order, so the same text."""
+    queue = deque([tree])
+    while queue:
+        node = queue.popleft()
+        queue.extend(child for child in ast.iter_child_nodes(node) if isinstance(child, _HOLDS_STATEMENTS))
+        yield node
 
 
 _DOCUMENTED = (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)
+_HOLDS_STATEMENTS = (ast.stmt, ast.excepthandler, ast.match_case)
 
 
 def encode(text: str) -> torch.Tensor:
