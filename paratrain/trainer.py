@@ -392,14 +392,22 @@ class Trainer:
             if self.ctx.is_main:
                 config.run.output_dir.mkdir(parents=True, exist_ok=True)
                 (config.run.output_dir / "config.yaml").write_text(config_to_yaml(config))
-            if self._resume_from is not None:
+            if self._resume_from is not None and not self._healed_instead_of_resuming():
                 self.load_checkpoint(self._resume_from)
                 step, epoch = self.progress.step, self.feed.position.epoch
                 logger.info("resumed from %s at step %d (epoch %d)", self._resume_from, step, epoch)
                 self.last_healthy_checkpoint = self._resume_from
                 settle_resumed_layout(self.model, self.engine, self.feed, dims=self.dims, device=self.ctx.device)
+                if self.replicas is not None:
+                    self.replicas.set_step(step)  # a group whose checkpoint is older heals from this one
+            step = self.progress.step
         if step >= config.train.max_steps:
             logger.info("already at step %d of train.max_steps=%d: nothing to train", step, config.train.max_steps)
+
+    def _healed_instead_of_resuming(self) -> bool:
+        """Under replica groups, a restarted group first joins the quorum: a live peer's state (newer than any
+        checkpoint) replaces the resume, and only a group that finds none (every group died) reads its own."""
+        return self.replicas is not None and self.replicas.start_step()
 
     def _first_step_or_next(self, batch: Any) -> Any:
         """A step; the run's first is where the user's forward and loss meet real data first, so what it

@@ -147,6 +147,10 @@ class ReplicaGroupSync:
             time.sleep(0.1)
             self.manager.start_quorum()
 
+    def set_step(self, step: int) -> None:
+        """The step a checkpoint resumed this group at, for the quorum: groups behind the newest heal from it."""
+        self.manager.load_state_dict({"step": step, "batches_committed": self.manager.batches_committed()})
+
     def average(self, tensors: list[torch.Tensor]) -> None:
         """Replaces each tensor (gradients, the step's loss) in place by its mean over the live groups."""
         works = [self.manager.allreduce(tensor) for tensor in tensors]
