@@ -77,9 +77,8 @@ def finish(groups: list[subprocess.Popen]) -> list[str]:
 
 def test_two_replica_groups_without_failure_train_exactly_as_ddp_over_two_processes(tmp_path, lighthouse):
     parallel = {"fault_tolerance": {"lighthouse": lighthouse}}
-    config = write_config(
-        tmp_path / "c.yaml", tiny_config(tmp_path / "ft", parallel=parallel, train={"max_steps": STEPS})
-    )
+    sections = {"parallel": parallel, "train": {"max_steps": STEPS}, "checkpoint": {"every_steps": STEPS // 2}}
+    config = write_config(tmp_path / "c.yaml", tiny_config(tmp_path / "ft", **sections))
     groups = start_groups(config)
     ddp = tmp_path / "ddp"
     train(config, f"run.output_dir={ddp}", "parallel.strategy=ddp", nproc=2)  # while the groups train
@@ -92,6 +91,11 @@ def test_two_replica_groups_without_failure_train_exactly_as_ddp_over_two_proces
         assert {(r["replica_groups_live"], r["effective_batch"], r["skipped_samples"]) for r in records} == {(2, 8, 0)}
         weights = checkpoint_weights(group / f"checkpoints/step-{STEPS}")
         assert max_weight_difference(weights, checkpoint_weights(ddp / f"checkpoints/step-{STEPS}")) <= 1e-5
+    # A group's checkpoint resumes into a plain layout like any other: one process continues as DDP did.
+    plain, halfway = tmp_path / "plain", tmp_path / f"ft/replica-group-1/checkpoints/step-{STEPS // 2}"
+    train(config, f"run.output_dir={plain}", f"checkpoint.resume={halfway}")
+    second_half = {step: loss for step, loss in losses_by_step(ddp).items() if step > STEPS // 2}
+    assert max_relative_difference(losses_by_step(plain), second_half) <= 1e-5
 
 
 def test_a_killed_group_heals_from_its_live_peer_while_the_peer_keeps_stepping(tmp_path, lighthouse):
