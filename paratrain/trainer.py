@@ -239,10 +239,10 @@ class Trainer:
 
     def healing_state(self) -> dict[str, Any]:
         """What a group restarting after a failure takes from a live peer: a resume's state without the RNG
-        (each rank keeps its own seeds), plus the replica groups' counts."""
+        (each rank keeps its own seeds); the replica groups' counts are part of it."""
         state = self.checkpoint_state()
         del state["rng"]
-        return state | {"replica_groups": self.group_counts}
+        return state
 
     def _heal(self, received: dict[str, Any]) -> None:
         for name, part in self.healing_state().items():
@@ -290,7 +290,7 @@ class Trainer:
         """Every Stateful that a resume needs, under the names checkpoints store them by."""
         rng = RNGState(self.ctx.rank, self.devices)
         data, scaler = self.feed.position, self.precision.scaler
-        return training_state(
+        state = training_state(
             self.bare_model,
             self.optimizer,
             self.lr_scheduler,
@@ -299,6 +299,8 @@ class Trainer:
             rng=rng,
             grad_scaler=scaler,
         )
+        # Replica groups' counts survive the death of every group too (a plain run resuming leaves them out).
+        return state | ({"replica_groups": self.group_counts} if self.dims.ft_enabled else {})
 
     def _build_model(
         self, model_factory: Callable[[], nn.Module] | None, loss_fn: LossFn | None, dataset: Dataset, *, given: tuple
@@ -428,4 +430,5 @@ class Trainer:
         """Loads a checkpoint's model and optimizer state into this layout, as a resume does, without
         training or writing anything (``paratrain checkpoint check``)."""
         # A run switched to fp16 resumes a checkpoint without a gradient scaler: its scaler starts fresh.
-        self.checkpointer.load(path, self.checkpoint_state(), optional=("rng", "grad_scaler"))
+        # A checkpoint of a plain run resumed by replica groups holds no counts: they start at 0.
+        self.checkpointer.load(path, self.checkpoint_state(), optional=("rng", "grad_scaler", "replica_groups"))

@@ -152,10 +152,17 @@ class ReplicaGroupSync:
         self.manager.load_state_dict({"step": step, "batches_committed": self.manager.batches_committed()})
 
     def average(self, tensors: list[torch.Tensor]) -> None:
-        """Replaces each tensor (gradients, the step's loss) in place by its mean over the live groups."""
-        works = [self.manager.allreduce(tensor) for tensor in tensors]
-        for work in works:
+        """Replaces each tensor (gradients, the step's loss) in place by its mean over the live groups: one
+        all-reduce per dtype over the tensors flattened, not one per tensor (each is a round trip)."""
+        by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+        for tensor in tensors:
+            by_dtype.setdefault(tensor.dtype, []).append(tensor)
+        flat = {dtype: torch.cat([tensor.reshape(-1) for tensor in group]) for dtype, group in by_dtype.items()}
+        for work in [self.manager.allreduce(buffer) for buffer in flat.values()]:
             work.wait()
+        for dtype, group in by_dtype.items():
+            for tensor, averaged in zip(group, flat[dtype].split([tensor.numel() for tensor in group])):
+                tensor.copy_(averaged.view_as(tensor))
 
     def should_commit(self) -> bool:
         """Whether every rank of every live group finished the step (torchft's vote); counts the groups that
