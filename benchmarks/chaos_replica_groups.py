@@ -37,6 +37,8 @@ sys.path.insert(0, str(REPO))
 
 from tests.harness import child_pids, tiny_config  # noqa: E402 - the repository's own harness, after its path
 
+KINDS = ["replica groups", "restart-all"]
+
 
 def cli(args: list[str], log: Path) -> subprocess.Popen:
     """``paratrain ARGS``, its output to ``log`` (a pipe nobody reads would fill and stall it)."""
@@ -102,6 +104,7 @@ def main() -> None:
     parser.add_argument("--every", type=int, default=25, help="checkpoint every (both layouts)")
     parser.add_argument("--double", type=int, default=5, help="which kill (0-based) hits two groups at once")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--kinds", nargs="+", default=KINDS, choices=KINDS, help="which layouts to run (default both)")
     args = parser.parse_args()
     steps = args.first + args.gap * args.kills + 2 * args.gap  # no kill near the end: a group must find a peer
     schedule = [(args.first + args.gap * k, 2 if k == args.double else 1) for k in range(args.kills)]
@@ -116,7 +119,7 @@ def main() -> None:
     groups, procs = args.groups, args.procs
     train = {"max_steps": steps, "global_batch_size": 4 * groups * procs, "micro_batch_size": 4, "seed": 0}
     results = {}
-    for kind in ("replica groups", "restart-all"):
+    for kind in args.kinds:
         for kills in (False, True):
             out = work / f"{kind.replace(' ', '-')}-{'kills' if kills else 'base'}"
             config = tiny_config(out, train=train, checkpoint={"every_steps": args.every, "keep_last": 2})
@@ -158,7 +161,7 @@ def main() -> None:
     print(f"\n{steps} steps, {args.kills} kills, checkpoint every {args.every}, {groups} x {procs} processes")
     print("| layout | wall, no kills | wall, kills | lost per kill | steps logged again | longest pause | all exit 0 |")
     print("|---|---|---|---|---|---|---|")
-    for kind in ("replica groups", "restart-all"):
+    for kind in args.kinds:
         base, killed = results[kind, False], results[kind, True]
         lost = (killed[0] - base[0]) / args.kills
         ok = all(code == 0 for code in base[1] + killed[1])
