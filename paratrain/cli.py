@@ -433,11 +433,20 @@ def add_lighthouse_parser(commands: argparse._SubParsersAction) -> None:
         help="HOST:PORT to listen on (default loopback; a cluster: the node's address)",
     )
     lighthouse.add_argument("--min-replicas", type=int, default=1, help="groups a quorum needs (default 1)")
+    # A live group that is slow to ask for the next quorum must be waited for, or the others form a quorum
+    # without it and both sides step apart: the join timeout must exceed a step (torchft's default, 60 s).
+    # A dead group stops its heartbeats and is left out after --heartbeat-timeout-ms instead.
     lighthouse.add_argument(
-        "--join-timeout-ms", type=int, default=1000, help="how long a quorum waits for groups that were in the last one"
+        "--join-timeout-ms",
+        type=int,
+        default=60000,
+        help="how long a quorum waits for a live group to ask for it (longer than a step; default 60000)",
     )
     lighthouse.add_argument(
-        "--heartbeat-timeout-ms", type=int, default=5000, help="a group silent for longer is left out of the quorum"
+        "--heartbeat-timeout-ms",
+        type=int,
+        default=5000,
+        help="a group without heartbeats for longer is dead: left out of the quorum (default 5000)",
     )
     lighthouse.set_defaults(handler=lighthouse_command)
 
