@@ -63,6 +63,7 @@ def train_command(args: argparse.Namespace) -> int:
     options = apply_slurm_environment(options, os.environ, nnodes_given=args.nnodes is not None)
     if args.skip_memory_check:  # an override, so workers the launcher starts skip it too
         args.overrides = [*args.overrides, "train.check_memory=false"]
+    args.overrides = [*args.overrides, *replica_group_overrides(args)]
     if args.dry_run:  # before options.validate(): planning a multi-node world needs no rendezvous endpoint
         return dry_run_command(args)
     options.validate()
@@ -82,9 +83,42 @@ def train_command(args: argparse.Namespace) -> int:
     )
     for warning in ineffective_options(config, dims):
         print(f"paratrain: warning: {warning}", file=sys.stderr)
+    if dims.ft_enabled:
+        from paratrain.launch.replica_groups import check_lighthouse_reachable  # lazy: as the imports above
+
+        check_lighthouse_reachable(config.parallel.fault_tolerance)
     # One run per output directory, held by node 0's launcher (or the one process) until it exits.
     with maybe_holding_run_lock(config.run.output_dir, node_rank=options.node_rank):
         return run_or_launch(config, dims, options, args, auto=auto)
+
+
+def replica_group_overrides(args: argparse.Namespace) -> list[str]:
+    """``--replica-group I --replica-groups N`` as overrides, plus the group's own output directory
+    (RUN_DIR/replica-group-I: each group logs, locks and checkpoints apart)."""
+    if args.replica_group is None and args.replica_groups is None:
+        return []
+    if args.replica_group is None or args.replica_groups is None:
+        given, missing = ("--replica-group", "--replica-groups")[:: 1 if args.replica_group is not None else -1]
+        raise ConfigError(
+            f"{given} needs {missing} beside it: start each group with --replica-group I --replica-groups N"
+        )
+    output_dir = load_config(args.config, args.overrides).run.output_dir
+    return [
+        f"parallel.fault_tolerance.replica_group={args.replica_group}",
+        f"parallel.fault_tolerance.replica_groups={args.replica_groups}",
+        f"run.output_dir={output_dir / f'replica-group-{args.replica_group}'}",
+    ]
+
+
+def lighthouse_command(args: argparse.Namespace) -> int:
+    from paratrain.launch.replica_groups import run_lighthouse  # lazy: loads torchft
+
+    return run_lighthouse(
+        bind=args.bind,
+        min_replicas=args.min_replicas,
+        join_timeout_ms=args.join_timeout_ms,
+        heartbeat_timeout_ms=args.heartbeat_timeout_ms,
+    )
 
 
 def maybe_holding_run_lock(output_dir: Path, *, node_rank: int) -> AbstractContextManager:
@@ -107,7 +141,8 @@ def run_or_launch(
     from paratrain.checks.preflight import PREFLIGHT_DONE_ENV
     from paratrain.planner.layouts import layout_overrides
 
-    if options.world_size == 1 and options.max_restarts == 0:
+    # Replica groups always run under torchrun: torchft's managers meet in the group's store.
+    if options.world_size == 1 and options.max_restarts == 0 and not dims.ft_enabled:
         # lazy: each command loads only what it runs, so every `paratrain` call starts fast
         from paratrain.train import configure_logging, freeze_imported_objects, run
 
@@ -352,6 +387,7 @@ def build_parser() -> argparse.ArgumentParser:
         add_slurm_parser,
         add_checkpoint_parser,
         add_plan_parser,
+        add_lighthouse_parser,
     ):
         add_parser(commands)
     return parser
@@ -378,7 +414,42 @@ def add_train_parser(commands: argparse._SubParsersAction) -> None:
         help="start even when the planner estimates that a process needs more memory than is free "
         "(train.check_memory=false)",
     )
+    train.add_argument(
+        "--replica-group", type=int, metavar="I", help="this job's fault-tolerant replica group, 0..N-1 (torchft)"
+    )
+    train.add_argument(
+        "--replica-groups", type=int, metavar="N", help="replica groups of the run, each started as its own job"
+    )
     train.set_defaults(handler=train_command)
+
+
+def add_lighthouse_parser(commands: argparse._SubParsersAction) -> None:
+    """``paratrain lighthouse``: torchft's quorum server, which every replica group joins."""
+    lighthouse = commands.add_parser(
+        "lighthouse", help="serve the quorum of fault-tolerant replica groups (torchft's lighthouse)"
+    )
+    lighthouse.add_argument(
+        "--bind",
+        default="127.0.0.1:29510",
+        help="HOST:PORT to listen on (default loopback; a cluster: the node's address)",
+    )
+    lighthouse.add_argument("--min-replicas", type=int, default=1, help="groups a quorum needs (default 1)")
+    # A live group that is slow to ask for the next quorum must be waited for, or the others form a quorum
+    # without it and both sides step apart: the join timeout must exceed a step (torchft's default, 60 s).
+    # A dead group stops its heartbeats and is left out after --heartbeat-timeout-ms instead.
+    lighthouse.add_argument(
+        "--join-timeout-ms",
+        type=int,
+        default=60000,
+        help="how long a quorum waits for a live group to ask for it (longer than a step; default 60000)",
+    )
+    lighthouse.add_argument(
+        "--heartbeat-timeout-ms",
+        type=int,
+        default=5000,
+        help="a group without heartbeats for longer is dead: left out of the quorum (default 5000)",
+    )
+    lighthouse.set_defaults(handler=lighthouse_command)
 
 
 def add_config_parser(commands: argparse._SubParsersAction) -> None:

@@ -64,8 +64,9 @@ def build_evaluator(
         model=model,
         device=device,
         autocast=autocast,
-        dp_rank=dims.dp_rank,
-        dp_size=dims.dp,
+        # Each replica group evaluates the whole set itself: a group must not wait on a peer that may be dead.
+        dp_rank=dims.group_dp_rank,
+        dp_size=dims.group_dp,
         group=dims.batch_mesh.get_group() if dims.mesh is not None else None,
         batch_size=options.batch_size or train.micro_batch_size,
         max_steps=train.max_steps,

@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 from torch.utils.data import Dataset
 
 from paratrain.callbacks.base import Callback, CallbackList
@@ -32,6 +33,7 @@ from paratrain.gradients import clip_grad_norm
 from paratrain.launch import faults
 from paratrain.launch.preemption import StopSignals, end_on_signal
 from paratrain.launch.process_group import destroy_distributed
+from paratrain.launch.replica_groups import GroupCounts, ReplicaGroupSync, build_replica_group_sync
 from paratrain.launch.watchdog import StepWatchdog
 from paratrain.losses import LossFn
 from paratrain.models.lora import maybe_apply_lora
@@ -69,6 +71,7 @@ class StepOutput:
     grad_norm: torch.Tensor  # global gradient norm before clipping
     lr: float  # learning rate the step used
     finite: torch.Tensor  # whether the gradients were finite (False: the optimizer did not step), on device
+    committed: bool = True  # False: replica groups did not commit the step (torchft); it is taken again
 
 
 class Trainer:
@@ -137,6 +140,8 @@ class Trainer:
         # Chosen and checked now, so a changed config is refused before anything runs; loaded by train().
         resume = choose_resume(checkpointer, config.checkpoint, config=checkpointer.config, is_main=ctx.is_main)
         self._resume_from, self._started, self._stepped = resume, False, False  # _stepped: see _first_step_or_next
+        self.group_counts = GroupCounts()
+        self.replicas = self._maybe_join_replica_groups()
 
     def train(self) -> TrainResult:
         """Runs from the current step to ``train.max_steps`` (or until a callback stops it), evaluating,
@@ -154,7 +159,15 @@ class Trainer:
         outcome = "failed"  # what the trackers record unless the loop ends otherwise
         try:
             while self.progress.step < max_steps:
+                if self.replicas is not None and self.replicas.start_step():
+                    batches = self.feed.step_batches()  # healed: read on from the position a live peer sent
                 step = self._first_step_or_next(window.next_batch(batches))
+                if not step.committed:  # a replica group failed during the step: the next quorum retakes it
+                    logger.warning(
+                        "step %d not committed by the replica groups; taking it again", self.progress.step + 1
+                    )
+                    batches = self.feed.step_batches()
+                    continue
                 self._count_step(step, window)
                 metrics.step_done()
                 evaluated = self._maybe_evaluate(window)
@@ -190,8 +203,11 @@ class Trainer:
         """One optimizer step over a global batch."""
         step, rank, model, group = self.progress.step + 1, self.ctx.rank, self.bare_model, self.pipeline_group
         faults.maybe_stall("stall_in_step", step=step, rank=rank)
+        faults.maybe_slow_down("slow_step", step=step, rank=rank, seconds=faults.SLOW_STEP_S)
         self.optimizer.zero_grad(set_to_none=True)
         loss = self.engine.forward_backward(micro_batches)
+        if self.replicas is not None:
+            loss = self._average_over_replica_groups(loss)
         self.precision.unscale_(self.optimizer)
         faults.maybe_poison_gradients("nan_grad", model, step=step, rank=rank)
         config, is_main = self.config, self.ctx.is_main
@@ -201,10 +217,46 @@ class Trainer:
         # Pipeline ranks hold different parameters: their squared norms add up to the global one.
         grad_norm = clip_grad_norm(list(model.parameters()), config.train.grad_clip, sum_over=group)
         lr = self.optimizer.param_groups[0]["lr"]
+        if self.replicas is not None and not self.replicas.should_commit():
+            return StepOutput(loss, grad_norm, lr, torch.ones((), dtype=torch.bool), committed=False)
         # The schedule follows the step count (as with fp16's scaler), so a skipped step uses up its learning rate.
         finite = step_optimizer(self.optimizer, grad_norm, precision=self.precision)
         self.lr_scheduler.step()
         return StepOutput(loss, grad_norm, lr, finite)
+
+    def _maybe_join_replica_groups(self) -> ReplicaGroupSync | None:
+        """This rank's torchft manager when the run is one of several replica groups (see
+        paratrain.launch.replica_groups); what a recovering peer receives is ``healing_state``."""
+        if not self.dims.ft_enabled:
+            return None
+        return build_replica_group_sync(
+            self.config.parallel.fault_tolerance,
+            device=self.ctx.device,
+            state_dict=lambda: {name: part.state_dict() for name, part in self.healing_state().items()},
+            load_state_dict=self._heal,
+            counts=self.group_counts,
+        )
+
+    def healing_state(self) -> dict[str, Any]:
+        """What a group restarting after a failure takes from a live peer: a resume's state without the RNG
+        (each rank keeps its own seeds); the replica groups' counts are part of it."""
+        state = self.checkpoint_state()
+        del state["rng"]
+        return state
+
+    def _heal(self, received: dict[str, Any]) -> None:
+        for name, part in self.healing_state().items():
+            part.load_state_dict(received[name])
+        logger.info("healed from a live replica group at step %d, no checkpoint read", self.progress.step)
+
+    def _average_over_replica_groups(self, loss: torch.Tensor) -> torch.Tensor:
+        """Each gradient (this rank's shard of it) and the step's loss, averaged over the live groups in
+        place: the step then equals one over every live group's samples."""
+        grads = [param.grad for param in self.bare_model.parameters() if param.grad is not None]
+        local = [grad.to_local() if isinstance(grad, DTensor) else grad for grad in grads]
+        loss = loss.detach().clone().float()
+        self.replicas.average([*local, loss])
+        return loss
 
     def _count_step(self, step: StepOutput, window: LogWindow) -> None:
         """Moves the run past a step: its count, the data position, the log window and its pending verdict."""
@@ -224,6 +276,8 @@ class Trainer:
     def close(self) -> None:
         """Releases the layout, then the process group if this Trainer created it. Call once training is over."""
         self.checkpointer.close()  # a background save needs the process group until it is written
+        if self.replicas is not None:
+            self.replicas.close()
         # DDP's reducer must be freed while the group is still registered: a reducer that outlives
         # it destroys the gloo group while holding the GIL, and gloo's worker threads, which need the
         # GIL to free tensors, then deadlock with it (pytorch#56297).
@@ -236,7 +290,7 @@ class Trainer:
         """Every Stateful that a resume needs, under the names checkpoints store them by."""
         rng = RNGState(self.ctx.rank, self.devices)
         data, scaler = self.feed.position, self.precision.scaler
-        return training_state(
+        state = training_state(
             self.bare_model,
             self.optimizer,
             self.lr_scheduler,
@@ -245,6 +299,8 @@ class Trainer:
             rng=rng,
             grad_scaler=scaler,
         )
+        # Replica groups' counts survive the death of every group too (a plain run resuming leaves them out).
+        return state | ({"replica_groups": self.group_counts} if self.dims.ft_enabled else {})
 
     def _build_model(
         self, model_factory: Callable[[], nn.Module] | None, loss_fn: LossFn | None, dataset: Dataset, *, given: tuple
@@ -296,10 +352,23 @@ class Trainer:
             skipped_steps=len(self.nonfinite.skipped_steps),
         )
         record.update(evaluated)
+        record.update(self._replica_group_fields())
         self.callbacks.call("on_step_end", record=record)  # callbacks may add fields to what is logged
         if self.ctx.is_main:
             metrics.log(record)
         return loss
+
+    def _replica_group_fields(self) -> dict[str, int]:
+        """Under replica groups: the groups in the logged step, its effective batch (the live groups' shards)
+        and the samples skipped so far (the shards of groups that sat out committed steps)."""
+        if self.replicas is None:
+            return {}
+        counts, groups, batch = self.group_counts, self.dims.replica_groups, self.config.train.global_batch_size
+        return {
+            "replica_groups_live": counts.live,
+            "effective_batch": batch * counts.live // groups,
+            "skipped_samples": batch * counts.missing_group_steps // groups,
+        }
 
     def _maybe_save(self, *, preempted: bool = False) -> Path | None:
         step, options, early = self.progress.step, self.config.checkpoint, self.callbacks.stop_reason is not None
@@ -325,14 +394,22 @@ class Trainer:
             if self.ctx.is_main:
                 config.run.output_dir.mkdir(parents=True, exist_ok=True)
                 (config.run.output_dir / "config.yaml").write_text(config_to_yaml(config))
-            if self._resume_from is not None:
+            if self._resume_from is not None and not self._healed_instead_of_resuming():
                 self.load_checkpoint(self._resume_from)
                 step, epoch = self.progress.step, self.feed.position.epoch
                 logger.info("resumed from %s at step %d (epoch %d)", self._resume_from, step, epoch)
                 self.last_healthy_checkpoint = self._resume_from
                 settle_resumed_layout(self.model, self.engine, self.feed, dims=self.dims, device=self.ctx.device)
+                if self.replicas is not None:
+                    self.replicas.set_step(step)  # a group whose checkpoint is older heals from this one
+            step = self.progress.step
         if step >= config.train.max_steps:
             logger.info("already at step %d of train.max_steps=%d: nothing to train", step, config.train.max_steps)
+
+    def _healed_instead_of_resuming(self) -> bool:
+        """Under replica groups, a restarted group first joins the quorum: a live peer's state (newer than any
+        checkpoint) replaces the resume, and only a group that finds none (every group died) reads its own."""
+        return self.replicas is not None and self.replicas.start_step()
 
     def _first_step_or_next(self, batch: Any) -> Any:
         """A step; the run's first is where the user's forward and loss meet real data first, so what it
@@ -353,4 +430,5 @@ class Trainer:
         """Loads a checkpoint's model and optimizer state into this layout, as a resume does, without
         training or writing anything (``paratrain checkpoint check``)."""
         # A run switched to fp16 resumes a checkpoint without a gradient scaler: its scaler starts fresh.
-        self.checkpointer.load(path, self.checkpoint_state(), optional=("rng", "grad_scaler"))
+        # A checkpoint of a plain run resumed by replica groups holds no counts: they start at 0.
+        self.checkpointer.load(path, self.checkpoint_state(), optional=("rng", "grad_scaler", "replica_groups"))

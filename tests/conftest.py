@@ -31,6 +31,7 @@ SLOW_FILES = (
     "tests/parity/test_hf_matches_single.py",  # 116 s, MoE cases included
     "tests/integration/test_resume.py",  # 94 s
     "tests/parity/test_context_parallel_matches_single.py",  # new with context parallel, with the MoE cases ~5 min
+    "tests/integration/test_replica_groups.py",  # ~110 s: a lighthouse, two groups twice, a torchrun restart
 )
 
 

@@ -164,6 +164,32 @@ class FSDPConfig(Section):
         return "fp32" if self.param_dtype in ("bf16", "fp16") else None
 
 
+class FaultToleranceConfig(Section):
+    replica_groups: int = Field(1, ge=1)
+    """Replica groups under torchft (pip install 'paratrain[ft]'): the outermost data-parallel degree made
+    of independent groups, each its own torchrun job with any inner layout, whose gradients are averaged
+    across the groups alive at each step; a group that dies is left out until it restarts and heals from
+    a live peer (no checkpoint read). 1: off. Each group is started with `paratrain train CONFIG
+    --replica-group I --replica-groups N` (see docs/layouts.md)."""
+    replica_group: int | None = None
+    """This group's id, 0..replica_groups-1 (`--replica-group I` sets it). Required when replica_groups > 1."""
+    lighthouse: str = "http://127.0.0.1:29510"
+    """Address of the quorum server every group joins (`paratrain lighthouse --bind HOST:PORT` runs it)."""
+    min_replica_groups: int = Field(1, ge=1)
+    """Groups that must be alive for a step to commit; fewer and the live groups wait (quorum_timeout_s)."""
+    connect_timeout_s: float = Field(10.0, gt=0)
+    """How long start-up waits for the lighthouse to answer before refusing, naming its address."""
+    timeout_s: float = Field(10.0, gt=0)
+    """Timeout of the cross-group collectives: a group that stops answering for longer is left out of the
+    step (the others' step is not committed and is retried in the next quorum)."""
+    quorum_timeout_s: float = Field(60.0, gt=0)
+    """How long a step waits for a quorum of min_replica_groups groups."""
+
+    @property
+    def enabled(self) -> bool:
+        return self.replica_groups > 1 or self.replica_group is not None
+
+
 class ParallelConfig(Section):
     strategy: Literal["auto", "single", "dp", "model_parallel", "ddp", "fsdp", "hsdp", "tp", "pp"] | None = None
     """Optional shorthand; the degrees below decide the layout and this only fills those left unset
@@ -222,6 +248,8 @@ class ParallelConfig(Section):
     """DistributedDataParallel options (layouts that resolve to ddp only)."""
     fsdp: FSDPConfig = FSDPConfig()
     """fully_shard options (layouts that resolve to fsdp or hsdp)."""
+    fault_tolerance: FaultToleranceConfig = FaultToleranceConfig()
+    """Fault-tolerant replica groups on torchft (see docs/layouts.md)."""
 
     def degrees(self) -> dict[str, int | None]:
         return {

@@ -10,7 +10,9 @@ instead of SIGKILL, a preemption notice at a known step (a signal sent from outs
 that depends on how fast the run goes). ``slow_async_save``
 delays the background write of an asynchronous save by ``SLOW_WRITE_S`` before it completes, so
 that something can happen while a save is in flight. ``nan_grad`` fills this rank's gradients with
-NaN after the backward of the step (every rank by default), as a diverging model would. Several faults are separated by commas
+NaN after the backward of the step (every rank by default), as a diverging model would. ``slow_step`` sleeps
+``SLOW_STEP_S`` at the start of the step, a slow group beside fast ones. A step may be a range ``A-B``
+(``slow_step:6-40``). Several faults are separated by commas
 (``sigterm_mid_async_save:20:1,slow_async_save:20``). With the variable unset, nothing happens. A
 fault fires in the first attempt only: workers that torchrun restarts (``TORCHELASTIC_RESTART_COUNT``
 > 0) run through, so a restart can be shown to recover.
@@ -27,6 +29,7 @@ import torch
 ENV_VAR = "PARATRAIN_FAULT"
 STALL_S = 3600.0
 SLOW_WRITE_S = 2.0
+SLOW_STEP_S = 0.5
 
 
 def maybe_stall(point: str, *, step: int, rank: int) -> None:
@@ -35,10 +38,10 @@ def maybe_stall(point: str, *, step: int, rank: int) -> None:
         time.sleep(STALL_S)
 
 
-def maybe_slow_down(point: str, *, step: int, rank: int) -> None:
-    """Sleeps SLOW_WRITE_S at ``point`` (e.g. ``slow_async_save``), as slow storage would."""
+def maybe_slow_down(point: str, *, step: int, rank: int, seconds: float = SLOW_WRITE_S) -> None:
+    """Sleeps ``seconds`` at ``point`` (e.g. ``slow_async_save``), as slow storage would."""
     if _fires(point, step=step, rank=rank):
-        time.sleep(SLOW_WRITE_S)
+        time.sleep(seconds)
 
 
 def maybe_poison_gradients(point: str, model: torch.nn.Module, *, step: int, rank: int) -> None:
@@ -70,4 +73,5 @@ def _matches(spec: str, *, point: str, step: int, rank: int) -> bool:
     if len(fields) not in (2, 3):
         raise ValueError(f"{ENV_VAR}={spec!r} must look like <point>:<step>[:<rank>]")
     rank_matches = len(fields) == 2 or int(fields[2]) == rank
-    return fields[0] == point and int(fields[1]) == step and rank_matches
+    first, _, last = fields[1].partition("-")
+    return fields[0] == point and int(first) <= step <= int(last or first) and rank_matches

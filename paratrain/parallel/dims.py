@@ -39,6 +39,14 @@ between them (whole experts, ``num_experts / ep`` each) and trades tokens with a
 shards each rank's experts over the efsdp ranks holding the same ones (with dp_replicate's replicas),
 while the other parameters stay sharded over dp_shard x cp as without ep. With dp_shard=4, ep=2: ranks
 {0, 1} and {2, 3} are the ep groups, {0, 2} and {1, 3} shard the same experts.
+
+Fault-tolerant replica groups (``parallel.fault_tolerance``, torchft) are the outermost data-parallel
+degree, ``replica_groups``, and lie outside the mesh: each group is its own torchrun job whose ranks are
+laid out as above, and rank i of every group averages its gradients with rank i of the others through
+torchft's process group (paratrain.launch.replica_groups). Data is read as if the mesh were
+``(replica_groups, pp, dp_replicate, dp_shard, cp, tp)``: ``dp`` counts every group's readers and
+``dp_rank`` is ``replica_group x group_dp + the rank's place in its group``. Pipeline parallel inside a
+group is refused for now (a group's stages would have to heal together; untested).
 """
 
 from __future__ import annotations
@@ -49,7 +57,7 @@ from typing import Literal
 
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from paratrain.config.schema import ParallelConfig, PipelineConfig, TrainConfig
+from paratrain.config.schema import FaultToleranceConfig, ParallelConfig, PipelineConfig, TrainConfig
 from paratrain.errors import ConfigError
 
 Strategy = Literal["single", "dp", "model_parallel", "ddp", "fsdp", "hsdp", "tp", "pp"]
@@ -76,9 +84,46 @@ def resolve_parallel_dims(options: ParallelConfig, *, world_size: int, local_wor
             "parallel.strategy=auto is chosen by `paratrain train` (and `paratrain train --dry-run`) for its "
             "world size; this command needs a layout: name a strategy, or run `paratrain plan` to choose one"
         )
-    return ParallelDims.resolve(
+    dims = ParallelDims.resolve(
         options.strategy, world_size=world_size, local_world_size=local_world_size, degrees=options.degrees()
     )
+    return with_replica_groups(dims, options.fault_tolerance)
+
+
+def with_replica_groups(dims: ParallelDims, options: FaultToleranceConfig) -> ParallelDims:
+    """``dims`` as one of ``options.replica_groups`` fault-tolerant groups (unchanged when that is off).
+
+    Raises:
+        ConfigError: naming the key and the fix, for a group id out of range, one group, a quorum that
+            can never form, or a layout whose outer degree inside a group is not replicas (pp).
+    """
+    if not options.enabled:
+        return dims
+    groups, group = options.replica_groups, options.replica_group
+    key = "parallel.fault_tolerance"
+    if groups < 2:
+        raise ConfigError(
+            f"{key}.replica_groups={groups} with {key}.replica_group={group}: fault tolerance needs at least 2 "
+            f"replica groups (one group has no live peer to heal from); start each group with --replica-group I "
+            f"--replica-groups N (N >= 2), or drop --replica-group to train without replica groups"
+        )
+    if group is None or not 0 <= group < groups:
+        raise ConfigError(
+            f"{key}.replica_group={group} is not a group of {key}.replica_groups={groups}: give each group's "
+            f"`paratrain train` its own --replica-group between 0 and {groups - 1}"
+        )
+    if options.min_replica_groups > groups:
+        raise ConfigError(
+            f"{key}.min_replica_groups={options.min_replica_groups} is more than {key}.replica_groups={groups}: "
+            f"no step could ever commit; set it to at most {groups} (1 keeps training while any group lives)"
+        )
+    if dims.pp_enabled:
+        raise ConfigError(
+            f"parallel.pp={dims.pp} with {key}.replica_groups={groups}: replica groups must be the outermost "
+            f"degree over whole replicas, and a group's pipeline stages would have to heal together, which "
+            f"paratrain does not do yet; use fsdp, ddp or tp inside each group (parallel.pp=1)"
+        )
+    return replace(dims, replica_groups=groups, replica_group=group)
 
 
 def micro_batch_size(train: TrainConfig, pipeline: PipelineConfig, *, dims: ParallelDims) -> int:
@@ -110,6 +155,9 @@ class ParallelDims:
     cp: int = 1
     tp: int = 1
     ep: int = 1
+    # Fault-tolerant replica groups (torchft): the outermost data-parallel degree, outside this job's mesh.
+    replica_groups: int = 1
+    replica_group: int = 0  # this job's group, 0..replica_groups-1
     mesh: DeviceMesh | None = field(default=None, compare=False, repr=False)
     # The flattened role meshes, kept as _flatten returns them: torch deprecates slicing them back out
     # of the root mesh (UserWarning in torch 2.13: "Users need to bookkeep the flattened mesh directly").
@@ -146,18 +194,31 @@ class ParallelDims:
 
     @property
     def dp(self) -> int:
-        """Data-parallel size: how many different slices of each global batch are read at once."""
+        """Data-parallel size: how many different slices of each global batch are read at once (in every
+        replica group)."""
+        return self.replica_groups * self.group_dp
+
+    @property
+    def group_dp(self) -> int:
+        """Data-parallel ranks of this job (one replica group): dp_replicate x dp_shard."""
         return self.dp_replicate * self.dp_shard
 
     @property
+    def ft_enabled(self) -> bool:
+        """Whether this job is one of several fault-tolerant replica groups (torchft)."""
+        return self.replica_groups > 1
+
+    @property
     def world_size(self) -> int:
-        return self.pp * self.dp * self.cp * self.tp
+        """Processes of this job (of one replica group, under fault tolerance)."""
+        return self.pp * self.group_dp * self.cp * self.tp
 
     @property
     def loss_ranks(self) -> int:
-        """Ranks whose losses average to a step's loss: every data-parallel rank's, and within each the cp
-        ranks' (each a mean over an equal slice of the same samples)."""
-        return self.dp * self.cp
+        """Ranks of this job whose losses average to a step's loss: every data-parallel rank's, and within each
+        the cp ranks' (each a mean over an equal slice of the same samples). Replica groups average theirs
+        through torchft first."""
+        return self.group_dp * self.cp
 
     @property
     def needs_process_group(self) -> bool:
@@ -294,7 +355,13 @@ class ParallelDims:
 
     @property
     def dp_rank(self) -> int:
-        """This rank's position among the data-parallel ranks: which slice of each global batch it reads."""
+        """This rank's position among the data-parallel ranks of every replica group: which slice of each
+        global batch it reads."""
+        return self.replica_group * self.group_dp + self.group_dp_rank
+
+    @property
+    def group_dp_rank(self) -> int:
+        """This rank's position among its own job's data-parallel ranks."""
         return self.batch_mesh.get_local_rank() if self.mesh is not None else 0
 
     @property
@@ -316,7 +383,12 @@ class ParallelDims:
     def describe_layout(self) -> str:
         """The layout as the start-up log names it: ``hsdp: dp_replicate=2 x dp_shard=2``."""
         used = [f"{name}={getattr(self, name)}" for name in MESH_DIMS if getattr(self, name) > 1]
-        return f"{self.strategy}: {' x '.join(used) or 'one process'}{self._describe_ep()}"
+        return f"{self.strategy}: {' x '.join(used) or 'one process'}{self._describe_ep()}{self._describe_groups()}"
+
+    def _describe_groups(self) -> str:
+        if not self.ft_enabled:
+            return ""
+        return f", replica group {self.replica_group} of {self.replica_groups} (torchft)"
 
     def _describe_ep(self) -> str:
         return f", ep={self.ep} (experts over ep ranks of dp_shard x cp)" if self.ep_enabled else ""

@@ -55,6 +55,11 @@ def short(recipe: str | None = None, *, output: str | None = None) -> Run:
     return Run((SHORT,), WHY_SHORT, recipe, output)
 
 
+REPLICA_GROUPS_WHY = "runs several processes at once (a lighthouse serving until stopped, one job per group), which a command run after another cannot"
+REPLICA_GROUPS_TEST = (
+    "tests/integration/test_replica_groups.py: the same commands on loopback (two groups, with and without a kill)"
+)
+
 COMMANDS: dict[str, Run | Elsewhere] = {
     # --- README and docs/getting-started.md: set-up -----------------------------------------------------
     "make demo": Elsewhere(
@@ -82,6 +87,19 @@ COMMANDS: dict[str, Run | Elsewhere] = {
         "tests/integration/test_multinode.py: the same command line on two network namespaces, 2 x 2 processes",
     ),
     # --- docs/layouts.md and docs/pipeline.md: sharded, tensor-parallel and pipeline layouts ------------
+    # docs/layouts.md: fault-tolerant replica groups
+    "paratrain lighthouse --bind 127.0.0.1:29510": Elsewhere(REPLICA_GROUPS_WHY, REPLICA_GROUPS_TEST),
+    "paratrain train examples/quickstart.yaml parallel.dp_shard=2 --nproc-per-node 2 --replica-group 0 "
+    "--replica-groups 2 --max-restarts 3": Elsewhere(REPLICA_GROUPS_WHY, REPLICA_GROUPS_TEST),
+    "paratrain train examples/quickstart.yaml parallel.dp_shard=2 --nproc-per-node 2 --replica-group 1 "
+    "--replica-groups 2 --max-restarts 3": Elsewhere(REPLICA_GROUPS_WHY, REPLICA_GROUPS_TEST),
+    "srun --nodes 1 --ntasks 1 paratrain lighthouse --bind 0.0.0.0:29510 &": Elsewhere(
+        "needs a Slurm cluster", REPLICA_GROUPS_TEST
+    ),
+    "srun --nodes 1 --ntasks 1 paratrain train CONFIG --nproc-per-node 8 --replica-group 0 --replica-groups 2 "
+    "--max-restarts 10 parallel.fault_tolerance.lighthouse=http://LIGHTHOUSE_NODE:29510 &": Elsewhere(
+        "needs a Slurm cluster with 8 GPUs per node", REPLICA_GROUPS_TEST
+    ),
     "paratrain train examples/quickstart.yaml parallel.dp_replicate=2 parallel.dp_shard=2 --nproc-per-node 4": short(
         output="layout hsdp"
     ),

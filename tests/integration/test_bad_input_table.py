@@ -28,6 +28,12 @@ MLP = [
     "loss.factory=paratrain.losses:mse",
 ]
 TWO = ["--nproc-per-node", "2"]
+
+
+def REPLICA_GROUP(group: int) -> list[str]:  # noqa: N802 - reads as the constants beside it
+    return ["--replica-group", str(group), "--replica-groups", "2"]
+
+
 TINY_LLAMA = [
     "model.factory=paratrain.models.hf:causal_lm",
     "model.args={model_type: llama, vocab_size: 128, hidden_size: 16, intermediate_size: 32, num_hidden_layers: 1, "
@@ -136,6 +142,34 @@ CASES: dict[str, Case] = {
         "parallel.dp_shard=-1", "parallel.tp=-1", *TWO, expect=("only one degree may be -1", "parallel.dp_shard")
     ),
     "a degree of zero": train("parallel.tp=0", expect=("parallel.tp=0", "a degree is a positive number")),
+    # --- parallel.fault_tolerance: replica groups (torchft) -------------------------------------------
+    "replica group id out of range": train(
+        *REPLICA_GROUP(2), expect=("parallel.fault_tolerance.replica_group=2", "between 0 and 1")
+    ),
+    "replica groups: only one": train(
+        "--replica-group", "0", "--replica-groups", "1", expect=("replica_groups=1", "at least 2 replica groups")
+    ),
+    "replica group without the count": train(
+        "--replica-group", "0", expect=("--replica-group needs --replica-groups",)
+    ),
+    "replica groups: lighthouse unreachable": train(
+        *REPLICA_GROUP(0),
+        "parallel.fault_tolerance.lighthouse=http://127.0.0.1:1",
+        "parallel.fault_tolerance.connect_timeout_s=0.3",
+        expect=("lighthouse=http://127.0.0.1:1 did not answer", "connect_timeout_s=0.3", "paratrain lighthouse"),
+    ),
+    "replica groups: lighthouse not an address": train(
+        *REPLICA_GROUP(0), "parallel.fault_tolerance.lighthouse=nowhere", expect="write it as http://HOST:PORT"
+    ),
+    "replica groups around a pipeline": train(
+        *REPLICA_GROUP(0), "parallel.pp=2", *TWO, expect=("parallel.pp=2 with", "outermost", "parallel.pp=1")
+    ),
+    "replica groups: quorum larger than the groups": train(
+        *REPLICA_GROUP(0),
+        "parallel.fault_tolerance.min_replica_groups=3",
+        expect=("min_replica_groups=3 is more than", "at most 2"),
+    ),
+    "lighthouse --bind not an address": case("lighthouse", "--bind", "nowhere", expect=("--bind='nowhere'",)),
     "tp degree that does not divide the attention heads": train(
         "parallel.strategy=tp",
         "model.args.n_head=3",

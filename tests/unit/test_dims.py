@@ -139,3 +139,31 @@ def test_expert_parallel_that_does_not_divide_the_sharded_ranks_is_refused_with_
         ParallelDims.resolve(None, world_size=4, degrees={"dp_shard": 4, "ep": 3})
     with pytest.raises(ConfigError, match=r"parallel.strategy=single runs in one process.*parallel.ep"):
         ParallelDims.resolve("single", world_size=1, degrees={"ep": 2})
+
+
+def test_replica_groups_are_the_outermost_data_parallel_degree_outside_the_jobs_world():
+    overrides = ("parallel.dp_shard=2", "parallel.fault_tolerance.replica_groups=3")
+    dims = resolved_from_overrides(2, *overrides, "parallel.fault_tolerance.replica_group=2")
+    # The job is one group of 2 processes; the data is read by 3 groups x 2 shards.
+    assert (dims.world_size, dims.group_dp, dims.dp, dims.loss_ranks) == (2, 2, 6, 2)
+    assert dims.dp_rank == 4  # group 2's first rank (no mesh here: its place in the group is 0)
+    assert dims.describe_layout() == "fsdp: dp_shard=2, replica group 2 of 3 (torchft)"
+    assert not resolved_from_overrides(2, "parallel.dp_shard=2").ft_enabled
+
+
+@pytest.mark.parametrize(
+    "overrides, named",
+    [
+        (("parallel.fault_tolerance.replica_groups=2", "parallel.fault_tolerance.replica_group=2"), "between 0 and 1"),
+        (("parallel.fault_tolerance.replica_groups=2",), "replica_group=None"),
+        (("parallel.fault_tolerance.replica_group=0",), "at least 2 replica groups"),
+        (
+            ("parallel.fault_tolerance.replica_groups=2", "parallel.fault_tolerance.replica_group=0", "parallel.pp=2"),
+            "parallel.pp=1",
+        ),
+    ],
+)
+def test_replica_groups_that_cannot_train_are_refused_naming_the_key(overrides, named):
+    with pytest.raises(ConfigError, match="parallel.fault_tolerance") as refused:
+        resolved_from_overrides(2, *overrides)
+    assert named in str(refused.value)

@@ -1,0 +1,174 @@
+"""Chaos on fault-tolerant replica groups (issue 25) against today's restart-all, on one kill schedule.
+
+Replica groups: a loopback `paratrain lighthouse` and ``--groups`` groups of ``--procs`` processes (fsdp
+inside each), each its own `paratrain train --replica-group I --replica-groups N --max-restarts K`. Restart-
+all: one `paratrain train` of the same ``groups x procs`` processes as hsdp (dp_replicate=groups x
+dp_shard=procs), checkpointing every ``--every`` steps and resuming from the newest checkpoint after each
+restart. Both train the same tiny GPT for ``--steps`` steps, every step logged, and each is run once
+without kills (its baseline wall time) and once with ``--kills`` kills: when the run's newest logged step
+reaches the next step of the schedule (every ``--gap`` steps from ``--first``), SIGKILL one worker of a
+random group (replica groups) or of the job (restart-all); the kill at ``--double`` hits two groups at once.
+
+Prints, per layout: wall time without and with kills, wall time lost per kill, steps recomputed (a step
+logged again by the same group), the longest pause between two consecutive steps of a group, and whether
+every run finished (exit 0). Not part of the suite; results belong in docs/benchmarks.md.
+
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/chaos_replica_groups.py --groups 3 --procs 2 --kills 10
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import yaml
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from tests.harness import child_pids, tiny_config  # noqa: E402 - the repository's own harness, after its path
+
+KINDS = ["replica groups", "restart-all"]
+
+
+def cli(args: list[str], log: Path) -> subprocess.Popen:
+    """``paratrain ARGS``, its output to ``log`` (a pipe nobody reads would fill and stall it)."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    with log.open("w") as stream:
+        return subprocess.Popen(
+            [sys.executable, "-m", "paratrain.cli", *args], env=env, cwd=REPO, stdout=stream, stderr=subprocess.STDOUT
+        )
+
+
+def records(output_dir: Path) -> list[dict]:
+    path = output_dir / "metrics.jsonl"
+    if not path.is_file():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip().endswith("}")]
+
+
+def newest_step(dirs: list[Path]) -> int:
+    return max((rows[-1]["step"] for rows in map(records, dirs) if rows), default=0)
+
+
+def run(jobs: list[list[str]], dirs: list[Path], schedule: list[tuple[int, int]], seed: int) -> tuple[float, list[int]]:
+    """Starts the jobs, kills on the schedule ((step, how many jobs at once)), waits; (wall s, exit codes)."""
+    rng, started = random.Random(seed), time.monotonic()
+    processes = [cli(job, dirs[0].parent / f"job-{index}.log") for index, job in enumerate(jobs)]
+    pending = list(schedule)
+    while any(process.poll() is None for process in processes):
+        if pending and newest_step(dirs) >= pending[0][0]:
+            _, count = pending.pop(0)
+            targets = rng.sample(range(len(processes)), min(count, len(processes)))
+            for index in targets if len(processes) > 1 else [0] * count:
+                workers = child_pids(processes[index].pid)
+                if workers:
+                    os.kill(rng.choice(workers), signal.SIGKILL)
+            print(f"  kill at step {newest_step(dirs)}: job(s) {targets}", flush=True)
+        time.sleep(0.05)
+    for process in processes:
+        process.communicate()
+    return time.monotonic() - started, [process.returncode for process in processes]
+
+
+def measures(dirs: list[Path]) -> tuple[int, float]:
+    """(steps logged again by the same group, longest pause in s between consecutive steps of a group)."""
+    again, pause = 0, 0.0
+    for rows in map(records, dirs):
+        seen: set[int] = set()
+        for before, after in zip(rows, rows[1:]):
+            if after["step"] == before["step"] + 1:
+                pause = max(pause, after["time"] - before["time"])
+        for row in rows:
+            again += row["step"] in seen
+            seen.add(row["step"])
+    return again, pause
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--groups", type=int, default=3)
+    parser.add_argument("--procs", type=int, default=2)
+    parser.add_argument("--kills", type=int, default=10)
+    parser.add_argument("--first", type=int, default=20)
+    parser.add_argument("--gap", type=int, default=25)
+    parser.add_argument("--every", type=int, default=25, help="checkpoint every (both layouts)")
+    parser.add_argument("--double", type=int, default=5, help="which kill (0-based) hits two groups at once")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--kinds", nargs="+", default=KINDS, choices=KINDS, help="which layouts to run (default both)")
+    args = parser.parse_args()
+    steps = args.first + args.gap * args.kills + 2 * args.gap  # no kill near the end: a group must find a peer
+    schedule = [(args.first + args.gap * k, 2 if k == args.double else 1) for k in range(args.kills)]
+    work = Path(tempfile.mkdtemp(prefix="chaos-ft-"))
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    lighthouse = cli(
+        ["lighthouse", "--bind", f"127.0.0.1:{port}", "--heartbeat-timeout-ms", "1000"], work / "lighthouse.log"
+    )
+    time.sleep(3)
+    groups, procs = args.groups, args.procs
+    train = {"max_steps": steps, "global_batch_size": 4 * groups * procs, "micro_batch_size": 4, "seed": 0}
+    results = {}
+    for kind in args.kinds:
+        for kills in (False, True):
+            out = work / f"{kind.replace(' ', '-')}-{'kills' if kills else 'base'}"
+            config = tiny_config(out, train=train, checkpoint={"every_steps": args.every, "keep_last": 2})
+            config["parallel"] = {"fault_tolerance": {"lighthouse": f"http://127.0.0.1:{port}", "timeout_s": 5}}
+            path = work / f"{out.name}.yaml"
+            path.write_text(yaml.safe_dump(config))
+            common = ["train", str(path), "--nproc-per-node", str(procs), "--max-restarts", str(2 * args.kills)]
+            if kind == "replica groups":
+                jobs = [
+                    [*common, f"parallel.dp_shard={procs}", "--replica-group", str(g), "--replica-groups", str(groups)]
+                    for g in range(groups)
+                ]
+                dirs = [out / f"replica-group-{g}" for g in range(groups)]
+            else:
+                jobs = [
+                    [
+                        "train",
+                        str(path),
+                        "--nproc-per-node",
+                        str(groups * procs),
+                        "--max-restarts",
+                        str(2 * args.kills),
+                        f"parallel.dp_shard={procs}",
+                        f"parallel.dp_replicate={groups}",
+                    ]
+                ]
+                dirs = [out]
+            print(f"{kind}, {'kills' if kills else 'no kills'} ({out}):", flush=True)
+            out.mkdir(parents=True, exist_ok=True)
+            wall, codes = run(jobs, dirs, schedule if kills else [], args.seed)
+            again, pause = measures(dirs)
+            results[kind, kills] = (wall, codes, again, pause)
+            print(
+                f"  wall {wall:.1f} s, exit codes {codes}, steps logged again {again}, longest pause {pause:.1f} s",
+                flush=True,
+            )
+    lighthouse.terminate()
+    lighthouse.communicate()
+    print(f"\n{steps} steps, {args.kills} kills, checkpoint every {args.every}, {groups} x {procs} processes")
+    print("| layout | wall, no kills | wall, kills | lost per kill | steps logged again | longest pause | all exit 0 |")
+    print("|---|---|---|---|---|---|---|")
+    for kind in args.kinds:
+        base, killed = results[kind, False], results[kind, True]
+        lost = (killed[0] - base[0]) / args.kills
+        ok = all(code == 0 for code in base[1] + killed[1])
+        print(
+            f"| {kind} | {base[0]:.1f} s | {killed[0]:.1f} s | {lost:.1f} s | {killed[2]} | {killed[3]:.1f} s | {ok} |"
+        )
+
+
+if __name__ == "__main__":
+    main()
