@@ -35,42 +35,10 @@ SLOW_FILES = (
 )
 
 
-# The suite's longest files, longest first (seconds of each file's tests summed, `--durations=0` of a full
-# run beside another engineer's jobs, 2026-11-25: read them against each other). They run first: `make test`
-# hands whole files to two workers (--dist loadfile) in collection order, so a long file collected last
-# (tests/parity sorts after tests/integration) ran alone at the end while the other worker had run dry.
-LONGEST_FIRST = (
-    "tests/integration/test_documented_commands.py",  # 613 s
-    "tests/integration/test_documented_commands_second_half.py",  # 475 s
-    "tests/parity/test_resume_matrix.py",  # 393 s
-    "tests/integration/test_combination_matrix.py",  # 335 s
-    "tests/integration/test_resume.py",  # 319 s
-    "tests/parity/test_context_parallel_matches_single.py",  # 282 s
-    "tests/parity/test_hf_matches_single.py",  # 266 s
-    "tests/parity/test_sharded_matches_single.py",  # 259 s
-    "tests/parity/test_lora.py",  # 240 s
-    "tests/integration/test_cli.py",  # 150 s
-    "tests/parity/test_pipeline_matches_single.py",  # 143 s
-    "tests/integration/test_multinode.py",  # 133 s
-    "tests/integration/test_mlflow_server.py",  # 131 s
-    "tests/integration/test_replica_groups.py",  # ~120 s (not in that run; 50 s in a quiet one)
-    "tests/parity/test_ddp_matches_single.py",  # 113 s
-    "tests/slurm/test_real_slurm.py",  # 105 s
-)
-
-
 def pytest_collection_modifyitems(config, items) -> None:
     for item in items:
-        if _file_of(item) in SLOW_FILES:
+        if item.nodeid.split("::")[0] in SLOW_FILES:
             item.add_marker("slow")
-    # Longest files first (a stable sort keeps each file's own order); every other file after them.
-    items.sort(
-        key=lambda item: LONGEST_FIRST.index(path) if (path := _file_of(item)) in LONGEST_FIRST else len(LONGEST_FIRST)
-    )
-
-
-def _file_of(item) -> str:
-    return item.nodeid.split("::")[0]
 
 
 def pytest_collection_finish(session) -> None:
