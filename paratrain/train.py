@@ -37,6 +37,11 @@ def run(config: Config, *, config_path: str = "CONFIG") -> TrainResult:
         return trainer.train()
     finally:
         trainer.close()
+        # The Trainer sits in reference cycles with its meshes, which hold its process groups: collected
+        # now, while the interpreter is whole, instead of in its teardown, where destroying gloo groups
+        # aborted a finished run ("terminate called without an active exception", pytorch#179291).
+        del trainer
+        gc.collect()
 
 
 def check_memory_before_allocating(config: Config, *, config_path: str) -> None:
