@@ -22,10 +22,10 @@ from typing import TYPE_CHECKING, Literal
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor
 
 from paratrain.errors import NonFiniteStop
 from paratrain.parallel.collectives import all_reduce_sum, barrier
+from paratrain.tensors import local_part
 
 if TYPE_CHECKING:
     from paratrain.precision import MixedPrecision
@@ -130,7 +130,7 @@ def step_unless_nonfinite(optimizer: torch.optim.Optimizer, grad_norm: torch.Ten
 
 def weights_are_finite(model: nn.Module) -> bool:
     """Whether every parameter on every rank is finite (one all-reduce; called before a checkpoint)."""
-    local = [p.to_local() if isinstance(p, DTensor) else p for p in model.parameters()]
+    local = [local_part(p) for p in model.parameters()]
     device = local[0].device if local else torch.device("cpu")
     bad = torch.zeros((), device=device)
     for tensor in local:

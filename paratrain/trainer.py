@@ -15,7 +15,6 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor
 from torch.utils.data import Dataset
 
 from paratrain.callbacks.base import Callback, CallbackList
@@ -48,6 +47,7 @@ from paratrain.rank_setup import (
     resolve_dims,
     settle_resumed_layout,
 )
+from paratrain.tensors import local_part
 from paratrain.tracking.metrics import LogWindow, MetricsLogger, NoMetrics, build_record, open_metrics, should_log
 
 logger = logging.getLogger("paratrain")
@@ -253,7 +253,7 @@ class Trainer:
         """Each gradient (this rank's shard of it) and the step's loss, averaged over the live groups in
         place: the step then equals one over every live group's samples."""
         grads = [param.grad for param in self.bare_model.parameters() if param.grad is not None]
-        local = [grad.to_local() if isinstance(grad, DTensor) else grad for grad in grads]
+        local = [local_part(grad) for grad in grads]
         loss = loss.detach().clone().float()
         self.replicas.average([*local, loss])
         return loss

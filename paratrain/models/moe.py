@@ -14,7 +14,6 @@ parameter names that change with the number of experts held.
 from __future__ import annotations
 
 import math
-import sys
 from dataclasses import dataclass
 
 import torch
@@ -22,6 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from paratrain.models.contract import RoutingStats
+from paratrain.tensors import local_part
 
 
 @dataclass(frozen=True)
@@ -80,16 +80,7 @@ class Experts(nn.Module):
 
     def forward(self, x: torch.Tensor, expert: int) -> torch.Tensor:
         """Expert ``expert`` (of those held here) applied to the tokens ``x`` (tokens, dim) sent to it."""
-        return F.gelu(x @ _local(self.up_proj)[expert]) @ _local(self.down_proj)[expert]
-
-
-def _local(weight: torch.Tensor) -> torch.Tensor:
-    # A DTensor's own shard (expert parallel); to_local keeps the gradient flowing back to the DTensor.
-    # DTensor is looked up, not imported: no weight is one before torch.distributed.tensor is loaded, and
-    # importing it (with sympy) took a quarter of `paratrain train`'s start-up, which builds every model
-    # on meta in preflight without any layout.
-    dtensor = sys.modules.get("torch.distributed.tensor")
-    return weight.to_local() if dtensor is not None and isinstance(weight, dtensor.DTensor) else weight
+        return F.gelu(x @ local_part(self.up_proj)[expert]) @ local_part(self.down_proj)[expert]
 
 
 def compute_experts_locally(experts: Experts, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:

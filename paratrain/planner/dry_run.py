@@ -31,6 +31,7 @@ from paratrain.planner.layouts import check_layout
 from paratrain.planner.model_facts import read_model_facts
 from paratrain.planner.plan import activation_source
 from paratrain.planner.units import format_bytes
+from paratrain.tensors import local_part
 
 
 @contextlib.contextmanager
@@ -161,11 +162,7 @@ def build_rank0_on_meta(inputs: PlanInputs, dims: ParallelDims) -> nn.Module:
 
 
 def _local_bytes(model: nn.Module) -> int:
-    return sum(_local(param).numel() * FP32 for param in model.parameters())
-
-
-def _local(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+    return sum(local_part(param).numel() * FP32 for param in model.parameters())
 
 
 def _parameter_lines(model: nn.Module, dims: ParallelDims) -> list[str]:
@@ -183,7 +180,7 @@ def _parameter_lines(model: nn.Module, dims: ParallelDims) -> list[str]:
             )
         else:
             placements = "whole on this rank, replicated over " + (" x ".join(replicated_over) or "nothing")
-        lines.append(f"  {pattern}: {list(param.shape)} -> {list(_local(param).shape)}: {placements}")
+        lines.append(f"  {pattern}: {list(param.shape)} -> {list(local_part(param).shape)}: {placements}")
     return lines
 
 
