@@ -3,7 +3,10 @@
 torch's ``get_total_norm`` handles a list of plain tensors or of DTensors on one mesh, but not a mix
 (tensor parallel leaves embeddings and norms as plain tensors beside sharded linears, and fsdp + tp
 has DTensors on two meshes). So norms are taken per group of like gradients, made global with
-``full_tensor()``, and combined; clipping then uses torch's ``clip_grads_with_norm_``.
+``full_tensor()``, and combined. Clipping scales each gradient's local part by torch's coefficient
+(``clip_grads_with_norm_``'s): a scalar scales every placement alike, and on DTensors the same
+multiplication first cost DTensor's sharding propagation ~0.2 s per new mesh, the first step of every
+run (docs/benchmarks.md, the suite's section).
 """
 
 from __future__ import annotations
@@ -13,6 +16,8 @@ from collections import defaultdict
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
+
+from paratrain.tensors import local_part
 
 
 def clip_grad_norm(
@@ -41,9 +46,21 @@ def clip_grad_norm(
         dist.all_reduce(squared, op=dist.ReduceOp.SUM, group=sum_over)
         total = squared.sqrt()
     if max_norm is not None:
-        for group in groups:
-            torch.nn.utils.clip_grads_with_norm_(group, max_norm, total.to(group[0].grad.device))
+        _scale_gradients(groups, max_norm, total)
     return total
+
+
+def _scale_gradients(groups: list[list[torch.nn.Parameter]], max_norm: float, total: torch.Tensor) -> None:
+    """torch's ``clip_grads_with_norm_`` on the local parts: the same coefficient, the same multiply."""
+    coefficient = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    alike: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = defaultdict(list)
+    for group in groups:
+        for param in group:
+            local = local_part(param.grad)
+            alike[(local.device, local.dtype)].append(local)
+    with torch.no_grad():
+        for (device, _), grads in alike.items():
+            torch._foreach_mul_(grads, coefficient.to(device))
 
 
 def _group_like_gradients(params: list[torch.nn.Parameter]) -> list[list[torch.nn.Parameter]]:

@@ -17,6 +17,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from paratrain.config.schema import FSDPConfig, ParallelConfig
+from paratrain.gradients import clip_grad_norm
 from paratrain.models.gpt import GPT, GPTConfig
 from paratrain.models.plan import plan_of
 from paratrain.parallel.dims import ParallelDims
@@ -72,6 +73,27 @@ def parallelized_gpt(degrees: dict[str, int], options: dict | None = None) -> di
     mean_loss = loss.detach().clone()
     dist.all_reduce(mean_loss, group=dims.batch_mesh.get_group())
     return {"loss": _difference(mean_loss / dims.dp, expected), **_gradient_differences(model, reference)}
+
+
+def clipped_gpt_gradients(degrees: dict[str, int], max_norm: float) -> dict[str, float]:
+    """The same model and batch as ``parallelized_gpt``, its gradients clipped by paratrain's
+    ``clip_grad_norm`` (sharded, plain or mixed) and the reference's by torch's ``clip_grad_norm_``:
+    largest difference of the norm and of each clipped gradient, and the reference's norm (which must
+    exceed max_norm for the check to clip at all)."""
+    dims = _dims_with_mesh(**degrees)
+    model, reference = _model_and_copy()
+    parallelize(model, dims, plan=model.parallel_plan(), options=ParallelConfig())
+    tokens = torch.randint(0, SMALL.vocab_size, (BATCH, SEQ + 1), generator=torch.Generator().manual_seed(3))
+    per_rank = BATCH // dims.dp
+    _lm_loss(model, tokens[dims.dp_rank * per_rank : (dims.dp_rank + 1) * per_rank]).backward()
+    _lm_loss(reference, tokens).backward()
+    norm = clip_grad_norm(list(model.parameters()), max_norm)
+    expected = torch.nn.utils.clip_grad_norm_(list(reference.parameters()), max_norm)
+    return {
+        "norm": _difference(norm, expected),
+        "reference_norm": expected.item(),
+        **_gradient_differences(model, reference),
+    }
 
 
 def fsdp_units_of_a_model_without_blocks() -> dict[str, object]:

@@ -63,6 +63,21 @@ def test_parallelize_gives_the_unsharded_gradients(ranks, degrees, options):
     assert far_apart(differences) == {}
 
 
+@pytest.mark.parametrize(
+    "degrees",
+    [{"dp_shard": 4}, {"dp_shard": 2, "tp": 2}, {"dp_replicate": 2, "tp": 2}],
+    ids=["fsdp4", "fsdp2-tp2", "ddp2-tp2"],
+)
+def test_clipping_sharded_gradients_matches_clipping_the_unsharded_ones(ranks, degrees):
+    """Sharded (fsdp), on two meshes (fsdp x tp) and mixed with plain ones (tp leaves norms and the
+    embedding whole): the global norm and every clipped gradient equal torch's clip on the whole model."""
+    per_rank = ranks.run(layer_checks.clipped_gpt_gradients, degrees, 0.05)
+    assert min(result.pop("reference_norm") for result in per_rank) > 0.05, "the check must clip"
+    differences = worst(per_rank)
+    assert len(differences) == 1 + len(list(layer_checks.GPT(layer_checks.SMALL).parameters()))
+    assert far_apart(differences) == {}
+
+
 def test_fsdp_shards_a_model_without_blocks_as_one_unit(ranks):
     """What tests/integration/test_bad_input.py's warning promises: one unit, the root, all of it sharded."""
     for result in ranks.run(layer_checks.fsdp_units_of_a_model_without_blocks):
