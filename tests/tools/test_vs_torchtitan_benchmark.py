@@ -4,15 +4,12 @@ reproduces the TFLOP/s torchtitan itself printed (so the MFU columns of both com
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from pathlib import Path
 
 import pytest
 
 from paratrain.config.schema import load_config
-
-SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "vs_torchtitan.py"
+from tests.tools.benchmark_scripts import load_benchmark
 
 # Two lines as torchtitan 0.2.2 printed them on an H200 (2026-11-26), colours included.
 TITAN_LINES = (
@@ -27,11 +24,7 @@ TITAN_LINES = (
 
 @pytest.fixture(scope="module")
 def script():
-    spec = importlib.util.spec_from_file_location("vs_torchtitan_benchmark", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("vs_torchtitan")
 
 
 @pytest.mark.parametrize("layout", ["single", "fsdp"])
