@@ -69,12 +69,15 @@ class SafeFileSystemReader(FileSystemReader):
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         path = self._get_metadata_path(kwargs.get("rank"))
-        with self.fs.create_stream(path, "rb") as stream:
-            metadata = load_metadata_safely(stream.read(), path=str(path))
+        metadata = load_metadata_safely(self._read_metadata_bytes(path), path=str(path))
         if getattr(metadata, "storage_meta", None) is None:
             metadata.storage_meta = StorageMeta()
         metadata.storage_meta.load_id = self.load_id
         return metadata
+
+    def _read_metadata_bytes(self, path: Any) -> bytes:
+        with self.fs.create_stream(path, "rb") as stream:
+            return stream.read()
 
 
 class SafeLoadPlanner(DefaultLoadPlanner):
