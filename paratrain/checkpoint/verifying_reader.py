@@ -2,20 +2,22 @@
 bytes instead of two.
 
 A resume used to hash every file (``verify_checkpoint``) and then have DCP read them all again, in
-small reads, one item at a time. Here each file a rank needs is read whole, sequentially, in large
-reads, and hashed as it streams in; only once its size and SHA-256 match the manifest are DCP's read
-items cut from those bytes and deserialized into the state. So no byte of a damaged file ever reaches
-the state, nor any parser (the torch.load of each item, weights_only as everywhere). The next file is
-read and hashed in a thread while the current one is served: hashlib and file reads release the GIL.
+small reads, one item at a time. Here each file a rank needs is mapped whole and hashed in one
+sequential pass; only once its size and SHA-256 match the manifest are DCP's read items cut from those
+bytes and deserialized into the state. So no byte of a damaged file ever reaches the state, nor any
+parser (the torch.load of each item, weights_only as everywhere). The next file is hashed in a thread
+while the current one is served: hashlib releases the GIL.
 
-Memory: at most ``READ_AHEAD`` whole files per rank at once. A file is one writer thread's share of
-one rank's state at save time (``hashing.WRITE_THREADS`` per rank), so about half of a rank's shard.
+Memory: files are mapped, not copied (see ``map_hashed``): at most ``READ_AHEAD`` per rank at once, their
+pages the page cache's. A file is one writer thread's share of one rank's state at save time
+(``hashing.WRITE_THREADS`` per rank), so about half of a rank's shard.
 """
 
 from __future__ import annotations
 
 import hashlib
 import io
+import mmap
 import os
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
@@ -31,8 +33,12 @@ from torch.futures import Future
 from paratrain.checkpoint.manifest import DamagedCheckpointError, check_sha256, check_size
 from paratrain.checkpoint.safe_reader import SafeFileSystemReader
 
-READ_CHUNK = 8 << 20  # large sequential reads: a cold file streams at the disk's rate
-READ_AHEAD = 2  # files in memory at once: the one being served, the next being read and hashed
+HASH_CHUNK = 8 << 20  # hashed a slice at a time, releasing the GIL for each
+# Files mapped at once: the one being served, and the next, hashed meanwhile by one thread. One thread, not
+# one per file: hashing the next file beside the (GIL-bound) deserializing of this one keeps both cores busy,
+# where hashing two files at once left the deserializing to wait for both (0.63 s against 0.76 s predicted
+# for a 0.48 GB load on two cores, docs/benchmarks.md).
+READ_AHEAD = 2
 
 
 class VerifyingReader(SafeFileSystemReader):
@@ -69,13 +75,13 @@ class VerifyingReader(SafeFileSystemReader):
         for item in plan.items:
             per_file.setdefault(self.storage_data[item.storage_index].relative_path, []).append(item)
         names = iter(sorted(per_file))  # every rank checks in the same order: the same bad file is named first
-        with ThreadPoolExecutor(max_workers=READ_AHEAD, thread_name_prefix="paratrain-verify-read") as pool:
+        with ThreadPoolExecutor(max_workers=1, thread_name_prefix="paratrain-verify-read") as pool:
             reading = deque((name, pool.submit(self._read_verified, name)) for name in islice(names, READ_AHEAD))
             while reading:
                 name, future = reading.popleft()
                 data = future.result()  # a damaged file raises here, before any of its items is served
-                self._serve(per_file[name], memoryview(data), planner)
-                del data  # freed before the next file is read: at most READ_AHEAD files in memory
+                self._serve(per_file[name], data, planner)
+                del data  # unmapped before the next file is mapped: at most READ_AHEAD files at once
                 reading.extend((name, pool.submit(self._read_verified, name)) for name in islice(names, 1))
         done: Future[None] = Future()
         done.set_result(None)
@@ -93,12 +99,12 @@ class VerifyingReader(SafeFileSystemReader):
             )
         return expected
 
-    def _read_verified(self, name: str) -> bytearray:
+    def _read_verified(self, name: str) -> memoryview:
         path = Path(self.fs.concat_path(self.path, name))
         expected = self._expected(path)
-        check_size(path, expected)  # a truncated file is named before it is read
-        data, sha256 = read_hashed(path, expected["bytes"])
-        check_size(path, expected, size=len(data))  # truncated while being read
+        check_size(path, expected)  # a truncated file is named before it is mapped
+        data, sha256 = map_hashed(path)
+        check_size(path, expected, size=len(data))  # changed between the two looks
         check_sha256(path, sha256, expected)
         self.verified.add(name)
         return data
@@ -106,12 +112,43 @@ class VerifyingReader(SafeFileSystemReader):
     def _serve(self, items: list[ReadItem], data: memoryview, planner: LoadPlanner) -> None:
         for item in items:
             stored = self.storage_data[item.storage_index]
-            raw = io.BytesIO(data[stored.offset : stored.offset + stored.length])
+            raw = _ViewStream(data[stored.offset : stored.offset + stored.length])
             stream = self.transforms.transform_load_stream(item, stored.transform_descriptors or (), raw)
             if item.type == LoadItemType.BYTE_IO:
                 planner.load_bytes(item, io.BytesIO(stream.read(-1)))
             else:
                 _copy_tensor(item, stream, planner)
+
+
+class _ViewStream(io.RawIOBase):
+    """A read-only, seekable file over bytes already in memory, without copying them: torch.load reads a
+    tensor's record straight into its storage through ``readinto`` (io.BytesIO would first copy the item)."""
+
+    def __init__(self, view: memoryview):
+        super().__init__()
+        self._view = view
+        self._position = 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._position
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        start = {io.SEEK_SET: 0, io.SEEK_CUR: self._position, io.SEEK_END: len(self._view)}[whence]
+        self._position = max(0, start + offset)
+        return self._position
+
+    def readinto(self, buffer: Any) -> int:
+        chunk = self._view[self._position : self._position + len(buffer)]
+        count = len(chunk)
+        memoryview(buffer).cast("B")[:count] = chunk
+        self._position += count
+        return count
 
 
 def _copy_tensor(item: ReadItem, stream: Any, planner: LoadPlanner) -> None:
@@ -126,18 +163,24 @@ def _copy_tensor(item: ReadItem, stream: Any, planner: LoadPlanner) -> None:
     planner.commit_tensor(item, target)
 
 
-def read_hashed(path: Path, size: int) -> tuple[bytearray, str]:
-    """At most ``size`` bytes of the file, read sequentially in large reads, and their SHA-256."""
-    data = bytearray(size)
-    view = memoryview(data)
+def map_hashed(path: Path) -> tuple[memoryview, str]:
+    """The file's bytes, mapped read-only, and their SHA-256, taken in one sequential pass.
+
+    Mapped, not read into a buffer: the bytes are the page cache's own, so neither a copy nor a fresh
+    allocation's page faults (which made a read-into-memory pass over a 0.24 GB file 0.37-0.64 s against
+    0.15 s mapped, docs/benchmarks.md). What is served is what was hashed as long as nothing writes the
+    file during the load; a checkpoint being rewritten under a resume is outside what this guards against
+    (the separate verify pass it replaces left a wider window), and a file truncated while mapped stops the
+    process with SIGBUS rather than an error.
+    """
+    with open(path, "rb") as handle:
+        if os.fstat(handle.fileno()).st_size == 0:
+            return memoryview(b""), hashlib.sha256().hexdigest()
+        mapped = mmap.mmap(handle.fileno(), 0, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ)
+    if hasattr(mapped, "madvise"):  # Linux: a larger read-ahead window while hashing
+        mapped.madvise(mmap.MADV_SEQUENTIAL)
+    data = memoryview(mapped)
     digest = hashlib.sha256()
-    filled = 0
-    with open(path, "rb", buffering=0) as handle:
-        if hasattr(os, "posix_fadvise"):  # Linux: a larger read-ahead window
-            os.posix_fadvise(handle.fileno(), 0, 0, os.POSIX_FADV_SEQUENTIAL)
-        while filled < size and (count := handle.readinto(view[filled : filled + READ_CHUNK])):
-            digest.update(view[filled : filled + count])  # releases the GIL, as the read does
-            filled += count
-    del view  # a bytearray with a view exported cannot be resized
-    del data[filled:]
+    for start in range(0, len(data), HASH_CHUNK):
+        digest.update(data[start : start + HASH_CHUNK])  # releases the GIL: the other file is hashed meanwhile
     return data, digest.hexdigest()
