@@ -8,6 +8,7 @@ non-tensor values through ``torch.load(weights_only=True)``.
 
 from __future__ import annotations
 
+import copy
 import io
 import pickle
 from typing import Any
@@ -83,13 +84,31 @@ class SafeFileSystemReader(FileSystemReader):
 class SafeLoadPlanner(DefaultLoadPlanner):
     """Loads non-tensor values (ints, floats, lists, dicts) with torch.load(weights_only=True).
 
-    Mirrors DefaultLoadPlanner.load_bytes, which differs only in passing weights_only=False.
+    Mirrors DefaultLoadPlanner.load_bytes, which differs only in passing weights_only=False. Equal bytes are
+    loaded once: DCP saves the optimizer's param_groups once per parameter (lr, betas, eps, ... each its own
+    item), so a model's 1,464 such items held 8 distinct values, and a torch.load each was a fifth of a
+    load's time (docs/benchmarks.md, checkpoint I/O round 3).
     """
 
+    def __init__(self, *args: Any, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self._loaded: dict[bytes, Any] = {}
+
     def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
-        loaded = torch.load(value, weights_only=True)
+        loaded = self._load_once(value.getvalue())
         fqn = read_item.dest_index.fqn
         if self.flatten_state_dict:
             set_element(self.original_state_dict, self.mappings[fqn], loaded)
         else:
             self.state_dict[fqn] = loaded
+
+    def _load_once(self, data: bytes) -> Any:
+        """torch.load of data, the same bytes loaded once (each use gets its own copy: values may be mutable)."""
+        if len(data) > _MEMO_LIMIT:
+            return torch.load(io.BytesIO(data), weights_only=True)
+        if data not in self._loaded:
+            self._loaded[data] = torch.load(io.BytesIO(data), weights_only=True)
+        return copy.deepcopy(self._loaded[data])
+
+
+_MEMO_LIMIT = 64 << 10  # larger values are rare and seldom repeated: not kept

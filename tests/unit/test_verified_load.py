@@ -3,10 +3,12 @@ damaged file never reaches the state, a resume falls back past it, and a clean l
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 import torch
+from torch.distributed.checkpoint.stateful import Stateful
 
 from paratrain.checkpoint import Checkpointer
 from paratrain.checkpoint.manifest import DamagedCheckpointError
@@ -125,3 +127,24 @@ def test_a_damaged_file_the_load_does_not_read_still_fails_the_load_naming_it(tm
     flip_a_byte(unread[0])
     with pytest.raises(DamagedCheckpointError, match=f"{unread[0]} is corrupt"):
         checkpointer.load(path, {"progress": Progress()})
+
+
+def test_equal_saved_values_load_as_separate_objects(tmp_path):
+    checkpointer = make_checkpointer(tmp_path)
+    path = checkpointer.save(1, {"lists": Lists({"a": [1, 2], "b": [1, 2]})})  # equal bytes, loaded once
+    into = Lists({"a": [], "b": []})
+    checkpointer.load(path, {"lists": into})
+    assert into.values == {"a": [1, 2], "b": [1, 2]}
+    into.values["a"].append(3)
+    assert into.values["b"] == [1, 2], "two entries share one loaded object"
+
+
+@dataclass
+class Lists(Stateful):
+    values: dict
+
+    def state_dict(self) -> dict:
+        return dict(self.values)
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        self.values = dict(state_dict)
