@@ -79,9 +79,9 @@ class VerifyingReader(SafeFileSystemReader):
             reading = deque((name, pool.submit(self._read_verified, name)) for name in islice(names, READ_AHEAD))
             while reading:
                 name, future = reading.popleft()
-                data = future.result()  # a damaged file raises here, before any of its items is served
-                self._serve(per_file[name], data, planner)
-                del data  # unmapped before the next file is mapped: at most READ_AHEAD files at once
+                # A damaged file raises in result(), before any of its items is served.
+                self._serve(per_file[name], future.result(), planner)
+                del future  # it holds the mapping: unmapped before the next is mapped, READ_AHEAD at most
                 reading.extend((name, pool.submit(self._read_verified, name)) for name in islice(names, 1))
         done: Future[None] = Future()
         done.set_result(None)
