@@ -391,15 +391,16 @@ class Trainer:
         return path
 
     def _maybe_start(self) -> None:
-        """What a run does once, when training starts: its output directory, then the resume."""
+        """What a run does once, when training starts: the resume, then its output directory. The resume first:
+        a named checkpoint that proves damaged while loading stops the run with nothing written."""
         config, step = self.config, self.progress.step
         if not self._started:
             self._started = True
+            if self._resume_from is not None and not self._healed_instead_of_resuming():
+                self._resume(self._resume_from)
             if self.ctx.is_main:
                 config.run.output_dir.mkdir(parents=True, exist_ok=True)
                 (config.run.output_dir / "config.yaml").write_text(config_to_yaml(config))
-            if self._resume_from is not None and not self._healed_instead_of_resuming():
-                self._resume(self._resume_from)
             step = self.progress.step
         if step >= config.train.max_steps:
             logger.info("already at step %d of train.max_steps=%d: nothing to train", step, config.train.max_steps)
