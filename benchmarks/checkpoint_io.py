@@ -8,8 +8,9 @@ One run measures, side by side on the same disk:
   (the header line says which).
 - *paratrain*: ``Checkpointer.save`` synchronous (DCP write with fsync, then the manifest with each
   file's SHA-256), asynchronous (*blocked*: until the call returns; *background*: until the
-  checkpoint is complete), and a cold load as a resume does it: ``verify_checkpoint`` (sizes and
-  SHA-256 of every file) then ``Checkpointer.load``.
+  checkpoint is complete), and a cold load as a resume does it: ``check_checkpoint`` on rank 0 (the
+  manifest, every file's size, ``.metadata``) then ``Checkpointer.load``, which checks each file's
+  SHA-256 as it reads it.
 - *plain DCP*: ``torch.distributed.checkpoint.save``/``load`` of the same state with
   ``FileSystemWriter`` defaults (fsync on, one thread), no checksum; cold load.
 
@@ -43,7 +44,8 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
-from paratrain.checkpoint import Checkpointer, verify_checkpoint
+from paratrain.checkpoint import Checkpointer
+from paratrain.checkpoint.manifest import check_checkpoint
 from paratrain.checkpoint.state import ModelState, OptimizerState, Progress
 from paratrain.models.gpt import build_gpt
 
@@ -184,10 +186,10 @@ class Bench:
 
         def resume() -> None:
             if self.rank == 0:
-                verify_checkpoint(path)  # rank 0 verifies before the others load, as a resume does
+                check_checkpoint(path)  # rank 0 checks what needs no data reading, as choosing a resume does
             if dist.is_initialized():
                 dist.barrier()
-            self.checkpointer.load(path, self.state)
+            self.checkpointer.load(path, self.state)  # every file's SHA-256 checked as it is read
 
         return in_sync(resume)
 

@@ -21,7 +21,7 @@ from paratrain.callbacks.base import Callback, CallbackList
 from paratrain.callbacks.build import build_callbacks
 from paratrain.callbacks.profiling import maybe_profiler
 from paratrain.callbacks.routing import maybe_router_stats
-from paratrain.checkpoint.policy import build_checkpointer, choose_resume, save_due
+from paratrain.checkpoint.policy import build_checkpointer, choose_resume, load_resume, save_due
 from paratrain.checkpoint.state import Progress, RNGState, training_state
 from paratrain.config.factories import call_factory, describe_user_error
 from paratrain.config.schema import Config, config_to_yaml
@@ -51,6 +51,10 @@ from paratrain.tensors import local_part
 from paratrain.tracking.metrics import LogWindow, MetricsLogger, NoMetrics, build_record, open_metrics, should_log
 
 logger = logging.getLogger("paratrain")
+# Loaded only where the checkpoint has them. RNG states are saved per rank: a run resumed on more ranks has
+# none for the new ones. A run switched to fp16 resumes a checkpoint without a gradient scaler: its scaler
+# starts fresh. A checkpoint of a plain run resumed by replica groups holds no counts: they start at 0.
+OPTIONAL_STATE = ("rng", "grad_scaler", "replica_groups")
 
 
 @dataclass(frozen=True)
@@ -387,24 +391,37 @@ class Trainer:
         return path
 
     def _maybe_start(self) -> None:
-        """What a run does once, when training starts: its output directory, then the resume."""
+        """What a run does once, when training starts: the resume, then its output directory. The resume first:
+        a named checkpoint that proves damaged while loading stops the run with nothing written."""
         config, step = self.config, self.progress.step
         if not self._started:
             self._started = True
+            if self._resume_from is not None and not self._healed_instead_of_resuming():
+                self._resume(self._resume_from)
             if self.ctx.is_main:
                 config.run.output_dir.mkdir(parents=True, exist_ok=True)
                 (config.run.output_dir / "config.yaml").write_text(config_to_yaml(config))
-            if self._resume_from is not None and not self._healed_instead_of_resuming():
-                self.load_checkpoint(self._resume_from)
-                step, epoch = self.progress.step, self.feed.position.epoch
-                logger.info("resumed from %s at step %d (epoch %d)", self._resume_from, step, epoch)
-                self.last_healthy_checkpoint = self._resume_from
-                settle_resumed_layout(self.model, self.engine, self.feed, dims=self.dims, device=self.ctx.device)
-                if self.replicas is not None:
-                    self.replicas.set_step(step)  # a group whose checkpoint is older heals from this one
             step = self.progress.step
         if step >= config.train.max_steps:
             logger.info("already at step %d of train.max_steps=%d: nothing to train", step, config.train.max_steps)
+
+    def _resume(self, chosen: Path) -> None:
+        """Loads the chosen checkpoint, or under ``resume: auto`` an older one when it proves damaged."""
+        self._resume_from = load_resume(
+            self.checkpointer,
+            chosen,
+            self.checkpoint_state(),
+            options=self.config.checkpoint,
+            config=self.checkpointer.config,
+            is_main=self.ctx.is_main,
+            optional=OPTIONAL_STATE,
+        )
+        step, epoch = self.progress.step, self.feed.position.epoch
+        logger.info("resumed from %s at step %d (epoch %d)", self._resume_from, step, epoch)
+        self.last_healthy_checkpoint = self._resume_from
+        settle_resumed_layout(self.model, self.engine, self.feed, dims=self.dims, device=self.ctx.device)
+        if self.replicas is not None:
+            self.replicas.set_step(step)  # a group whose checkpoint is older heals from this one
 
     def _healed_instead_of_resuming(self) -> bool:
         """Under replica groups, a restarted group first joins the quorum: a live peer's state (newer than any
@@ -428,7 +445,6 @@ class Trainer:
 
     def load_checkpoint(self, path: Path) -> None:
         """Loads a checkpoint's model and optimizer state into this layout, as a resume does, without
-        training or writing anything (``paratrain checkpoint check``)."""
-        # A run switched to fp16 resumes a checkpoint without a gradient scaler: its scaler starts fresh.
-        # A checkpoint of a plain run resumed by replica groups holds no counts: they start at 0.
-        self.checkpointer.load(path, self.checkpoint_state(), optional=("rng", "grad_scaler", "replica_groups"))
+        training or writing anything (``paratrain checkpoint check``). Every file is checked against the
+        manifest; a damaged one raises (DamagedCheckpointError), with no fallback."""
+        self.checkpointer.load(path, self.checkpoint_state(), optional=OPTIONAL_STATE)

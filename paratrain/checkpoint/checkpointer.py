@@ -29,20 +29,25 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.stateful import Stateful
 
 from paratrain.checkpoint.hashing import HashingWriter
 from paratrain.checkpoint.manifest import (
+    DamagedCheckpointError,
+    check_checkpoint,
     find_checkpoints,
     is_complete,
     read_manifest,
     verify_checkpoint,
+    verify_files,
     write_manifest,
 )
-from paratrain.checkpoint.safe_reader import SafeFileSystemReader, SafeLoadPlanner
+from paratrain.checkpoint.safe_reader import SafeLoadPlanner
 from paratrain.checkpoint.state import SavedEntriesOnly, is_saved
 from paratrain.checkpoint.storage_errors import SAVE_FAILURES, find_storage_error, storage_fix
+from paratrain.checkpoint.verifying_reader import VerifyingReader
 from paratrain.errors import CheckpointError, CheckpointWriteError
 from paratrain.launch import faults
 from paratrain.parallel.collectives import all_gather_object, broadcast_object, is_distributed
@@ -265,12 +270,22 @@ class Checkpointer:
         self._on_main(declare_complete, group=group)
 
     def load(self, path: Path, state: dict[str, Stateful], *, optional: tuple[str, ...] = ()) -> None:
-        """Loads state saved under any layout and world size into this one (DCP reshards).
+        """Loads state saved under any layout and world size into this one (DCP reshards), checking every
+        file of the checkpoint against its manifest: each file a rank reads as it reads it (VerifyingReader),
+        then, on rank 0, the files no rank read.
 
         Entries named in ``optional`` are loaded only if the checkpoint has them for this rank (RNG
         states are saved per rank, so a run resumed on more ranks has none for the new ones).
+
+        Raises:
+            DamagedCheckpointError: on every rank, naming a damaged file. None of that file's bytes reached
+                the state, but items of files that checked out before it may have: model and optimizer
+                tensors are loaded in place. Entries loaded through ``load_state_dict`` (data position, step,
+                RNG, scheduler) are untouched, since DCP calls it only after every read succeeded.
         """
-        saved_keys = SafeFileSystemReader(path).read_metadata().state_dict_metadata.keys()
+        listed = read_manifest(path)["files"]
+        metadata = self._agree_on_damage(lambda: VerifyingReader(path, listed=listed).read_metadata())
+        saved_keys = metadata.state_dict_metadata.keys()
         missing = [name for name in optional if name in state and not _saved(state[name], name, saved_keys)]
         for name in missing:
             logger.warning(
@@ -285,21 +300,46 @@ class Checkpointer:
             name: SavedEntriesOnly(loadable[name], name, set(saved_keys)) for name in optional if name in loadable
         }
         loadable.update(partial)
-        with quiet_single_process():
-            dcp.load(
-                loadable,
-                storage_reader=SafeFileSystemReader(path),
-                planner=SafeLoadPlanner(),
-                no_dist=not is_distributed(),
-            )
+        reader = VerifyingReader(path, listed=listed)
+        try:
+            with quiet_single_process():
+                dcp.load(loadable, storage_reader=reader, planner=SafeLoadPlanner(), no_dist=not is_distributed())
+        except CheckpointException as error:
+            damaged = _damage_in(error)
+            if damaged is None:
+                raise
+            raise damaged from None
+        self._verify_unread(path, listed, read_here=reader.verified)
         for entry in partial.values():
             if entry.absent:
                 logger.warning(
                     "%s holds no %s (saved with fewer devices per rank); it starts fresh", path, entry.absent
                 )
 
+    def _verify_unread(self, path: Path, listed: dict[str, dict[str, Any]], *, read_here: set[str]) -> None:
+        """Rank 0 checks the files no rank read in this load (entries this run does not load, or a layout
+        that needs only some of the files): a resume vouches for the whole checkpoint, as the full verify
+        before the load did, so that a damaged file cannot wait, unnoticed, for a later resume under
+        another layout or an export. Usually every file was read and this reads nothing."""
+        read_anywhere = set().union(*all_gather_object(read_here))
+        unread = {name: entry for name, entry in listed.items() if name not in read_anywhere}
+        self._agree_on_damage(lambda: verify_files(path, unread) if self.rank == 0 and unread else None)
+
+    def _agree_on_damage(self, action: Callable[[], Any]) -> Any:
+        """action's result; a DamagedCheckpointError it raises on any rank is raised on every rank (the
+        first rank's), so no rank goes on into a collective the others have left."""
+        try:
+            result, damage = action(), None
+        except DamagedCheckpointError as error:
+            result, damage = None, str(error)
+        found = [message for message in all_gather_object(damage) if message]
+        if found:
+            raise DamagedCheckpointError(found[0])
+        return result
+
     def choose_resume(self, resume: str) -> Path | None:
-        """The verified checkpoint to resume from (decided on rank 0, agreed by all ranks)."""
+        """The checkpoint to resume from (decided on rank 0, agreed by all ranks), checked up to what needs
+        no reading of its data (``check_checkpoint``): the load checks each file's SHA-256 as it reads it."""
         decision = self._choose_on_main(resume) if self.rank == 0 else None
         decision = broadcast_object(decision)
         if isinstance(decision, str) and decision.startswith("error:"):
@@ -311,23 +351,58 @@ class Checkpointer:
             if resume == "never":
                 return None
             if resume == "auto":
-                latest = self.latest_verified()
+                latest = self._newest_passing(check_checkpoint)
                 return str(latest) if latest else None
-            verify_checkpoint(Path(resume))
+            check_checkpoint(Path(resume))
             return resume
         except CheckpointError as error:
             return f"error:{error}"
 
+    def previous_loadable(self, damaged: Path) -> Path:
+        """The checkpoint ``resume: auto`` falls back to when loading ``damaged`` found a damaged file: the
+        newest older one that passes ``check_checkpoint`` (decided on rank 0, agreed by all ranks).
+
+        Raises:
+            CheckpointError: no older checkpoint passes (starting over would hide that).
+        """
+        older_than = int(damaged.name.removeprefix("step-"))
+        decision = None
+        if self.rank == 0:
+            try:
+                decision = str(self._newest_passing(check_checkpoint, older_than=older_than, found_damaged=True))
+            except CheckpointError as error:
+                decision = f"error:{error}"
+        decision = broadcast_object(decision)
+        if decision.startswith("error:"):
+            raise CheckpointError(decision.removeprefix("error:"))
+        return Path(decision)
+
     def latest_verified(self) -> Path | None:
-        """Newest complete checkpoint whose files check out; damaged ones are skipped, loudly.
+        """Newest complete checkpoint whose files all check out (every byte hashed); damaged ones are
+        skipped, loudly.
 
         Raises:
             CheckpointError: checkpoints exist but none verifies (starting over would hide that).
         """
-        complete = [path for _, path in reversed(find_checkpoints(self.directory)) if is_complete(path)]
+        return self._newest_passing(verify_checkpoint)
+
+    def _newest_passing(
+        self, check: Callable[[Path], dict[str, Any]], *, older_than: int | None = None, found_damaged: bool = False
+    ) -> Path | None:
+        """Newest complete checkpoint (older than step ``older_than``) that passes ``check`` and was saved
+        with finite weights; the others are skipped, loudly.
+
+        Raises:
+            CheckpointError: checkpoints exist (or one was ``found_damaged`` by a load) but none passes.
+        """
+        complete = [
+            path
+            for step, path in reversed(find_checkpoints(self.directory))
+            if is_complete(path) and (older_than is None or step < older_than)
+        ]
         for path in complete:
             try:
-                manifest = verify_checkpoint(path)
+                manifest = check(path)
             except CheckpointError as error:
                 logger.warning("skipping damaged checkpoint: %s; falling back to the previous one", error)
                 continue
@@ -337,7 +412,7 @@ class Checkpointer:
                 )
                 continue
             return path
-        if complete:
+        if complete or found_damaged:
             raise CheckpointError(
                 f"no checkpoint in {self.directory} verifies; set checkpoint.resume=never with a new "
                 f"run.output_dir to start over"
@@ -437,6 +512,15 @@ def _saved(stateful: Stateful, name: str, saved_keys) -> bool:
     """Whether every top-level entry of the stateful's state is in the checkpoint."""
     prefixes = [f"{name}.{key}" for key in stateful.state_dict()]
     return all(is_saved(prefix, saved_keys) for prefix in prefixes)
+
+
+def _damage_in(error: CheckpointException) -> DamagedCheckpointError | None:
+    """The damaged file DCP's load failed on, if any: DCP gathers every rank's read failure into the
+    CheckpointException raised on every rank, so each rank finds the same one (the lowest rank's)."""
+    for _, (failure, _) in sorted(error.failures.items()):
+        if isinstance(failure, DamagedCheckpointError):
+            return failure
+    return None
 
 
 @contextlib.contextmanager

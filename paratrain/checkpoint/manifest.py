@@ -23,6 +23,11 @@ METADATA_NAME = ".metadata"  # DCP's own index of the checkpoint
 _FORMAT_VERSION = 1
 
 
+class DamagedCheckpointError(CheckpointError):
+    """A file of a complete checkpoint is missing, or its size or SHA-256 is not the manifest's: the
+    checkpoint must not be loaded, and ``resume: auto`` falls back to an earlier one."""
+
+
 _STEP_DIR = re.compile(r"^step-(\d+)$")
 
 
@@ -106,37 +111,74 @@ def verify_checkpoint(directory: Path) -> dict[str, Any]:
         CheckpointError: naming the first file that is missing, truncated or altered.
     """
     directory = Path(directory)
+    manifest = check_checkpoint(directory)  # a missing or truncated file is named before any byte is hashed
+    verify_files(directory, manifest["files"])
+    return manifest
+
+
+def check_checkpoint(directory: Path) -> dict[str, Any]:
+    """What can be checked without reading the data: the manifest, every listed file's presence and size,
+    and DCP's ``.metadata`` (small: hashed, then read by the restricted unpickler); returns the manifest.
+
+    A resume checks this much up front and leaves the data files' SHA-256 to the load, which checks each
+    file as it reads it (``VerifyingReader``): one pass over the bytes instead of two.
+
+    Raises:
+        CheckpointError: naming the first file that is missing, truncated or altered, or metadata that is
+            not DCP's.
+    """
+    directory = Path(directory)
     if not directory.is_dir():
         raise CheckpointError(
             f"checkpoint {directory} does not exist; pass an existing step-<N> directory or checkpoint.resume=auto"
         )
     manifest = read_manifest(directory)
-    listed = list(manifest["files"].items())
-    # hashlib releases the GIL: files are hashed in parallel, and the first bad one in order is named.
-    with ThreadPoolExecutor(max_workers=min(len(listed), os.cpu_count() or 1) or 1) as pool:
-        list(pool.map(lambda entry: _verify_file(directory / entry[0], entry[1]), listed))
+    for name, expected in manifest["files"].items():
+        check_size(directory / name, expected)
     metadata_path = directory / METADATA_NAME
     if not metadata_path.is_file():
-        raise CheckpointError(f"checkpoint file {metadata_path} is missing; use an earlier checkpoint")
+        raise DamagedCheckpointError(f"checkpoint file {metadata_path} is missing; use an earlier checkpoint")
+    data = metadata_path.read_bytes()
+    if METADATA_NAME in manifest["files"]:
+        check_sha256(metadata_path, hashlib.sha256(data).hexdigest(), manifest["files"][METADATA_NAME])
     # Lazy: it loads torch.distributed.checkpoint, a second at every CLI start otherwise.
     from paratrain.checkpoint.safe_reader import load_metadata_safely
 
-    load_metadata_safely(metadata_path.read_bytes(), path=str(metadata_path))  # refuses planted pickles
+    load_metadata_safely(data, path=str(metadata_path))  # refuses planted pickles
     return manifest
 
 
-def _verify_file(path: Path, expected: dict[str, Any]) -> None:
-    if not path.is_file():
-        raise CheckpointError(f"checkpoint file {path} is missing; use an earlier checkpoint")
-    size = path.stat().st_size
+def check_size(path: Path, expected: dict[str, Any], *, size: int | None = None) -> None:
+    """Raises DamagedCheckpointError when the file is missing or its size (``size``, the bytes read from it,
+    else its size on disk) is not the manifest's."""
+    if size is None and not path.is_file():
+        raise DamagedCheckpointError(f"checkpoint file {path} is missing; use an earlier checkpoint")
+    size = path.stat().st_size if size is None else size
     if size != expected["bytes"]:
-        raise CheckpointError(
+        raise DamagedCheckpointError(
             f"checkpoint file {path} is truncated or altered: {size} bytes, expected {expected['bytes']}; use an earlier checkpoint"
         )
-    if _sha256(path) != expected["sha256"]:
-        raise CheckpointError(
+
+
+def check_sha256(path: Path, sha256: str, expected: dict[str, Any]) -> None:
+    """Raises DamagedCheckpointError when ``sha256``, taken of the file's bytes, is not the manifest's."""
+    if sha256 != expected["sha256"]:
+        raise DamagedCheckpointError(
             f"checkpoint file {path} is corrupt: its SHA-256 does not match the manifest; use an earlier checkpoint"
         )
+
+
+def verify_files(directory: Path, listed: dict[str, dict[str, Any]]) -> None:
+    """Checks the size and SHA-256 of each of ``listed`` (names in ``directory`` -> manifest entries)."""
+    entries = list(listed.items())
+    # hashlib releases the GIL: files are hashed in parallel, and the first bad one in order is named.
+    with ThreadPoolExecutor(max_workers=min(len(entries), os.cpu_count() or 1) or 1) as pool:
+        list(pool.map(lambda entry: _verify_file(directory / entry[0], entry[1]), entries))
+
+
+def _verify_file(path: Path, expected: dict[str, Any]) -> None:
+    check_size(path, expected)
+    check_sha256(path, _sha256(path), expected)
 
 
 def _known_or_described(path: Path, known: dict[str, Any] | None) -> dict[str, Any]:

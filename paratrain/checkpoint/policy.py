@@ -1,20 +1,25 @@
 """How a training run uses checkpoints: its checkpointer, when the loop saves, and which checkpoint the run
 resumes from. Decisions from the ``checkpoint`` section and plain numbers; the trainer acts on them (settles
-its verdicts, checks its weights, calls ``save`` and ``load``)."""
+its verdicts, checks its weights, calls ``save``). The one action here is the resume's load, since which
+checkpoint a run resumes from is decided again when that load finds a damaged file."""
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from paratrain.checkpoint.checkpointer import Checkpointer
 from paratrain.checkpoint.config_changes import check_resume_config, log_resume_changes
-from paratrain.checkpoint.manifest import read_manifest
+from paratrain.checkpoint.manifest import DamagedCheckpointError, read_manifest
+from paratrain.errors import CheckpointError
 
 if TYPE_CHECKING:
     from paratrain.config.schema import CheckpointConfig
     from paratrain.launch.process_group import DistContext
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -51,23 +56,65 @@ def save_due(
 def choose_resume(
     checkpointer: Checkpointer, options: CheckpointConfig, *, config: dict[str, Any], is_main: bool
 ) -> Path | None:
-    """The checkpoint ``checkpoint.resume`` names (``never``, ``auto``: the newest verified, or a path),
-    agreed by every rank, once its config is checked against ``config``.
+    """The checkpoint ``checkpoint.resume`` names (``never``, ``auto``: the newest that passes the checks made
+    before loading, or a path), agreed by every rank, once its config is checked against ``config``. Its
+    files' SHA-256 are checked by the load itself (``load_resume``).
 
     Raises:
-        CheckpointError: the named checkpoint does not verify, or none of the run's does.
+        CheckpointError: the named checkpoint fails those checks, or none of the run's passes.
         ConfigError: the training math changed and ``checkpoint.allow_config_change`` is not set. Raised
             on every rank (a changed config would train neither run); the changes are listed by rank 0.
     """
     path = checkpointer.choose_resume(options.resume)
-    if path is None:
-        return None
+    if path is not None:
+        _check_config(path, options, config=config, is_main=is_main)
+    return path
+
+
+def load_resume(
+    checkpointer: Checkpointer,
+    path: Path,
+    state: dict[str, Any],
+    *,
+    options: CheckpointConfig,
+    config: dict[str, Any],
+    is_main: bool,
+    optional: tuple[str, ...],
+) -> Path:
+    """Loads the checkpoint ``choose_resume`` chose into ``state``, each file checked as it is read; returns
+    the checkpoint loaded.
+
+    Under ``resume: auto``, a damaged file found by any rank makes every rank fall back, loudly, to the
+    newest older checkpoint that passes the checks, as ``choose_resume`` skips one found damaged before
+    loading; its config is checked as the first one's was. The damaged load may already have copied the
+    files that checked out into the model and optimizer tensors: the fallback's load overwrites every one
+    of them (the same run saved both, so they hold the same entries; anything loaded through
+    ``load_state_dict``, such as the RNG states and the data position, was never touched).
+
+    Raises:
+        CheckpointError: a checkpoint named by path is damaged (naming the file), or no checkpoint to
+            fall back to passes.
+        ConfigError: as ``choose_resume``, for a checkpoint fallen back to.
+    """
+    while True:
+        try:
+            checkpointer.load(path, state, optional=optional)
+            return path
+        except DamagedCheckpointError as error:
+            if options.resume != "auto":
+                raise CheckpointError(f"checkpoint.resume={options.resume}: {error}") from None
+            if is_main:
+                logger.warning("skipping damaged checkpoint: %s; falling back to the previous one", error)
+            path = checkpointer.previous_loadable(path)
+            _check_config(path, options, config=config, is_main=is_main)
+
+
+def _check_config(path: Path, options: CheckpointConfig, *, config: dict[str, Any], is_main: bool) -> None:
     changes = check_resume_config(
         read_manifest(path).get("config", {}), config, checkpoint=path, allow_change=options.allow_config_change
     )
     if is_main:
         log_resume_changes(changes, path)
-    return path
 
 
 def build_checkpointer(

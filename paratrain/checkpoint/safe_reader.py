@@ -8,6 +8,7 @@ non-tensor values through ``torch.load(weights_only=True)``.
 
 from __future__ import annotations
 
+import copy
 import io
 import pickle
 from typing import Any
@@ -69,24 +70,45 @@ class SafeFileSystemReader(FileSystemReader):
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         path = self._get_metadata_path(kwargs.get("rank"))
-        with self.fs.create_stream(path, "rb") as stream:
-            metadata = load_metadata_safely(stream.read(), path=str(path))
+        metadata = load_metadata_safely(self._read_metadata_bytes(path), path=str(path))
         if getattr(metadata, "storage_meta", None) is None:
             metadata.storage_meta = StorageMeta()
         metadata.storage_meta.load_id = self.load_id
         return metadata
 
+    def _read_metadata_bytes(self, path: Any) -> bytes:
+        with self.fs.create_stream(path, "rb") as stream:
+            return stream.read()
+
 
 class SafeLoadPlanner(DefaultLoadPlanner):
     """Loads non-tensor values (ints, floats, lists, dicts) with torch.load(weights_only=True).
 
-    Mirrors DefaultLoadPlanner.load_bytes, which differs only in passing weights_only=False.
+    Mirrors DefaultLoadPlanner.load_bytes, which differs only in passing weights_only=False. Equal bytes are
+    loaded once: DCP saves the optimizer's param_groups once per parameter (lr, betas, eps, ... each its own
+    item), so a model's 1,464 such items held 8 distinct values, and a torch.load each was a fifth of a
+    load's time (docs/benchmarks.md, checkpoint I/O round 3).
     """
 
+    def __init__(self, *args: Any, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self._loaded: dict[bytes, Any] = {}
+
     def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
-        loaded = torch.load(value, weights_only=True)
+        loaded = self._load_once(value.getvalue())
         fqn = read_item.dest_index.fqn
         if self.flatten_state_dict:
             set_element(self.original_state_dict, self.mappings[fqn], loaded)
         else:
             self.state_dict[fqn] = loaded
+
+    def _load_once(self, data: bytes) -> Any:
+        """torch.load of data, the same bytes loaded once (each use gets its own copy: values may be mutable)."""
+        if len(data) > _MEMO_LIMIT:
+            return torch.load(io.BytesIO(data), weights_only=True)
+        if data not in self._loaded:
+            self._loaded[data] = torch.load(io.BytesIO(data), weights_only=True)
+        return copy.deepcopy(self._loaded[data])
+
+
+_MEMO_LIMIT = 64 << 10  # larger values are rare and seldom repeated: not kept

@@ -12,9 +12,9 @@ import torch
 from torch import nn
 
 from paratrain.callbacks.build import check_callback_configs
-from paratrain.checkpoint import find_checkpoints, verify_checkpoint
+from paratrain.checkpoint import find_checkpoints
 from paratrain.checkpoint.config_changes import check_resume_config
-from paratrain.checkpoint.manifest import is_complete, read_manifest
+from paratrain.checkpoint.manifest import check_checkpoint, is_complete, read_manifest
 from paratrain.checks.experts import check_expert_layout
 from paratrain.checks.pipeline import check_pipeline
 from paratrain.checks.sequence import check_sequence_layout
@@ -268,7 +268,8 @@ def _check_resume(config: Config) -> None:
             f"checkpoint.resume={resume}: no such checkpoint; use auto, never, or an existing step-<N> directory"
         )
     try:
-        verify_checkpoint(Path(resume))
+        # What needs no reading of the data: each file's SHA-256 is checked as the resume loads it.
+        check_checkpoint(Path(resume))
     except CheckpointError as error:
         raise ConfigError(f"checkpoint.resume={resume}: {error}") from None
 

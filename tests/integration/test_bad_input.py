@@ -10,8 +10,9 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
 
-from tests.harness import run_cli, run_cli_in_process, tiny_config, train, write_config
+from tests.harness import checkpoint_weights, run_cli, run_cli_in_process, tiny_config, train, write_config
 
 SENTINEL = "earlier results\n"
 
@@ -104,17 +105,47 @@ def test_truncated_checkpoint_given_as_resume_path_is_refused_naming_the_file(tm
     )
 
 
-def test_corrupt_latest_checkpoint_makes_auto_fall_back_to_the_previous_one(tmp_path, finished_run):
+def test_a_resume_path_with_a_flipped_byte_stops_the_run_naming_the_file_with_nothing_written(
+    tmp_path, finished_run, output_dir
+):
     run = tmp_path / "copy"
     copy_tree(finished_run, run)
-    shard = next((run / "checkpoints/step-4").glob("*.distcp"))
+    shard = flip_a_byte(sorted((run / "checkpoints/step-4").glob("*.distcp"))[-1])
+    # Its size is right, so only the load, which hashes each file as it reads it, finds the damage.
+    fails_cleanly(
+        [
+            "train",
+            config_file(tmp_path, output_dir, train={"max_steps": 4}),
+            f"checkpoint.resume={run}/checkpoints/step-4",
+        ],
+        "checkpoint.resume=",
+        f"checkpoint file {shard} is corrupt",
+        "use an earlier checkpoint",
+        output_dir=output_dir,
+    )
+
+
+def flip_a_byte(shard: Path) -> Path:
     data = bytearray(shard.read_bytes())
     data[len(data) // 2] ^= 0xFF  # one flipped byte: same size, different checksum
     shard.write_bytes(bytes(data))
+    return shard
+
+
+def test_corrupt_latest_checkpoint_makes_auto_fall_back_to_the_previous_one(tmp_path, finished_run):
+    run = tmp_path / "copy"
+    copy_tree(finished_run, run)
+    shard = flip_a_byte(sorted((run / "checkpoints/step-4").glob("*.distcp"))[-1])  # read last: the others load first
 
     result = train(Path(config_file(tmp_path, run, train={"max_steps": 4})))  # the finished run's config
     assert str(shard) in result.stderr and "corrupt" in result.stderr
     assert "resumed from" in result.stderr and "step-2 at step 2" in result.stderr
+    # The resume read step-4's healthy files into the model before it met the damaged one; the fallback's
+    # load overwrote all of it: steps 3 and 4 trained again end where the uninterrupted run ended.
+    expected = checkpoint_weights(finished_run / "checkpoints/step-4")
+    actual = checkpoint_weights(run / "checkpoints/step-4")
+    assert expected.keys() == actual.keys()
+    assert all(torch.equal(actual[name], expected[name]) for name in expected)
 
 
 def test_planted_pickle_in_checkpoint_metadata_is_refused(tmp_path, finished_run):
