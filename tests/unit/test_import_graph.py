@@ -19,11 +19,11 @@ TRAINING_ENTRIES = ("paratrain.train", "paratrain.trainer")
 LAYERS = (
     # leaves: no paratrain imports beyond errors
     "errors",
+    "tensors",
     "losses",
     "precision",
     "gradients",
     "cuda_settings",
-    "tensors",
     # the typed config tree: schema, loading, reference docs, factories
     "config",
     # models and their plans as data; then the layouts' transforms, meshes and collectives
