@@ -340,23 +340,15 @@ class Checkpointer:
     def choose_resume(self, resume: str) -> Path | None:
         """The checkpoint to resume from (decided on rank 0, agreed by all ranks), checked up to what needs
         no reading of its data (``check_checkpoint``): the load checks each file's SHA-256 as it reads it."""
-        decision = self._choose_on_main(resume) if self.rank == 0 else None
-        decision = broadcast_object(decision)
-        if isinstance(decision, str) and decision.startswith("error:"):
-            raise CheckpointError(decision.removeprefix("error:"))
-        return Path(decision) if decision else None
+        return self._decided_on_main(lambda: self._choose(resume))
 
-    def _choose_on_main(self, resume: str) -> str | None:
-        try:
-            if resume == "never":
-                return None
-            if resume == "auto":
-                latest = self._newest_passing(check_checkpoint)
-                return str(latest) if latest else None
-            check_checkpoint(Path(resume))
-            return resume
-        except CheckpointError as error:
-            return f"error:{error}"
+    def _choose(self, resume: str) -> Path | None:
+        if resume == "never":
+            return None
+        if resume == "auto":
+            return self._newest_passing(check_checkpoint)
+        check_checkpoint(Path(resume))
+        return Path(resume)
 
     def previous_loadable(self, damaged: Path) -> Path:
         """The checkpoint ``resume: auto`` falls back to when loading ``damaged`` found a damaged file: the
@@ -366,16 +358,23 @@ class Checkpointer:
             CheckpointError: no older checkpoint passes (starting over would hide that).
         """
         older_than = int(damaged.name.removeprefix("step-"))
+        return self._decided_on_main(
+            lambda: self._newest_passing(check_checkpoint, older_than=older_than, found_damaged=True)
+        )
+
+    def _decided_on_main(self, decide: Callable[[], Path | None]) -> Path | None:
+        """decide()'s result on rank 0, agreed by every rank; a CheckpointError it raises is raised on every rank."""
         decision = None
         if self.rank == 0:
             try:
-                decision = str(self._newest_passing(check_checkpoint, older_than=older_than, found_damaged=True))
+                chosen = decide()
+                decision = str(chosen) if chosen else None
             except CheckpointError as error:
                 decision = f"error:{error}"
         decision = broadcast_object(decision)
-        if decision.startswith("error:"):
+        if isinstance(decision, str) and decision.startswith("error:"):
             raise CheckpointError(decision.removeprefix("error:"))
-        return Path(decision)
+        return Path(decision) if decision else None
 
     def latest_verified(self) -> Path | None:
         """Newest complete checkpoint whose files all check out (every byte hashed); damaged ones are
