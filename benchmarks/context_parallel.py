@@ -29,9 +29,9 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch.autograd.graph import saved_tensors_hooks
 
+from paratrain.models.attention_hooks import install_sequence_functions
 from paratrain.models.gpt import build_gpt
-from paratrain.models.sequence import install_sequence_functions
-from paratrain.parallel.sequence import SequenceSharding
+from paratrain.parallel.sequence_sharding import SequenceSharding
 
 GOAL_SLACK = 0.10
 MODEL = {"vocab_size": 512, "n_layer": 2, "n_head": 8, "n_embd": 128}

@@ -39,12 +39,12 @@ def status_bytes(field: str) -> int:
 def worker(variant: str, steps: int, out: str) -> None:
     import torch.distributed as dist
 
-    import paratrain.models.plan
+    import paratrain.models.plan_derivation
     from paratrain.config.schema import load_config
     from paratrain.trainer import Trainer
 
     if variant == "root":  # the plan without outer units: embedding, norm and head stay in the root unit
-        paratrain.models.plan.transformers_outer_units = lambda model, blocks: ()
+        paratrain.models.plan_derivation.transformers_outer_units = lambda model, blocks: ()
     dist.init_process_group("gloo")
     overrides = [
         "parallel.strategy=fsdp",

@@ -38,7 +38,7 @@ from paratrain.config.schema import ParallelConfig
 from paratrain.models.gpt import build_gpt
 from paratrain.models.init import materialize
 from paratrain.models.moe import Experts
-from paratrain.models.plan import plan_of
+from paratrain.models.plan_derivation import plan_of
 from paratrain.parallel.dims import ParallelDims
 from paratrain.parallel.parallelize import parallelize
 

@@ -59,9 +59,9 @@ def status_bytes(field: str) -> int:
 
 def measure_materialize(rows: list[dict]) -> None:
     """Wraps the materialize the Trainer calls so that each call records its own peak growth."""
-    import paratrain.layout.build
+    import paratrain.layout.flat
 
-    real = paratrain.layout.build.materialize
+    real = paratrain.layout.flat.materialize
 
     def measured(*args, **kwargs):
         reset_peak_rss()
@@ -69,7 +69,7 @@ def measure_materialize(rows: list[dict]) -> None:
         real(*args, **kwargs)
         rows.append({"seconds": time.perf_counter() - start, "peak_growth": status_bytes("VmHWM") - before})
 
-    paratrain.layout.build.materialize = measured
+    paratrain.layout.flat.materialize = measured
 
 
 def save_model(directory: Path, *, hidden: int, layers: int) -> dict:

@@ -356,7 +356,7 @@ def slurm_command(args: argparse.Namespace) -> int:
 def plan_command(args: argparse.Namespace) -> int:
     config = load_config(args.config, args.overrides)
     # lazy: each command loads only what it runs, so every `paratrain` call starts fast
-    from paratrain.planner.plan import plan_command_text  # loads torch
+    from paratrain.planner.command import plan_command_text  # loads torch
 
     text, code = plan_command_text(
         config, config_path=args.config, gpus=args.gpus, gpu_memory=args.gpu_memory, nodes=args.nodes

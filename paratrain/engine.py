@@ -17,7 +17,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from paratrain.losses import LossFn
 from paratrain.parallel.fsdp import set_gradient_sync
-from paratrain.parallel.sequence import SequenceSharding
+from paratrain.parallel.sequence_sharding import SequenceSharding
 from paratrain.parallel.target_tokens import count_targets, micro_batch_weights
 from paratrain.precision import MixedPrecision
 from paratrain.tensors import move_to, output_device

@@ -24,7 +24,7 @@ from paratrain.errors import ConfigError
 from paratrain.losses import LossFn
 from paratrain.parallel.collectives import all_reduce_sum
 from paratrain.parallel.dims import ParallelDims
-from paratrain.parallel.sequence import SequenceSharding
+from paratrain.parallel.sequence_sharding import SequenceSharding
 from paratrain.parallel.target_tokens import count_targets
 from paratrain.tensors import move_to
 

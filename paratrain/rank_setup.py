@@ -25,8 +25,8 @@ from paratrain.config.schema import (
     TrainConfig,
 )
 from paratrain.cuda_settings import apply_kernel_settings
-from paratrain.data.checks import SampleSources, check_dataset_fits_model
 from paratrain.data.feed import DataFeed
+from paratrain.data.model_fit import SampleSources, check_dataset_fits_model
 from paratrain.data.stream import StreamedTokens, check_streaming
 from paratrain.debug import dump_weights
 from paratrain.engine import MicroBatchEngine
@@ -36,14 +36,14 @@ from paratrain.launch.process_group import (
     local_world_size_from_env,
     world_size_from_env,
 )
-from paratrain.layout.build import LaidOutModel, LayoutRequest, build_layout
+from paratrain.layout import LaidOutModel, LayoutRequest, build_layout
 from paratrain.losses import LossFn
 from paratrain.models.meta import maybe_build_on_meta
 from paratrain.parallel.activation import compile_loss
 from paratrain.parallel.ddp import settle_buckets
 from paratrain.parallel.devices import devices_computed_on
 from paratrain.parallel.dims import ParallelDims, micro_batch_size, resolve_parallel_dims
-from paratrain.parallel.sequence import build_sequence_sharding, document_end_of
+from paratrain.parallel.sequence_sharding import build_sequence_sharding, document_end_of
 from paratrain.precision import MixedPrecision, Precision, build_mixed_precision
 
 logger = logging.getLogger("paratrain")

@@ -18,7 +18,7 @@ from torch import nn
 from torch.utils.data import Dataset
 
 from paratrain.callbacks.base import Callback, CallbackList
-from paratrain.callbacks.build import build_callbacks
+from paratrain.callbacks.configured import build_callbacks
 from paratrain.callbacks.profiling import maybe_profiler
 from paratrain.callbacks.routing import maybe_router_stats
 from paratrain.checkpoint.policy import build_checkpointer, choose_resume, load_resume, save_due

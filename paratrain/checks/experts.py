@@ -6,7 +6,7 @@ from torch import nn
 
 from paratrain.errors import ConfigError
 from paratrain.models.hf import is_transformers_model
-from paratrain.models.plan import plan_of
+from paratrain.models.plan_derivation import plan_of
 from paratrain.parallel.dims import ParallelDims
 
 

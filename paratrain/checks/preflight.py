@@ -11,22 +11,22 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from paratrain.callbacks.build import check_callback_configs
+from paratrain.callbacks.configured import check_callback_configs
 from paratrain.checkpoint import find_checkpoints
 from paratrain.checkpoint.config_changes import check_resume_config
 from paratrain.checkpoint.manifest import check_checkpoint, is_complete, read_manifest
 from paratrain.checks.experts import check_expert_layout
-from paratrain.checks.pipeline import check_pipeline
-from paratrain.checks.sequence import check_sequence_layout
+from paratrain.checks.pipeline_settings import check_pipeline
+from paratrain.checks.sequence_settings import check_sequence_layout
 from paratrain.config.factories import call_factory, check_factory_args
 from paratrain.config.schema import Config
-from paratrain.data.checks import check_data_fits_model
+from paratrain.data.model_fit import check_data_fits_model
 from paratrain.errors import CheckpointError, ConfigError
 from paratrain.evaluation import check_evaluation
 from paratrain.models.hf import is_transformers_model
 from paratrain.models.lora import maybe_apply_lora
 from paratrain.models.meta import on_meta
-from paratrain.models.plan import plan_of
+from paratrain.models.plan_derivation import plan_of
 from paratrain.optim import check_fused_setting
 from paratrain.parallel.dims import ParallelDims, resolve_parallel_dims
 from paratrain.tracking.readiness import check_trackers_ready

@@ -6,7 +6,7 @@ the inputs and the last ``block_size`` the targets, so every token of the stream
 partial window is dropped). A window may span documents: by default attention is causal over the whole
 window, so a document's tokens attend to the end of the previous one across the EOS (as nanoGPT and
 GPT-2 trained). With ``document_mask=True`` the dataset's ``document_end_id`` is the EOS id, and the layout
-keeps attention within each document and restarts positions at each (paratrain.parallel.sequence).
+keeps attention within each document and restarts positions at each (paratrain.parallel.sequence_sharding).
 
 Samples are map-style: the global-batch sampler decides the order, which keeps every sample of an epoch
 read exactly once on any data-parallel size, also across a resume on another size.

@@ -1,5 +1,5 @@
 """Built-in models. Each is a plain nn.Module with its parallel plan declared beside it."""
 
-from paratrain.models.plan import ParallelPlan, plan_of
+from paratrain.models.plan_derivation import ParallelPlan, plan_of
 
 __all__ = ["ParallelPlan", "plan_of"]

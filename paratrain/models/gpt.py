@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from paratrain.models.moe import MoEConfig, MoEFeedForward
-from paratrain.models.plan import ParallelPlan
+from paratrain.models.plan_derivation import ParallelPlan
 
 
 def causal_attention(
@@ -156,7 +156,7 @@ class GPT(nn.Module):
 
     def use_sequence_functions(self, *, attention, positions) -> None:
         """Every block's attention kernel and the embedding's positions, from a layout (context parallel,
-        document masking: paratrain.parallel.sequence)."""
+        document masking: paratrain.parallel.sequence_sharding)."""
         # Modules, not attributes: a pipeline stage keeps only some pieces (the others are placeholders).
         for module in self.modules():
             if isinstance(module, Embedding):

@@ -7,7 +7,7 @@ import math
 import torch
 from torch import nn
 
-from paratrain.models.plan import ParallelPlan
+from paratrain.models.plan_derivation import ParallelPlan
 
 
 class MLP(nn.Module):

@@ -8,7 +8,7 @@ import torch
 from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
-from paratrain.models.plan import ParallelPlan
+from paratrain.models.plan_derivation import ParallelPlan
 
 
 def apply_activation_checkpointing(model: nn.Module, *, plan: ParallelPlan) -> None:

@@ -29,7 +29,7 @@ The resolved degrees then choose how data-parallel ranks synchronise: FSDP (``fu
 parallel with replicas, since DDP cannot wrap DTensor parameters); DDP over dp_replicate otherwise.
 
 Context-parallel ranks (cp) read the same samples and each computes a slice of every sequence
-(paratrain.parallel.sequence); their gradients add up to the whole sequence's, so FSDP shards and
+(paratrain.parallel.sequence_sharding); their gradients add up to the whole sequence's, so FSDP shards and
 averages over them as over dp_shard (torchtitan's dp_shard_cp), and no cp rank holds whole parameters.
 
 Expert parallel (ep) is not a dimension of its own: as in torchtitan, it borrows ranks from the
@@ -370,7 +370,7 @@ class ParallelDims:
 
     @property
     def cp_rank(self) -> int:
-        """This rank's slice of each sequence (paratrain.parallel.sequence says which tokens it holds)."""
+        """This rank's slice of each sequence (paratrain.parallel.sequence_sharding says which tokens it holds)."""
         return self.cp_mesh.get_local_rank() if self.mesh is not None else 0
 
     # Words --------------------------------------------------------------------------------------

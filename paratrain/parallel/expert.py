@@ -29,7 +29,7 @@ from torch.distributed.tensor import Shard, distribute_tensor
 
 from paratrain.errors import ConfigError
 from paratrain.models.contract import DispatchesToExperts
-from paratrain.models.plan import ParallelPlan
+from paratrain.models.plan_derivation import ParallelPlan
 
 
 def apply_expert_parallel(model: nn.Module, ep_mesh: DeviceMesh, *, plan: ParallelPlan) -> None:

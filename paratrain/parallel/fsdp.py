@@ -10,7 +10,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
 from paratrain.config.schema import FSDPConfig
-from paratrain.models.plan import ParallelPlan
+from paratrain.models.plan_derivation import ParallelPlan
 
 logger = logging.getLogger(__name__)
 

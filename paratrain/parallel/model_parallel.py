@@ -16,7 +16,7 @@ from torch import nn
 
 from paratrain.config.schema import PipelineConfig
 from paratrain.errors import ConfigError
-from paratrain.models.plan import plan_of
+from paratrain.models.plan_derivation import plan_of
 from paratrain.parallel.pipeline.split import cut_stages
 from paratrain.parallel.pipeline.stages import StageModule, stage_modules
 from paratrain.tensors import move_to

@@ -3,7 +3,7 @@
 ``parallelize`` runs on a model that may still be on the meta device: tensor parallel, then activation
 checkpointing, then compile, then FSDP. Whole-replica wrappers (DDP, DataParallel) need real
 parameters, so ``maybe_wrap_replicas`` applies them after materialising. The flat layout
-(``layout.build.build_model``), every pipeline stage (``pipeline.build.lay_out_stages``) and the dry run
+(``layout.flat.build_model``), every pipeline stage (``pipeline.assembly.lay_out_stages``) and the dry run
 call these two functions and nothing else, so a new transform, or a new model family's plan, is added
 once. torchtitan's ``parallelize_llama`` is the model (its pipelining function applies the same
 function to each stage).
@@ -18,15 +18,15 @@ import torch
 from torch import nn
 
 from paratrain.config.schema import ParallelConfig
-from paratrain.models.plan import ParallelPlan
-from paratrain.models.sequence import install_sequence_functions
+from paratrain.models.attention_hooks import install_sequence_functions
+from paratrain.models.plan_derivation import ParallelPlan
 from paratrain.parallel.activation import apply_activation_checkpointing, apply_compile
 from paratrain.parallel.data_parallel import apply_data_parallel
 from paratrain.parallel.ddp import apply_ddp
 from paratrain.parallel.dims import ParallelDims
 from paratrain.parallel.expert import apply_expert_parallel, expert_modules
 from paratrain.parallel.fsdp import apply_fsdp, apply_fsdp_to_experts
-from paratrain.parallel.sequence import SequenceSharding
+from paratrain.parallel.sequence_sharding import SequenceSharding
 from paratrain.parallel.tensor import apply_tensor_parallel, check_tensor_parallel_plan
 
 logger = logging.getLogger("paratrain")

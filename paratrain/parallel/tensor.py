@@ -29,7 +29,7 @@ from torch.distributed.tensor.parallel import (
 )
 
 from paratrain.errors import ConfigError
-from paratrain.models.plan import ParallelPlan
+from paratrain.models.plan_derivation import ParallelPlan
 
 
 def check_tensor_parallel_plan(plan: ParallelPlan, tp: int, *, sequence_parallel: bool = False) -> None:

@@ -94,7 +94,7 @@ def stage_shares(facts: ModelFacts, inputs: PlanInputs, dims: ParallelDims) -> l
     if dims.pp == 1:
         return [StageShare(0, sequence, facts.params, len(facts.plan.blocks), True, whole_model=True)]
     # lazy: pipeline building loads torch.distributed.pipelining (torch._dynamo) only for pp layouts
-    from paratrain.parallel.pipeline.build import pipeline_shape  # loads torch.distributed.pipelining: pp only
+    from paratrain.parallel.pipeline.assembly import pipeline_shape  # loads torch.distributed.pipelining: pp only
     from paratrain.parallel.pipeline.split import cut_stages
 
     shape = pipeline_shape(inputs.pipeline, dims=dims, train=inputs.train)

@@ -21,15 +21,15 @@ from paratrain.config.schema import Config
 from paratrain.errors import ConfigError
 from paratrain.models.contract import HOOKS, DeclaresParallelPlan, hook_name, misspelt_hooks, provided_hooks
 from paratrain.models.meta import on_meta
-from paratrain.models.plan import ParallelPlan, plan_of
+from paratrain.models.plan_derivation import ParallelPlan, plan_of
 from paratrain.parallel.dims import MESH_DIMS, ParallelDims
 from paratrain.parallel.parallelize import parallelize
-from paratrain.parallel.sequence import local_token_indices
+from paratrain.parallel.sequence_sharding import local_token_indices
 from paratrain.planner.accounting import FP32, StageShare, rank_memory, stage_shares
+from paratrain.planner.command import activation_source
 from paratrain.planner.inputs import PlanInputs, plan_inputs
 from paratrain.planner.layouts import check_layout
 from paratrain.planner.model_facts import read_model_facts
-from paratrain.planner.plan import activation_source
 from paratrain.planner.units import format_bytes
 from paratrain.tensors import local_part
 
@@ -151,7 +151,7 @@ def build_rank0_on_meta(inputs: PlanInputs, dims: ParallelDims) -> nn.Module:
 
     if dims.pp > 1:
         # lazy: pipeline building and torch's fake store load only for the dry run's layouts that use them
-        from paratrain.parallel.pipeline.build import lay_out_stages, pipeline_shape
+        from paratrain.parallel.pipeline.assembly import lay_out_stages, pipeline_shape
 
         shape = pipeline_shape(inputs.pipeline, dims=dims, train=inputs.train)
         return lay_out_stages(factory, dims, parallel=inputs.parallel, pipeline=inputs.pipeline, shape=shape).model

@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
 
-from paratrain.checks.sequence import check_sequence_layout
+from paratrain.checks.sequence_settings import check_sequence_layout
 from paratrain.errors import ConfigError
 from paratrain.parallel.dims import MESH_DIMS, ParallelDims, resolve_parallel_dims
 from paratrain.planner.inputs import PlanInputs
@@ -139,7 +139,7 @@ def check_layout(inputs: PlanInputs, facts: ModelFacts, *, world_size: int, gpus
         check_expert_plan(facts.model, facts.plan, ep=resolved.ep)
     if resolved.pp > 1:
         # lazy: pipeline and tensor-parallel checks load their torch modules only for layouts that use them
-        from paratrain.checks.pipeline import check_pipeline
+        from paratrain.checks.pipeline_settings import check_pipeline
 
         check_pipeline(inputs, resolved, model=facts.model)
     check_sequence_layout(inputs.parallel, inputs.data, resolved, model=facts.model)

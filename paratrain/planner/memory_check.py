@@ -20,8 +20,8 @@ from paratrain.parallel.dims import MESH_DIMS, ParallelDims
 from paratrain.planner.inputs import PlanInputs, parallel_with_layout, plan_inputs
 from paratrain.planner.layouts import Cluster, describe_layout
 from paratrain.planner.model_facts import ModelFacts, read_model_facts
+from paratrain.planner.presentation import run_command
 from paratrain.planner.ranking import LayoutEstimate, estimate_layout, rank_layouts
-from paratrain.planner.report import run_command
 from paratrain.planner.units import format_bytes
 
 logger = logging.getLogger("paratrain")

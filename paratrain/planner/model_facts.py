@@ -16,7 +16,7 @@ from paratrain.config.schema import ModelConfig
 from paratrain.errors import ConfigError
 from paratrain.models.lora import maybe_apply_lora
 from paratrain.models.meta import on_meta
-from paratrain.models.plan import ParallelPlan, TensorParallelStyle, plan_of
+from paratrain.models.plan_derivation import ParallelPlan, TensorParallelStyle, plan_of
 
 
 @dataclass(frozen=True)

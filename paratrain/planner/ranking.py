@@ -100,7 +100,7 @@ def bubble_fraction(inputs: PlanInputs, dims: ParallelDims) -> float:
     if dims.pp == 1:
         return 0.0
     # lazy: pipeline building loads torch.distributed.pipelining (torch._dynamo) only for pp layouts
-    from paratrain.parallel.pipeline.build import pipeline_shape  # loads torch.distributed.pipelining: pp only
+    from paratrain.parallel.pipeline.assembly import pipeline_shape  # loads torch.distributed.pipelining: pp only
 
     shape = pipeline_shape(inputs.pipeline, dims=dims, train=inputs.train)
     return (dims.pp - 1) / (shape.stages_per_rank * shape.microbatches + dims.pp - 1)

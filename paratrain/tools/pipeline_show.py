@@ -11,7 +11,7 @@ from paratrain.config.schema import Config
 from paratrain.errors import ConfigError
 from paratrain.models.meta import on_meta
 from paratrain.parallel.dims import resolve_parallel_dims
-from paratrain.parallel.pipeline.build import pipeline_shape
+from paratrain.parallel.pipeline.assembly import pipeline_shape
 from paratrain.parallel.pipeline.recorder import measured_bubble, read_timelines
 from paratrain.parallel.pipeline.schedules import PipelineShape, check_shape
 from paratrain.parallel.pipeline.split import cut_stages

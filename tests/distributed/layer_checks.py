@@ -19,7 +19,7 @@ from torch.distributed.tensor import DTensor
 from paratrain.config.schema import FSDPConfig, ParallelConfig
 from paratrain.gradients import clip_grad_norm
 from paratrain.models.gpt import GPT, GPTConfig
-from paratrain.models.plan import plan_of
+from paratrain.models.plan_derivation import plan_of
 from paratrain.parallel.dims import ParallelDims
 from paratrain.parallel.fsdp import apply_fsdp
 from paratrain.parallel.parallelize import parallelize

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 
 from paratrain.models.hf import causal_lm
-from paratrain.models.plan import plan_of
+from paratrain.models.plan_derivation import plan_of
 from tests.harness import LayoutRuns, assert_matches_single_process
 
 pytestmark = pytest.mark.timeout(900)

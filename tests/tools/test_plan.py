@@ -15,11 +15,11 @@ from paratrain.models.gpt import build_gpt
 from paratrain.parallel.dims import ParallelDims, resolve_parallel_dims
 from paratrain.planner.accounting import model_state_bytes, stage_shares, working_bytes
 from paratrain.planner.activations import ActivationShape, head_bytes, layer_bytes, measure_saved_bytes
+from paratrain.planner.command import plan_layouts
 from paratrain.planner.communication import expert_traffic, fsdp_units
 from paratrain.planner.inputs import plan_inputs
 from paratrain.planner.layouts import describe_layout
 from paratrain.planner.model_facts import ParamFacts, read_model_facts, transformer_sizes
-from paratrain.planner.plan import plan_layouts
 from paratrain.planner.units import parse_memory
 from tests.distributed.count_model_state import LAYOUTS, layout_config
 from tests.harness import launch_workers, tiny_config, write_config

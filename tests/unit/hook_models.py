@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from paratrain.models.plan import ParallelPlan
+from paratrain.models.plan_derivation import ParallelPlan
 
 
 class MisspeltMLP(nn.Module):

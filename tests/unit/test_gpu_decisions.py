@@ -13,7 +13,7 @@ from paratrain.config.schema import FSDPConfig, OptimConfig, PipelineConfig, loa
 from paratrain.cuda_settings import apply_kernel_settings
 from paratrain.errors import ConfigError
 from paratrain.launch.process_group import process_group_backend
-from paratrain.layout.pipeline import records_timeline
+from paratrain.layout.pipelined import records_timeline
 from paratrain.optim import build_optimizer, use_fused_kernel
 from paratrain.parallel.devices import devices_computed_on
 from paratrain.parallel.dims import ParallelDims
@@ -112,7 +112,7 @@ def test_compile_with_single_process_data_parallel_is_refused_naming_the_keys():
 
 
 def test_model_parallel_is_built_in_host_memory_before_its_parts_move_to_their_devices():
-    from paratrain.layout.build import build_device
+    from paratrain.layout.flat import build_device
 
     gpu = torch.device("cuda", 0)
     assert build_device(ParallelDims.resolve("model_parallel", world_size=1), gpu) == torch.device("cpu")

@@ -13,7 +13,7 @@ from paratrain.errors import ConfigError
 from paratrain.models.hf import _source_requirements, causal_lm, check_transformers_version, supported_range
 from paratrain.models.init import build_on_meta, materialize
 from paratrain.models.meta import on_meta
-from paratrain.models.plan import plan_of
+from paratrain.models.plan_derivation import plan_of
 from paratrain.models.pretrained import check_pretrained_dir
 from paratrain.parallel.pipeline.split import pipeline_sequence
 from paratrain.parallel.pipeline.stages import stage_modules

@@ -211,7 +211,7 @@ def test_parallel_imports_no_trainer_data_or_root_config():
 
 
 def test_models_import_nothing_from_parallel():
-    """Models declare their plan (paratrain.models.plan); they never reach into the layouts."""
+    """Models declare their plan (paratrain.models.plan_derivation); they never reach into the layouts."""
     assert [entry for entry in imports_of("paratrain.models") if entry[1].startswith("paratrain.parallel")] == []
 
 
@@ -260,11 +260,11 @@ def test_the_rules_see_what_they_check():
     """The parsing finds the imports the rules are about (so an empty result means something)."""
     assert "paratrain.parallel.dims" in GRAPH["paratrain.parallel.parallelize"]
     assert ("paratrain.parallel.dims", "paratrain.config.schema", "ParallelConfig") in imports_of("paratrain.parallel")
-    assert any(entry[1] == "paratrain.models.plan" for entry in imports_of("paratrain.models"))
+    assert any(entry[1] == "paratrain.models.plan_derivation" for entry in imports_of("paratrain.models"))
     assert "paratrain.parallel.parallelize" in GRAPH["paratrain.layout.build"]
     kinds = {(importer, target): kind for importer, target, kind, _ in all_imports()}
     assert kinds["paratrain.callbacks.base", "paratrain.checkpoint.state"] == "under TYPE_CHECKING"
-    assert kinds["paratrain.layout.build", "paratrain.layout.pipeline"] == "inside a function"
+    assert kinds["paratrain.layout.build", "paratrain.layout.pipelined"] == "inside a function"
     planted = ("paratrain.parallel.dims", "paratrain.engine", "under TYPE_CHECKING", 1)  # a back-edge must be found
     assert layering_violations([planted]) == [
         "paratrain.parallel.dims (line 1, under TYPE_CHECKING) imports paratrain.engine: 'engine' is above "

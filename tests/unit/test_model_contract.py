@@ -23,7 +23,7 @@ from paratrain.models.contract import (
 )
 from paratrain.models.gpt import build_gpt
 from paratrain.models.mlp import build_mlp
-from paratrain.models.plan import plan_of
+from paratrain.models.plan_derivation import plan_of
 from tests.unit.hook_models import CountedSequential, build_misspelt_mlp
 
 

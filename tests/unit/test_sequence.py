@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from paratrain.errors import ConfigError
-from paratrain.parallel.sequence import SequenceSharding, attention_mask, document_layout, local_token_indices
+from paratrain.parallel.sequence_sharding import SequenceSharding, attention_mask, document_layout, local_token_indices
 
 
 def test_each_cp_rank_holds_an_early_and_a_late_chunk_and_together_they_hold_every_token_once():

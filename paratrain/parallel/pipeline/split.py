@@ -18,7 +18,7 @@ from torch import nn
 
 from paratrain.config.schema import PipelineConfig
 from paratrain.errors import ConfigError
-from paratrain.models.plan import plan_of
+from paratrain.models.plan_derivation import plan_of
 
 Stage = tuple[str, ...]
 

@@ -41,7 +41,7 @@ def check_pipeline(config: PipelineSections, dims: ParallelDims, *, model: torch
     if dims.pp == 1:
         return
     # Lazy: torch.distributed.pipelining loads torch._dynamo, a second at start-up for every run.
-    from paratrain.parallel.pipeline.build import pipeline_shape
+    from paratrain.parallel.pipeline.assembly import pipeline_shape
     from paratrain.parallel.pipeline.schedules import check_shape
 
     _check_combinations(config, dims)

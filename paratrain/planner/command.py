@@ -11,8 +11,8 @@ from paratrain.planner.activations import measure_saved_bytes
 from paratrain.planner.inputs import plan_inputs
 from paratrain.planner.layouts import Cluster
 from paratrain.planner.model_facts import ModelFacts, read_model_facts
+from paratrain.planner.presentation import format_plan
 from paratrain.planner.ranking import Plan, rank_layouts
-from paratrain.planner.report import format_plan
 from paratrain.planner.units import parse_memory
 
 

@@ -7,8 +7,8 @@ from torch import nn
 
 from paratrain.config.schema import DataConfig, ParallelConfig
 from paratrain.errors import ConfigError
-from paratrain.models.plan import plan_of
-from paratrain.models.sequence import sequence_refusal
+from paratrain.models.attention_hooks import sequence_refusal
+from paratrain.models.plan_derivation import plan_of
 from paratrain.parallel.dims import ParallelDims
 
 
@@ -16,7 +16,7 @@ def check_sequence_layout(parallel: ParallelConfig, data: DataConfig, dims: Para
     """Raises ConfigError when parallel.cp or data.args.document_mask cannot run on ``model`` (built on meta).
 
     Checked: the exchange (ring needs CUDA kernels paratrain does not drive yet), the model's attention
-    (it must take paratrain's: models/sequence.py), the heads (cp x tp divides each head count), the
+    (it must take paratrain's: models/attention_hooks.py), the heads (cp x tp divides each head count), the
     sequence length (2 x cp equal chunks) and document masking beside a pipeline.
     """
     documents = bool(data.args.get("document_mask"))

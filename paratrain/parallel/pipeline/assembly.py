@@ -18,13 +18,13 @@ from torch import nn
 from paratrain.config.schema import ParallelConfig, PipelineConfig, TrainConfig
 from paratrain.models.init import materialize
 from paratrain.models.meta import on_meta
-from paratrain.models.plan import plan_of
+from paratrain.models.plan_derivation import plan_of
 from paratrain.parallel.dims import ParallelDims
 from paratrain.parallel.parallelize import maybe_wrap_replicas, parallelize
 from paratrain.parallel.pipeline.schedules import SPLIT_BACKWARD, PipelineShape, default_stages_per_rank
 from paratrain.parallel.pipeline.split import Stage, cut_stages, measured_costs, pipeline_sequence
 from paratrain.parallel.pipeline.stages import keep_only, stage_modules
-from paratrain.parallel.sequence import SequenceSharding
+from paratrain.parallel.sequence_sharding import SequenceSharding
 
 
 @dataclass(frozen=True)

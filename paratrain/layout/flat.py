@@ -1,51 +1,27 @@
-"""Building a rank's model under its layout: the flat layouts here, the pipeline in ``layout.pipeline``.
-Both lay the model out with ``parallel.parallelize``."""
+"""The flat layouts (everything but a pipeline): the model built on meta, parallelized, materialised, and
+run by micro-batch accumulation."""
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from torch import nn
-from torch.utils.data import Dataset
 
-from paratrain.config.schema import ParallelConfig, PipelineConfig, TrainConfig
-from paratrain.engine import Engine, MicroBatchEngine
-from paratrain.launch.process_group import DistContext
-from paratrain.losses import LossFn
+from paratrain.config.schema import ParallelConfig
+from paratrain.engine import MicroBatchEngine
+from paratrain.layout.request import LaidOutModel, LayoutRequest
 from paratrain.models.contract import declares_init, warn_misspelt_hooks
 from paratrain.models.init import build_on_meta, is_on_meta, materialize
-from paratrain.models.plan import plan_of
+from paratrain.models.plan_derivation import plan_of
 from paratrain.parallel.dims import ParallelDims
 from paratrain.parallel.model_parallel import apply_model_parallel
 from paratrain.parallel.parallelize import maybe_wrap_replicas, parallelize
-from paratrain.parallel.sequence import SequenceSharding
-from paratrain.precision import MixedPrecision
+from paratrain.parallel.sequence_sharding import SequenceSharding
 
 logger = logging.getLogger("paratrain")
-
-
-@dataclass(frozen=True)
-class LaidOutModel:
-    """A rank's model under its layout (flat or pipelined), and the engine that runs a step on it.
-
-    Attributes:
-        bare: Parameters under the model's own names (this rank's pieces, under a pipeline): what the
-            optimizer and checkpoints see.
-        runnable: What forward runs through: the same module for fsdp/tp, a DDP or DataParallel wrapper,
-            or a ModuleList of this rank's pipeline stage modules.
-        engine: Runs one step's forwards and backwards.
-        sequence: This rank's cut of each sequence (context parallel, document masking), which the
-            evaluation's forwards use too; None without either.
-    """
-
-    bare: nn.Module
-    runnable: nn.Module
-    engine: Engine
-    sequence: SequenceSharding | None = None
 
 
 def build_model(
@@ -81,41 +57,9 @@ def build_model(
     return LaidOutModel(model, runnable, engine=None)
 
 
-@dataclass(frozen=True)
-class LayoutRequest:
-    """What laying a model out on this rank needs, asked once by the trainer's set-up and read by the flat
-    and the pipeline builders alike (rather than relayed to the pipeline's builder keyword by keyword).
-
-    Attributes:
-        sample_dataset: Where pipeline.balance=time reads a micro-batch to time the model's pieces on.
-        timeline_dir: Where pipeline.record_timeline writes each rank's timeline.
-        pretrained: Directory of weights to load instead of initialising (model.pretrained).
-        sequence: This rank's cut of each sequence (context parallel, document masking), or None.
-    """
-
-    model_factory: Callable[[], nn.Module]
-    loss_fn: LossFn
-    dims: ParallelDims
-    ctx: DistContext
-    precision: MixedPrecision
-    parallel: ParallelConfig
-    pipeline: PipelineConfig
-    train: TrainConfig
-    sample_dataset: Dataset
-    timeline_dir: Path
-    pretrained: Path | None = None
-    sequence: SequenceSharding | None = None
-
-
-def build_layout(request: LayoutRequest) -> LaidOutModel:
-    """The model and engine of the layout: a pipeline schedule for pp, micro-batch accumulation otherwise."""
+def build_flat_layout(request: LayoutRequest) -> LaidOutModel:
+    """The model and its micro-batch accumulation engine, for every layout without a pipeline."""
     dims, ctx, parallel = request.dims, request.ctx, request.parallel
-    if dims.pp_enabled:
-        # Deliberately lazy: torch.distributed.pipelining loads torch._dynamo, a second at start-up
-        # that layouts without a pipeline would pay for nothing.
-        from paratrain.layout.pipeline import build_pipeline_runtime
-
-        return build_pipeline_runtime(request)
     built = build_model(
         request.model_factory,
         dims,

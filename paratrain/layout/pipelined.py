@@ -13,13 +13,13 @@ from torch import nn
 from torch.utils.data import Dataset
 
 from paratrain.config.schema import PipelineConfig, TrainConfig
-from paratrain.layout.build import LaidOutModel, LayoutRequest
+from paratrain.layout.request import LaidOutModel, LayoutRequest
 from paratrain.models.contract import warn_misspelt_hooks
 from paratrain.parallel.collectives import broadcast_object
 from paratrain.parallel.dims import ParallelDims, micro_batch_size
-from paratrain.parallel.pipeline.build import build_pipeline_stages, measure_piece_costs, pipeline_shape
-from paratrain.parallel.pipeline.engine import PipelineEngine
+from paratrain.parallel.pipeline.assembly import build_pipeline_stages, measure_piece_costs, pipeline_shape
 from paratrain.parallel.pipeline.recorder import TimelineRecorder
+from paratrain.parallel.pipeline.schedule_engine import PipelineEngine
 from paratrain.parallel.pipeline.schedules import PipelineShape
 
 logger = logging.getLogger("paratrain")

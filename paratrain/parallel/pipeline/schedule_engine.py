@@ -22,7 +22,7 @@ from torch.distributed.pipelining import PipelineStage
 from paratrain.losses import LossFn
 from paratrain.parallel.pipeline.recorder import TimelineRecorder
 from paratrain.parallel.pipeline.schedules import PipelineShape, is_multi_stage, schedule_class
-from paratrain.parallel.sequence import SequenceSharding
+from paratrain.parallel.sequence_sharding import SequenceSharding
 from paratrain.parallel.target_tokens import IGNORE_INDEX, count_targets, global_target_count
 from paratrain.tensors import move_to
 

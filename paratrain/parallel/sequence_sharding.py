@@ -14,7 +14,7 @@ Document masking (a dataset whose ``document_end_id`` is set: ``data.args.docume
 attention within each document of a packed window (documents end with that token) and restarts
 positions at each document, so a document is computed as if it began the window.
 
-The model reads all of this through two functions a layout installs on it (models/sequence.py):
+The model reads all of this through two functions a layout installs on it (models/attention_hooks.py):
 ``attention(q, k, v, ...)`` and ``positions(tokens)``. Both follow the micro-batch the engine last cut
 (``SequenceSharding.shard``); with none cut (evaluation, the sample check, a warm-up), attention is
 the plain causal attention of the rank's own tokens and positions count from 0.
