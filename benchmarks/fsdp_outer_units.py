@@ -40,8 +40,8 @@ def worker(variant: str, steps: int, out: str) -> None:
     import torch.distributed as dist
 
     import paratrain.models.plan_derivation
-    from paratrain.config.schema import load_config
-    from paratrain.trainer import Trainer
+    from paratrain.config.loading import load_config
+    from paratrain.training.trainer import Trainer
 
     if variant == "root":  # the plan without outer units: embedding, norm and head stay in the root unit
         paratrain.models.plan_derivation.transformers_outer_units = lambda model, blocks: ()

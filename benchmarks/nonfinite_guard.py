@@ -65,9 +65,9 @@ def unguarded_step(trainer, window, micro_batches) -> None:
 def worker(rounds: int, steps: int, fused: str, output_dir: str) -> None:
     import torch.distributed as dist
 
-    from paratrain.config.schema import load_config
+    from paratrain.config.loading import load_config
     from paratrain.tracking.metrics import LogWindow
-    from paratrain.trainer import Trainer
+    from paratrain.training.trainer import Trainer
 
     dist.init_process_group("gloo")
     overrides = [

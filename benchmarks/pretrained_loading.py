@@ -104,8 +104,8 @@ def reference_worker(directory: str) -> None:
 def paratrain_worker(directory: str, out: str) -> None:
     import torch.distributed as dist
 
-    from paratrain.config.schema import load_config
-    from paratrain.trainer import Trainer
+    from paratrain.config.loading import load_config
+    from paratrain.training.trainer import Trainer
 
     dist.init_process_group("gloo")
     overrides = [

@@ -10,7 +10,8 @@ Python API::
     trainer.close()
 """
 
-from paratrain.config.schema import Config, load_config
+from paratrain.config.loading import load_config
+from paratrain.config.schema import Config
 from paratrain.errors import CheckpointError, ConfigError
 
 __all__ = ["CheckpointError", "Config", "ConfigError", "TrainResult", "Trainer", "load_config"]
@@ -20,7 +21,7 @@ def __getattr__(name: str):
     # Lazy: the trainer pulls in DCP, DTensor and FSDP (a second or more of imports): load it on first
     # use, so the CLI can reject a bad config, and torchrun start, without paying for it.
     if name in ("Trainer", "TrainResult"):
-        from paratrain import trainer
+        from paratrain.training import trainer
 
         return getattr(trainer, name)
     raise AttributeError(f"module 'paratrain' has no attribute {name!r}")

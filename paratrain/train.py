@@ -14,15 +14,16 @@ import sys
 from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
 
-from paratrain.checks.preflight import PREFLIGHT_DONE_ENV, preflight
-from paratrain.checks.warnings import ineffective_options
-from paratrain.config.schema import Config, load_config
+from paratrain.checks.preflight import PREFLIGHT_DONE_ENV
+from paratrain.config.schema import Config
 from paratrain.errors import EXIT_USER_ERROR, RUN_ENDINGS, exit_code_of
 from paratrain.launch.process_group import local_world_size_from_env, pick_device, world_size_from_env
+from paratrain.launch.rank_logging import configure_logging
 from paratrain.launch.run_lock import holding_run_lock, worker_lock_pid
 from paratrain.parallel.dims import resolve_parallel_dims
-from paratrain.planner.memory_check import check_memory, maybe_resolve_auto
-from paratrain.trainer import Trainer, TrainResult
+from paratrain.planner.memory_check import check_memory
+from paratrain.training.preparation import prepare_run
+from paratrain.training.trainer import Trainer, TrainResult
 
 
 def run(config: Config, *, config_path: str = "CONFIG") -> TrainResult:
@@ -77,21 +78,23 @@ def main(argv: list[str] | None = None) -> int:
     args = _parse_args(argv)
     rank = int(os.environ.get("RANK", 0))
     configure_logging(rank)
+    logger = logging.getLogger("paratrain")
     try:
-        config = load_config(args.config, args.overrides)
-        # Deterministic on every rank (ranked against total memory): under the CLI the layout is already explicit.
-        config = maybe_resolve_auto(
-            config, world_size=world_size_from_env(), nproc_per_node=int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+        # Rank 0 checks the config, unless the paratrain launcher did before starting the workers.
+        prepared = prepare_run(
+            args.config,
+            args.overrides,
+            world_size=world_size_from_env(),
+            nproc_per_node=local_world_size_from_env(),
+            check=rank == 0 and not os.environ.get(PREFLIGHT_DONE_ENV),
         )
-        if rank == 0 and not os.environ.get(PREFLIGHT_DONE_ENV):
-            local = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
-            preflight(config, world_size=world_size_from_env(), nproc_per_node=local)
-            dims = resolve_parallel_dims(config.parallel, world_size=world_size_from_env(), local_world_size=local)
-            for warning in ineffective_options(config, dims):
-                logging.getLogger("paratrain").warning("warning: %s", warning)
-        with maybe_holding_run_lock(config.run.output_dir):
+        if prepared.auto_choice:
+            logger.info("%s", prepared.auto_choice)
+        for warning in prepared.warnings:
+            logger.warning("warning: %s", warning)
+        with maybe_holding_run_lock(prepared.config.run.output_dir):
             freeze_imported_objects()  # after preflight, which imported the model's modules
-            run(config, config_path=args.config)
+            run(prepared.config, config_path=args.config)
     except RUN_ENDINGS as error:
         # A stop (preempted, non-finite, a failed save) was reported by the Trainer before any rank could exit.
         if exit_code_of(error) == EXIT_USER_ERROR:
@@ -113,18 +116,6 @@ def report_user_error(error: Exception, *, rank: int) -> None:
     """The message alone, on rank 0's stderr: it already names the key and the fix."""
     if rank == 0:
         print(f"paratrain: error: {error}", file=sys.stderr, flush=True)
-
-
-def configure_logging(rank: int) -> None:
-    """Rank 0 logs progress; other ranks only warnings, so the terminal shows one voice."""
-    logging.basicConfig(
-        level=logging.INFO if rank == 0 else logging.WARNING,
-        format="%(asctime)s paratrain: %(message)s"
-        if rank == 0
-        else f"%(asctime)s paratrain[rank {rank}]: %(message)s",
-        datefmt="%H:%M:%S",
-        stream=sys.stderr,
-    )
 
 
 def _parse_args(argv: list[str] | None) -> argparse.Namespace:

@@ -10,7 +10,7 @@ import sys
 
 import torch.distributed as dist
 
-from paratrain.config.schema import load_config
+from paratrain.config.loading import load_config
 from paratrain.train import configure_logging, freeze_imported_objects, run
 
 

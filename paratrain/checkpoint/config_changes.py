@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from paratrain.config.schema import flatten_dotted
+from paratrain.config.loading import flatten_dotted
 from paratrain.errors import ConfigError
 
 logger = logging.getLogger("paratrain")

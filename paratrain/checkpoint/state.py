@@ -119,6 +119,12 @@ class RNGState(Stateful):
                 torch.cuda.set_rng_state(state[name], device)
 
 
+# Loaded only where the checkpoint has them. RNG states are saved per rank: a run resumed on more ranks has
+# none for the new ones. A run switched to fp16 resumes a checkpoint without a gradient scaler: its scaler
+# starts fresh. A checkpoint of a plain run resumed by replica groups holds no counts: they start at 0.
+OPTIONAL_STATE = ("rng", "grad_scaler", "replica_groups")
+
+
 def training_state(
     model: nn.Module,
     optimizer: torch.optim.Optimizer,

@@ -6,6 +6,7 @@ The root :class:`Config` is seen only by the CLI, the per-rank entry, the Traine
 else receives its own section.
 """
 
-from paratrain.config.schema import Config, load_config
+from paratrain.config.loading import load_config
+from paratrain.config.schema import Config
 
 __all__ = ["Config", "load_config"]

@@ -2,17 +2,18 @@
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import importlib.util
 import inspect
 import sysconfig
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 from paratrain.config.schema import FactoryConfig
-from paratrain.errors import CheckpointError, ConfigError, UserCodeError
+from paratrain.errors import RUN_ENDINGS, ConfigError, UserCodeError
 
 # Frames under these are not the user's: paratrain, the standard library and installed packages (torch,
 # transformers), found without importing them.
@@ -66,12 +67,21 @@ def call_factory(section: FactoryConfig, *, key: str) -> Any:
         UserCodeError: the factory raised; the message holds its type, message and the user's own frames.
     """
     factory = check_factory_args(section, key=key)
-    try:
+    with reported_as_user_code(f"{key}.factory={section.factory!r}"):
         return factory(**section.args)
-    except (ConfigError, CheckpointError):  # already a message for the user (paratrain's own factories)
+
+
+@contextlib.contextmanager
+def reported_as_user_code(where: str) -> Iterator[None]:
+    """What the user's code raises inside, as their code's error (``describe_user_error``: exit code 2, their
+    frames, no traceback). paratrain's own run endings (a ConfigError from its factories, a stop) pass as they are:
+    they already are a message for the user."""
+    try:
+        yield
+    except RUN_ENDINGS:
         raise
     except Exception as error:
-        raise UserCodeError(describe_user_error(f"{key}.factory={section.factory!r}", error)) from error
+        raise UserCodeError(describe_user_error(where, error)) from error
 
 
 def describe_user_error(where: str, error: BaseException) -> str:

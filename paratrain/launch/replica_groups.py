@@ -1,5 +1,6 @@
-"""Fault-tolerant replica groups on torchft: the lighthouse (quorum server), the start-up check that it
-answers, and each rank's side of a step across groups (``ReplicaGroupSync``).
+"""Fault-tolerant replica groups on torchft: each rank's side of a step across groups (``ReplicaGroupSync``),
+the one object the trainer calls at a few points of its loop (``NoReplicaGroups`` where groups are off).
+The lighthouse they meet through is ``launch/lighthouse.py``.
 
 Each replica group is its own torchrun job. Rank i of every group joins one torchft ``Manager`` per rank;
 the managers agree at the start of every step on which groups are alive (the quorum, through the
@@ -14,83 +15,24 @@ torchft is an optional dependency (``pip install 'paratrain[ft]'``): imported on
 from __future__ import annotations
 
 import logging
-import signal
-import socket
 import time
-import urllib.parse
 import urllib.request
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
 import torch
+from torch import nn
 
 from paratrain.config.schema import FaultToleranceConfig
-from paratrain.errors import ConfigError
+from paratrain.launch.lighthouse import import_torchft
+from paratrain.tensors import local_part
 
 logger = logging.getLogger("paratrain")
-
-INSTALL_HINT = "pip install 'paratrain[ft]'"
-
-
-def lighthouse_host_port(address: str, *, key: str = "parallel.fault_tolerance.lighthouse") -> tuple[str, int]:
-    """``http://HOST:PORT`` (or ``HOST:PORT``) as (HOST, PORT).
-
-    Raises:
-        ConfigError: naming ``key`` when there is no host or port.
-    """
-    parts = urllib.parse.urlsplit(address if "://" in address else f"http://{address}")
-    try:
-        port = parts.port
-    except ValueError:
-        port = None
-    if not parts.hostname or port is None:
-        raise ConfigError(f"{key}={address!r} is not an address: write it as http://HOST:PORT")
-    return parts.hostname, port
-
-
-def check_lighthouse_reachable(options: FaultToleranceConfig) -> None:
-    """Waits up to ``options.connect_timeout_s`` for the lighthouse to accept a connection.
-
-    Raises:
-        ConfigError: naming the address, the wait and how to start one, before anything trains.
-    """
-    host, port = lighthouse_host_port(options.lighthouse)
-    deadline = time.monotonic() + options.connect_timeout_s
-    while True:
-        try:
-            with socket.create_connection((host, port), timeout=1.0):
-                return
-        except OSError as error:
-            if time.monotonic() >= deadline:
-                raise ConfigError(
-                    f"parallel.fault_tolerance.lighthouse={options.lighthouse} did not answer within "
-                    f"parallel.fault_tolerance.connect_timeout_s={options.connect_timeout_s:g} s ({error}); start "
-                    f"it first with `paratrain lighthouse --bind {host}:{port}` (one for all replica groups), or "
-                    f"point the key at the running one"
-                ) from error
-        time.sleep(0.2)
-
-
-def run_lighthouse(*, bind: str, min_replicas: int, join_timeout_ms: int, heartbeat_timeout_ms: int) -> int:
-    """Serves torchft's lighthouse until SIGINT or SIGTERM (``paratrain lighthouse``)."""
-    lighthouse_server = _import_torchft("the lighthouse")._torchft.LighthouseServer
-    lighthouse_host_port(bind, key="--bind")
-    server = lighthouse_server(
-        bind=bind,
-        min_replicas=min_replicas,
-        join_timeout_ms=join_timeout_ms,
-        heartbeat_timeout_ms=heartbeat_timeout_ms,
-    )
-    print(f"paratrain: lighthouse serving at {server.address()} (min_replicas={min_replicas})", flush=True)
-    stopped = []
-    for signum in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(signum, lambda number, frame: stopped.append(number))
-    while not stopped:
-        time.sleep(0.2)
-    server.shutdown()
-    return 0
+# What a group restarting after a failure takes from a live peer is a resume's state without the RNG: each
+# rank keeps its own seeds.
+NOT_SENT_WHEN_HEALING = ("rng",)
 
 
 @dataclass
@@ -117,10 +59,39 @@ class ReplicaGroupSync:
         replica_groups: How many groups the run has (the data is sharded over all of them).
     """
 
+    enabled = True
+
     def __init__(self, manager: Any, *, replica_groups: int, counts: GroupCounts, start_timeout_s: float):
         self.manager, self.replica_groups, self.counts = manager, replica_groups, counts
         self.start_timeout_s = start_timeout_s
         self.healed, self.started = False, False
+
+    def heals_instead_of_resuming(self) -> bool:
+        """A restarted group first joins the quorum: a live peer's state (newer than any checkpoint) replaces
+        the resume, and only a group that finds none (every group died) reads its own checkpoint."""
+        return self.start_step()
+
+    def average_step(self, parameters: Iterable[nn.Parameter], loss: torch.Tensor) -> torch.Tensor:
+        """Each gradient (this rank's shard of it) and the step's loss, averaged over the live groups in
+        place: the step then equals one over every live group's samples. Returns the averaged loss."""
+        local = [local_part(param.grad) for param in parameters if param.grad is not None]
+        loss = loss.detach().clone().float()
+        self.average([*local, loss])
+        return loss
+
+    def checkpoint_state(self) -> dict[str, Any]:
+        """The groups' counts, which survive the death of every group too (a plain run's resume leaves them out)."""
+        return {"replica_groups": self.counts}
+
+    def log_fields(self, *, global_batch_size: int) -> dict[str, int]:
+        """The groups in the logged step, its effective batch (the live groups' shards) and the samples
+        skipped so far (the shards of groups that sat out committed steps)."""
+        counts, groups = self.counts, self.replica_groups
+        return {
+            "replica_groups_live": counts.live,
+            "effective_batch": global_batch_size * counts.live // groups,
+            "skipped_samples": global_batch_size * counts.missing_group_steps // groups,
+        }
 
     def start_step(self) -> bool:
         """Joins this step's quorum; True when this group was just healed from a live peer (the caller
@@ -176,6 +147,66 @@ class ReplicaGroupSync:
         self.manager.shutdown(wait=False)
 
 
+class NoReplicaGroups:
+    """A run that is not one of several replica groups: every step is its own, committed, never healed."""
+
+    enabled = False
+
+    def heals_instead_of_resuming(self) -> bool:
+        return False
+
+    def start_step(self) -> bool:
+        return False
+
+    def average_step(self, parameters: Iterable[nn.Parameter], loss: torch.Tensor) -> torch.Tensor:
+        return loss
+
+    def should_commit(self) -> bool:
+        return True
+
+    def set_step(self, step: int) -> None:
+        pass
+
+    def checkpoint_state(self) -> dict[str, Any]:
+        return {}
+
+    def log_fields(self, *, global_batch_size: int) -> dict[str, int]:
+        return {}
+
+    def close(self) -> None:
+        pass
+
+
+def maybe_join_replica_groups(
+    options: FaultToleranceConfig, *, enabled: bool, device: torch.device, state: Callable[[], dict[str, Any]]
+) -> ReplicaGroupSync | NoReplicaGroups:
+    """This rank's side of the replica groups when the run is one of several, else ``NoReplicaGroups``.
+
+    Args:
+        enabled: Whether the layout has replica groups (``ParallelDims.ft_enabled``).
+        state: Every Stateful of a resume, under the names checkpoints use: a recovering peer receives it
+            (less the RNG), and a healed group loads what a live peer sent into it.
+    """
+    if not enabled:
+        return NoReplicaGroups()
+
+    def healing_state() -> dict[str, Any]:
+        return {name: part for name, part in state().items() if name not in NOT_SENT_WHEN_HEALING}
+
+    def heal(received: dict[str, Any]) -> None:
+        for name, part in healing_state().items():
+            part.load_state_dict(received[name])
+        logger.info("healed from a live replica group, no checkpoint read")
+
+    return build_replica_group_sync(
+        options,
+        device=device,
+        state_dict=lambda: {name: part.state_dict() for name, part in healing_state().items()},
+        load_state_dict=heal,
+        counts=GroupCounts(),
+    )
+
+
 def build_replica_group_sync(
     options: FaultToleranceConfig,
     *,
@@ -190,7 +221,7 @@ def build_replica_group_sync(
         state_dict: What a recovering peer receives (every Stateful of a resume).
         load_state_dict: Applies what a live peer sent, when this group heals.
     """
-    torchft = _import_torchft("replica groups")
+    torchft = import_torchft("replica groups")
     logging.getLogger("torchft").setLevel(logging.ERROR)  # its per-step quorum and commit notes drown the log
     timeout = timedelta(seconds=options.timeout_s)
     # gloo for CPU tensors; NCCL where the gradients live on GPUs (torchtitan's choice too).
@@ -237,14 +268,3 @@ def _weights_only_transport(torchft: Any, timeout: timedelta) -> Any:
                 return _serialization._streaming_load(stream, weights_only=True)
 
     return WeightsOnlyHTTPTransport(timeout=timeout, num_chunks=0)
-
-
-def _import_torchft(what: str) -> Any:
-    try:
-        import torchft  # lazy: an optional extra, needed only when replica groups are on
-    except ImportError as error:
-        raise ConfigError(
-            f"{what} need torchft, which is not installed: {INSTALL_HINT} (or set "
-            f"parallel.fault_tolerance.replica_groups=1)"
-        ) from error
-    return torchft

@@ -31,13 +31,15 @@ from torch.distributed.tensor import DTensor
 
 from paratrain.checkpoint.manifest import read_manifest
 from paratrain.checkpoint.safe_reader import SafeFileSystemReader
-from paratrain.config.schema import Config, ParallelConfig, load_config
+from paratrain.config.loading import load_config
+from paratrain.config.schema import Config, ParallelConfig
 from paratrain.errors import EXIT_USER_ERROR, CheckpointError, ConfigError, UserCodeError
+from paratrain.launch.rank_logging import configure_logging
 from paratrain.models.pretrained import local_region
 from paratrain.parallel.collectives import all_reduce_sum
 from paratrain.parallel.dims import resolve_parallel_dims
 from paratrain.tools.export import read_tensors
-from paratrain.trainer import Trainer
+from paratrain.training.trainer import Trainer
 
 logger = logging.getLogger("paratrain")
 SHOWN_PARAMETERS = 5
@@ -208,8 +210,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("checkpoint")
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args(argv)
-    from paratrain.train import configure_logging  # lazy: the CLI's own process has logging set up already
-
     rank = int(os.environ.get("RANK", 0))
     configure_logging(rank)
     try:

@@ -19,7 +19,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from paratrain.checkpoint.checkpointer import quiet_single_process
+from paratrain.checkpoint.checkpointer import Checkpointer, quiet_single_process
 from paratrain.checkpoint.manifest import verify_checkpoint
 from paratrain.checkpoint.safe_reader import SafeFileSystemReader, SafeLoadPlanner
 from paratrain.config.factories import call_factory
@@ -68,6 +68,16 @@ def export_safetensors(checkpoint: Path, out: Path) -> int:
     names = dict(sorted(tensor_names(checkpoint).items()))
     _write_safetensors(checkpoint, names, out, metadata={"step": str(manifest["step"]), "source": str(checkpoint)})
     return len(names)
+
+
+def export_newest_hf(checkpoints: Path, out_dir: Path) -> tuple[Path, int] | None:
+    """The newest verified checkpoint in ``checkpoints`` as a Hugging Face directory (``export_hf``), as a
+    finished run's ``checkpoint.save_final_hf`` writes it: (that checkpoint, tensors written), or None
+    when the directory holds none."""
+    latest = Checkpointer(checkpoints, keep_last=None, rank=0, world_size=1, config={}).latest_verified()
+    if latest is None:
+        return None
+    return latest, export_hf(latest, out_dir)
 
 
 def export_hf(checkpoint: Path, out_dir: Path, *, max_shard_bytes: int = 2 << 30, merge: bool = False) -> int:

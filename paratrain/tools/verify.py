@@ -19,7 +19,8 @@ from pathlib import Path
 
 import torch
 
-from paratrain.config.schema import Config, load_config
+from paratrain.config.loading import load_config
+from paratrain.config.schema import Config
 from paratrain.errors import EXIT_USER_ERROR, ConfigError
 from paratrain.parallel.dims import runs_in_one_process
 

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, Protocol
 
-from paratrain.config.schema import flatten_dotted
+from paratrain.config.loading import flatten_dotted
 from paratrain.errors import ConfigError
 
 Outcome = Literal["success", "failed", "preempted"]

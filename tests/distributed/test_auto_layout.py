@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from paratrain.config.schema import validate_config
+from paratrain.config.loading import validate_config
 from paratrain.planner.memory_check import maybe_resolve_auto
 from paratrain.train import run
 from tests.harness import read_metrics, tiny_config

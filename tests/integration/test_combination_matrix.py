@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 
 from paratrain.checks.preflight import preflight
-from paratrain.config.schema import load_config
+from paratrain.config.loading import load_config
 from paratrain.errors import ConfigError
 from paratrain.train import run as train_in_this_process
 from tests.harness import read_metrics, tiny_config, train_many_in_one_launch, write_config

@@ -11,7 +11,7 @@ import pytest
 import torch
 import yaml
 
-from paratrain.config.schema import validate_config
+from paratrain.config.loading import validate_config
 from paratrain.parallel.dims import MESH_DIMS, ParallelDims
 from paratrain.planner.memory_check import FreeMemory, check_memory_fits, free_memory, resolve_auto_layout
 from tests.harness import read_metrics, run_cli_in_process, tiny_config, write_config

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from paratrain.config.schema import load_config
+from paratrain.config.loading import load_config
 from paratrain.train import run as train_in_this_process
 from tests.harness import (
     checkpoint_weights,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from paratrain.checks.preflight import preflight
-from paratrain.config.schema import load_config
+from paratrain.config.loading import load_config
 from paratrain.errors import ConfigError
 from tests.harness import tiny_config, write_config
 

@@ -9,11 +9,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from paratrain.config.schema import load_config
+from paratrain.config.loading import load_config
 from paratrain.errors import EXIT_USER_ERROR
 from paratrain.tools.checkpoint_check import check_config, compare_with_saved
 from paratrain.train import run as train_in_this_process
-from paratrain.trainer import Trainer
+from paratrain.training.trainer import Trainer
 from tests.harness import run_cli, run_cli_in_process, tiny_config, write_config
 
 WIDER = "model.args={block_size: 16, n_layer: 2, n_head: 2, n_embd: 64}"

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from paratrain.cli import main
-from paratrain.config.schema import OptimConfig, load_config
+from paratrain.config.loading import load_config
+from paratrain.config.schema import OptimConfig
 from paratrain.errors import ConfigError
 from paratrain.models.gpt import build_gpt
 from paratrain.parallel.dims import ParallelDims, resolve_parallel_dims

@@ -12,7 +12,7 @@ import pytest
 from PIL import Image
 
 from paratrain.cli import main
-from paratrain.config.schema import config_to_yaml, load_config
+from paratrain.config.loading import config_to_yaml, load_config
 from paratrain.tools.report import NO_MEMORY, load_runs
 from tests.harness import tiny_config, write_config
 

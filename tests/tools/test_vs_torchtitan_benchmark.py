@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from paratrain.config.schema import load_config
+from paratrain.config.loading import load_config
 from tests.tools.benchmark_scripts import load_benchmark
 
 # Two lines as torchtitan 0.2.2 printed them on an H200 (2026-11-26), colours included.

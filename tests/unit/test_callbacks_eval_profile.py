@@ -12,7 +12,7 @@ import torch
 import paratrain
 from paratrain.callbacks.throughput import peak_flops_of
 from paratrain.checks.preflight import preflight
-from paratrain.config.schema import load_config
+from paratrain.config.loading import load_config
 from paratrain.data.regression import build_regression_dataset
 from paratrain.errors import ConfigError
 from paratrain.losses import mse

@@ -2,7 +2,8 @@ from __future__ import annotations
 
 import pytest
 
-from paratrain.config.schema import Config, config_to_yaml, flatten_dotted, load_config
+from paratrain.config.loading import config_to_yaml, flatten_dotted, load_config
+from paratrain.config.schema import Config
 from paratrain.errors import ConfigError
 
 

@@ -11,9 +11,9 @@ from paratrain.checkpoint import Checkpointer
 from paratrain.checkpoint.config_changes import check_resume_config, compare_configs
 from paratrain.checkpoint.state import ModelState, Progress
 from paratrain.checks.preflight import preflight
-from paratrain.config.schema import load_config
+from paratrain.config.loading import load_config
 from paratrain.errors import ConfigError
-from paratrain.trainer import Trainer
+from paratrain.training.trainer import Trainer
 from tests.harness import TINY_GPT, TINY_TEXT
 
 BASE = [

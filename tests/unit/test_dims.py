@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import pytest
 
-from paratrain.config.schema import load_config
+from paratrain.config.loading import load_config
 from paratrain.errors import ConfigError
 from paratrain.parallel.dims import ParallelDims, resolve_parallel_dims
 

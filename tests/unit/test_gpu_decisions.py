@@ -9,7 +9,8 @@ import torch
 
 from paratrain.checkpoint.checkpointer import staging_pins_memory
 from paratrain.checks.preflight import _dims, check_compile
-from paratrain.config.schema import FSDPConfig, OptimConfig, PipelineConfig, load_config
+from paratrain.config.loading import load_config
+from paratrain.config.schema import FSDPConfig, OptimConfig, PipelineConfig
 from paratrain.cuda_settings import apply_kernel_settings
 from paratrain.errors import ConfigError
 from paratrain.launch.process_group import process_group_backend

@@ -10,7 +10,7 @@ from torch import nn
 
 import paratrain
 from paratrain.callbacks.throughput import model_flops_per_sample
-from paratrain.config.schema import load_config
+from paratrain.config.loading import load_config
 from paratrain.models.contract import (
     HOOKS,
     CountsFlopsPerSample,

@@ -1,6 +1,6 @@
 """The training loop: ``train()`` (loop, evaluation, callbacks, checkpoints), ``train_step()`` (one optimizer
-step) and the engine's ``forward_backward()`` (the step's micro-batches), on a layout applied once
-(``builders``). The loop acts; what it asks (is this step logged, is a save due, which checkpoint to resume,
+step) and the engine's ``forward_backward()`` (the step's micro-batches), on a layout built once
+(``rank_setup``). The loop acts; what it asks (is this step logged, is a save due, which checkpoint to resume,
 the step's batches) is answered from plain values by ``tracking.metrics``, ``checkpoint.policy``, ``data.feed``.
 """
 
@@ -22,39 +22,25 @@ from paratrain.callbacks.configured import build_callbacks
 from paratrain.callbacks.profiling import maybe_profiler
 from paratrain.callbacks.routing import maybe_router_stats
 from paratrain.checkpoint.policy import build_checkpointer, choose_resume, load_resume, save_due
-from paratrain.checkpoint.state import Progress, RNGState, training_state
-from paratrain.config.factories import call_factory, describe_user_error
-from paratrain.config.schema import Config, config_to_yaml
+from paratrain.checkpoint.state import OPTIONAL_STATE, Progress, RNGState, training_state
+from paratrain.config.factories import call_factory, reported_as_user_code
+from paratrain.config.loading import config_to_yaml
+from paratrain.config.schema import Config
 from paratrain.debug import maybe_dump_gradients
-from paratrain.errors import CheckpointError, ConfigError, NonFiniteStop, UserCodeError
 from paratrain.evaluation import build_evaluator, check_evaluation
 from paratrain.gradients import clip_grad_norm
 from paratrain.launch import faults
 from paratrain.launch.preemption import StopSignals, end_on_signal
 from paratrain.launch.process_group import destroy_distributed
-from paratrain.launch.replica_groups import GroupCounts, ReplicaGroupSync, build_replica_group_sync
+from paratrain.launch.replica_groups import maybe_join_replica_groups
 from paratrain.launch.watchdog import StepWatchdog
 from paratrain.losses import LossFn
-from paratrain.models.lora import maybe_apply_lora
 from paratrain.nonfinite import NonFiniteGuard, PendingVerdicts, step_optimizer, stop_on_nonfinite, weights_are_finite
 from paratrain.optim import build_lr_scheduler, build_optimizer
-from paratrain.rank_setup import (
-    RankSections,
-    build_feed,
-    build_rank_model,
-    init_rank,
-    load_dataset,
-    resolve_dims,
-    settle_resumed_layout,
-)
-from paratrain.tensors import local_part
 from paratrain.tracking.metrics import LogWindow, MetricsLogger, NoMetrics, build_record, open_metrics, should_log
+from paratrain.training import rank_setup
 
 logger = logging.getLogger("paratrain")
-# Loaded only where the checkpoint has them. RNG states are saved per rank: a run resumed on more ranks has
-# none for the new ones. A run switched to fp16 resumes a checkpoint without a gradient scaler: its scaler
-# starts fresh. A checkpoint of a plain run resumed by replica groups holds no counts: they start at 0.
-OPTIONAL_STATE = ("rng", "grad_scaler", "replica_groups")
 
 
 @dataclass(frozen=True)
@@ -101,22 +87,22 @@ class Trainer:
         eval_dataset: Dataset | None = None,
     ):
         self.config, train, output_dir = config, config.train, config.run.output_dir
-        dims = resolve_dims(config.parallel)
+        dims = rank_setup.resolve_dims(config.parallel)
         check_evaluation(config.eval, dims, has_dataset=eval_dataset is not None)
         user_callbacks = build_callbacks(config.callbacks, callbacks)
-        self.ctx = ctx = init_rank(dims, parallel=config.parallel, train=train)
+        self.ctx = ctx = rank_setup.init_rank(dims, parallel=config.parallel, train=train)
         self.dims = dims.with_mesh(ctx.device.type)
         logger.info("layout %s on %s", self.dims.describe_layout(), ctx.device)
         self.pipeline_group = self.dims.pp_mesh.get_group() if self.dims.pp_enabled else None  # other stages' ranks
         given = (dataset is not None, bool(model_factory), bool(loss_fn))  # for messages naming what the user gave
-        dataset = load_dataset(dataset, config.data, dims=self.dims)
+        dataset = rank_setup.load_dataset(dataset, config.data, dims=self.dims)
         loss_fn = self._build_model(model_factory, loss_fn, dataset, given=given)
         # Data-parallel ranks draw different random numbers (e.g. dropout masks); tensor-parallel
         # ranks of one replica must draw the same, since they compute on the same activations.
         torch.manual_seed(train.seed + self.dims.dp_rank)
         self.optimizer = build_optimizer(self.bare_model, config.optim, dp_size=self.dims.dp)
         self.lr_scheduler = build_lr_scheduler(self.optimizer, config.optim, max_steps=train.max_steps)
-        self.feed = build_feed(
+        self.feed = rank_setup.build_feed(
             dataset, data=config.data, train=train, pipeline=config.pipeline, dims=self.dims, device=ctx.device
         )
         self.tokens_per_sample = self.feed.tokens_per_sample
@@ -144,8 +130,12 @@ class Trainer:
         # Chosen and checked now, so a changed config is refused before anything runs; loaded by train().
         resume = choose_resume(checkpointer, config.checkpoint, config=checkpointer.config, is_main=ctx.is_main)
         self._resume_from, self._started, self._stepped = resume, False, False  # _stepped: see _first_step_or_next
-        self.group_counts = GroupCounts()
-        self.replicas = self._maybe_join_replica_groups()
+        self.replicas = maybe_join_replica_groups(
+            config.parallel.fault_tolerance,
+            enabled=self.dims.ft_enabled,
+            device=ctx.device,
+            state=self.checkpoint_state,
+        )
 
     def train(self) -> TrainResult:
         """Runs from the current step to ``train.max_steps`` (or until a callback stops it), evaluating,
@@ -163,7 +153,7 @@ class Trainer:
         outcome = "failed"  # what the trackers record unless the loop ends otherwise
         try:
             while self.progress.step < max_steps:
-                if self.replicas is not None and self.replicas.start_step():
+                if self.replicas.start_step():
                     batches = self.feed.step_batches()  # healed: read on from the position a live peer sent
                 step = self._first_step_or_next(window.next_batch(batches))
                 if not step.committed:  # a replica group failed during the step: the next quorum retakes it
@@ -209,9 +199,7 @@ class Trainer:
         faults.maybe_stall("stall_in_step", step=step, rank=rank)
         faults.maybe_slow_down("slow_step", step=step, rank=rank, seconds=faults.SLOW_STEP_S)
         self.optimizer.zero_grad(set_to_none=True)
-        loss = self.engine.forward_backward(micro_batches)
-        if self.replicas is not None:
-            loss = self._average_over_replica_groups(loss)
+        loss = self.replicas.average_step(model.parameters(), self.engine.forward_backward(micro_batches))
         self.precision.unscale_(self.optimizer)
         faults.maybe_poison_gradients("nan_grad", model, step=step, rank=rank)
         config, is_main = self.config, self.ctx.is_main
@@ -221,46 +209,12 @@ class Trainer:
         # Pipeline ranks hold different parameters: their squared norms add up to the global one.
         grad_norm = clip_grad_norm(list(model.parameters()), config.train.grad_clip, sum_over=group)
         lr = self.optimizer.param_groups[0]["lr"]
-        if self.replicas is not None and not self.replicas.should_commit():
+        if not self.replicas.should_commit():
             return StepOutput(loss, grad_norm, lr, torch.ones((), dtype=torch.bool), committed=False)
         # The schedule follows the step count (as with fp16's scaler), so a skipped step uses up its learning rate.
         finite = step_optimizer(self.optimizer, grad_norm, precision=self.precision)
         self.lr_scheduler.step()
         return StepOutput(loss, grad_norm, lr, finite)
-
-    def _maybe_join_replica_groups(self) -> ReplicaGroupSync | None:
-        """This rank's torchft manager when the run is one of several replica groups (see
-        paratrain.launch.replica_groups); what a recovering peer receives is ``healing_state``."""
-        if not self.dims.ft_enabled:
-            return None
-        return build_replica_group_sync(
-            self.config.parallel.fault_tolerance,
-            device=self.ctx.device,
-            state_dict=lambda: {name: part.state_dict() for name, part in self.healing_state().items()},
-            load_state_dict=self._heal,
-            counts=self.group_counts,
-        )
-
-    def healing_state(self) -> dict[str, Any]:
-        """What a group restarting after a failure takes from a live peer: a resume's state without the RNG
-        (each rank keeps its own seeds); the replica groups' counts are part of it."""
-        state = self.checkpoint_state()
-        del state["rng"]
-        return state
-
-    def _heal(self, received: dict[str, Any]) -> None:
-        for name, part in self.healing_state().items():
-            part.load_state_dict(received[name])
-        logger.info("healed from a live replica group at step %d, no checkpoint read", self.progress.step)
-
-    def _average_over_replica_groups(self, loss: torch.Tensor) -> torch.Tensor:
-        """Each gradient (this rank's shard of it) and the step's loss, averaged over the live groups in
-        place: the step then equals one over every live group's samples."""
-        grads = [param.grad for param in self.bare_model.parameters() if param.grad is not None]
-        local = [local_part(grad) for grad in grads]
-        loss = loss.detach().clone().float()
-        self.replicas.average([*local, loss])
-        return loss
 
     def _count_step(self, step: StepOutput, window: LogWindow) -> None:
         """Moves the run past a step: its count, the data position, the log window and its pending verdict."""
@@ -280,8 +234,7 @@ class Trainer:
     def close(self) -> None:
         """Releases the layout, then the process group if this Trainer created it. Call once training is over."""
         self.checkpointer.close()  # a background save needs the process group until it is written
-        if self.replicas is not None:
-            self.replicas.close()
+        self.replicas.close()
         # DDP's reducer must be freed while the group is still registered: a reducer that outlives
         # it destroys the gloo group while holding the GIL, and gloo's worker threads, which need the
         # GIL to free tensors, then deadlock with it (pytorch#56297).
@@ -303,24 +256,23 @@ class Trainer:
             rng=rng,
             grad_scaler=scaler,
         )
-        # Replica groups' counts survive the death of every group too (a plain run resuming leaves them out).
-        return state | ({"replica_groups": self.group_counts} if self.dims.ft_enabled else {})
+        return state | self.replicas.checkpoint_state()
 
     def _build_model(
         self, model_factory: Callable[[], nn.Module] | None, loss_fn: LossFn | None, dataset: Dataset, *, given: tuple
     ) -> LossFn:
-        """Lays the model out on this rank (see build_rank_model); returns the loss it trains with."""
+        """Lays the model out on this rank (see rank_setup.build_rank_model); returns the loss it trains with."""
         config = self.config
-        built = build_rank_model(
-            lambda: maybe_apply_lora(
-                model_factory() if model_factory else call_factory(config.model, key="model"), config.model.lora
-            ),
+        built = rank_setup.build_rank_model(
+            model_factory or (lambda: call_factory(config.model, key="model")),
             loss_fn or call_factory(config.loss, key="loss"),
             dataset,
             given=given,
             dims=self.dims,
             ctx=self.ctx,
-            sections=RankSections(*(getattr(config, field.name) for field in fields(RankSections))),  # same names
+            sections=rank_setup.RankSections(
+                *(getattr(config, field.name) for field in fields(rank_setup.RankSections))
+            ),  # same names
             output_dir=config.run.output_dir,
         )
         self.bare_model, self.model, self.engine = built.layout.bare, built.layout.runnable, built.layout.engine
@@ -356,23 +308,11 @@ class Trainer:
             skipped_steps=len(self.nonfinite.skipped_steps),
         )
         record.update(evaluated)
-        record.update(self._replica_group_fields())
+        record.update(self.replicas.log_fields(global_batch_size=self.config.train.global_batch_size))
         self.callbacks.call("on_step_end", record=record)  # callbacks may add fields to what is logged
         if self.ctx.is_main:
             metrics.log(record)
         return loss
-
-    def _replica_group_fields(self) -> dict[str, int]:
-        """Under replica groups: the groups in the logged step, its effective batch (the live groups' shards)
-        and the samples skipped so far (the shards of groups that sat out committed steps)."""
-        if self.replicas is None:
-            return {}
-        counts, groups, batch = self.group_counts, self.dims.replica_groups, self.config.train.global_batch_size
-        return {
-            "replica_groups_live": counts.live,
-            "effective_batch": batch * counts.live // groups,
-            "skipped_samples": batch * counts.missing_group_steps // groups,
-        }
 
     def _maybe_save(self, *, preempted: bool = False) -> Path | None:
         step, options, early = self.progress.step, self.config.checkpoint, self.callbacks.stop_reason is not None
@@ -396,7 +336,7 @@ class Trainer:
         config, step = self.config, self.progress.step
         if not self._started:
             self._started = True
-            if self._resume_from is not None and not self._healed_instead_of_resuming():
+            if self._resume_from is not None and not self.replicas.heals_instead_of_resuming():
                 self._resume(self._resume_from)
             if self.ctx.is_main:
                 config.run.output_dir.mkdir(parents=True, exist_ok=True)
@@ -419,27 +359,17 @@ class Trainer:
         step, epoch = self.progress.step, self.feed.position.epoch
         logger.info("resumed from %s at step %d (epoch %d)", self._resume_from, step, epoch)
         self.last_healthy_checkpoint = self._resume_from
-        settle_resumed_layout(self.model, self.engine, self.feed, dims=self.dims, device=self.ctx.device)
-        if self.replicas is not None:
-            self.replicas.set_step(step)  # a group whose checkpoint is older heals from this one
-
-    def _healed_instead_of_resuming(self) -> bool:
-        """Under replica groups, a restarted group first joins the quorum: a live peer's state (newer than any
-        checkpoint) replaces the resume, and only a group that finds none (every group died) reads its own."""
-        return self.replicas is not None and self.replicas.start_step()
+        rank_setup.settle_resumed_layout(self.model, self.engine, self.feed, dims=self.dims, device=self.ctx.device)
+        self.replicas.set_step(step)  # replica groups whose checkpoint is older heal from this one
 
     def _first_step_or_next(self, batch: Any) -> Any:
         """A step; the run's first is where the user's forward and loss meet real data first, so what it
         raises is reported as their code's error (the user's frames, exit code 2), not a traceback."""
         if self._stepped:
             return self.train_step(batch)
-        try:
+        where = f"the first training step (the model's forward, the loss or backward) at step {self.progress.step + 1}"
+        with reported_as_user_code(where):
             step = self.train_step(batch)
-        except (ConfigError, CheckpointError, UserCodeError, NonFiniteStop):
-            raise
-        except Exception as error:
-            where = "the first training step (the model's forward, the loss or backward)"
-            raise UserCodeError(describe_user_error(f"{where} at step {self.progress.step + 1}", error)) from error
         self._stepped = True
         return step
 

@@ -19,6 +19,7 @@ from paratrain.config.schema import (
     DataConfig,
     DebugConfig,
     FactoryConfig,
+    LoraConfig,
     ModelConfig,
     ParallelConfig,
     PipelineConfig,
@@ -38,6 +39,7 @@ from paratrain.launch.process_group import (
 )
 from paratrain.layout import LaidOutModel, LayoutRequest, build_layout
 from paratrain.losses import LossFn
+from paratrain.models.lora import apply_lora
 from paratrain.models.meta import maybe_build_on_meta
 from paratrain.parallel.activation import compile_loss
 from paratrain.parallel.ddp import settle_buckets
@@ -146,6 +148,7 @@ def build_rank_model(
             factories), for messages.
         output_dir: ``run.output_dir``: the pipeline's timelines and the initial weights go under it.
     """
+    model_factory = with_lora(model_factory, sections.model.lora)
     if not isinstance(dataset, StreamedTokens):  # a stream's samples cannot be read by index
         sources = describe_sources(data=sections.data, model=sections.model, loss=sections.loss, given=given)
         check_dataset_fits_model(dataset, maybe_build_on_meta(model_factory), loss_fn, sources=sources)
@@ -172,6 +175,13 @@ def build_rank_model(
         path = output_dir / "initial-weights.safetensors"
         dump_weights(layout.bare, path, is_main=ctx.is_main, pipeline_group=pipeline_group)
     return RankModel(layout, precision, loss_fn, devices_computed_on(layout.runnable, own=ctx.device))
+
+
+def with_lora(model_factory: Callable[[], nn.Module], lora: LoraConfig | None) -> Callable[[], nn.Module]:
+    """The factory's model with ``model.lora``'s adapters wrapped around it (the factory itself without)."""
+    if lora is None:
+        return model_factory
+    return lambda: apply_lora(model_factory(), lora)
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,32 @@
+"""``paratrain``: the command line. ``parser.py`` declares the commands and their options, ``train_handoff.py``
+hands a training run to this process or to torchrun workers, and ``commands.py`` runs the other commands."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+from paratrain.cli.parser import build_parser, parse_args
+from paratrain.errors import RUN_ENDINGS, CheckpointWriteError, Preempted, exit_code_of
+
+
+def main(argv: list[str] | None = None) -> int:
+    # Like `python -m`, so factories in the user's project directory import.
+    sys.path.insert(0, os.getcwd())
+    args = parse_args(argv)
+    try:
+        return args.handler(args)
+    except RUN_ENDINGS as error:
+        say_how_it_ended(error)
+        return exit_code_of(error)
+
+
+def say_how_it_ended(error: Exception) -> None:
+    """The message alone, no traceback: it already names the key and the fix (a stop in a one-process run
+    trained in this one says where it stopped; a failed save was reported by the checkpointer)."""
+    if isinstance(error, CheckpointWriteError):
+        return
+    print(f"paratrain: {error}" if isinstance(error, Preempted) else f"paratrain: error: {error}", file=sys.stderr)
+
+
+__all__ = ["build_parser", "main", "parse_args"]
