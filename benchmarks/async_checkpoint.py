@@ -79,7 +79,7 @@ def save_async(
     started = time.perf_counter()
     checkpointer.save(step, state, blocking=False)
     blocked = time.perf_counter() - started
-    in_flight = checkpointer._in_flight  # the benchmark peeks: train until the write is complete
+    in_flight = checkpointer.writer._in_flight  # the benchmark peeks: train until the write is complete
     steps = []
     while in_flight is not None and not in_flight.done.done():
         steps.append(train_step(model, optimizer, inputs))

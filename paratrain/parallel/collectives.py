@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import warnings
 from typing import Any, TypeVar
 
 import torch
@@ -63,3 +65,11 @@ def all_gather_object(obj: T, *, group: dist.ProcessGroup | None = None) -> list
     gathered: list[Any] = [None] * dist.get_world_size(group)
     dist.all_gather_object(gathered, obj, group=group)
     return gathered
+
+
+@contextlib.contextmanager
+def quiet_single_process():
+    """DCP warns on every call without a process group; a lone process has none on purpose."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield

@@ -19,7 +19,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from paratrain.checkpoint.checkpointer import Checkpointer, quiet_single_process
+from paratrain.checkpoint.checkpointer import Checkpointer
 from paratrain.checkpoint.manifest import verify_checkpoint
 from paratrain.checkpoint.safe_reader import SafeFileSystemReader, SafeLoadPlanner
 from paratrain.config.factories import call_factory
@@ -27,6 +27,7 @@ from paratrain.config.schema import LoraConfig, ModelConfig
 from paratrain.errors import ConfigError
 from paratrain.models.hf import is_transformers_model
 from paratrain.models.meta import on_meta
+from paratrain.parallel.collectives import quiet_single_process
 
 MODEL_PREFIX = "model."
 

@@ -10,7 +10,7 @@ import torch
 from torch.distributed.checkpoint.stateful import Stateful
 
 from paratrain.checkpoint import Checkpointer, find_checkpoints, verify_checkpoint
-from paratrain.checkpoint import checkpointer as checkpointer_module
+from paratrain.checkpoint import writer as writer_module
 from paratrain.checkpoint.hashing import HashingWriter
 from paratrain.checkpoint.manifest import is_complete
 from paratrain.checkpoint.state import ModelState, OptimizerState, Progress, RNGState, cuda_generator_names
@@ -185,7 +185,7 @@ class CompletionProbe(Stateful):
 def test_an_async_save_starts_only_once_the_previous_one_is_complete_and_holds_the_state_of_its_step(
     tmp_path, monkeypatch
 ):
-    monkeypatch.setattr(checkpointer_module, "HashingWriter", SlowWriter)
+    monkeypatch.setattr(writer_module, "HashingWriter", SlowWriter)
     checkpointer = Checkpointer(tmp_path / "checkpoints", keep_last=1, rank=0, world_size=1, config={}, async_save=True)
     model, seen_complete = torch.nn.Linear(4, 2), []
     expected = {}

@@ -7,7 +7,7 @@ import os
 import pytest
 import torch
 
-from paratrain.checkpoint.checkpointer import staging_pins_memory
+from paratrain.checkpoint.writer import staging_pins_memory
 from paratrain.checks.preflight import _dims, check_compile
 from paratrain.config.loading import load_config
 from paratrain.config.schema import FSDPConfig, OptimConfig, PipelineConfig
