@@ -34,7 +34,7 @@ def model_aux_loss(outputs) -> torch.Tensor | float:
 
 
 def mse() -> LossFn:
-    """Mean squared error, the seeds' regression loss."""
+    """Mean squared error, the regression examples' loss."""
 
     def loss_fn(outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         return F.mse_loss(outputs.float(), targets)

@@ -1,4 +1,4 @@
-"""The seeds' synthetic regression data: random features, targets from a fixed linear map plus noise."""
+"""Synthetic regression data, as in the classic DDP tutorials: random features, targets from a fixed linear map plus noise."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The multi-layer perceptron of the seeds' DDP tutorials (regression on 20 features)."""
+"""The multi-layer perceptron of the classic DDP tutorials (regression on 20 features)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""torch.nn.DataParallel: one process drives every local GPU (the seeds' first multi-GPU step)."""
+"""torch.nn.DataParallel: one process drives every local GPU (the usual first multi-GPU step)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Model parallel in one process (seed 000's layout): consecutive parts of the model on different
+"""Model parallel in one process (the classic single-process layout): consecutive parts of the model on different
 devices, activations moved from one to the next.
 
 The parts are cut like pipeline stages (``pipeline.split_points``, or balanced by parameters), and

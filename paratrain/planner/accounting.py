@@ -1,5 +1,6 @@
-"""Memory per rank of one layout: ZeRO-style model-state accounting (../shared/REFERENCE.md, after
-Rajbhandari et al. 2020) plus activations and the working set a layout gathers. Formulas: docs/planner.md.
+"""Memory per rank of one layout: ZeRO-style model-state accounting (Rajbhandari et al. 2020, "ZeRO: Memory
+Optimizations Toward Training Trillion Parameter Models") plus activations and the working set a layout
+gathers. Formulas: docs/planner.md.
 
 paratrain keeps parameters, gradients and optimizer state in fp32 under every ``precision``
 (autocast lowers only the compute; FSDP's ``param_dtype`` only the gathered copies), so model state

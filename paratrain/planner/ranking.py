@@ -27,7 +27,7 @@ from paratrain.planner.model_facts import ModelFacts
 from paratrain.planner.units import format_seconds
 
 USABLE_FRACTION = 0.9
-NOMINAL_FLOPS = 400e12  # achieved FLOP/s per GPU: about 40 % of an H100's dense bf16 peak (REFERENCE.md)
+NOMINAL_FLOPS = 400e12  # achieved FLOP/s per GPU: about 40 % of an H100's dense bf16 peak (docs/planner.md)
 
 
 @dataclass(frozen=True)
@@ -96,7 +96,7 @@ def compute_seconds(facts: ModelFacts, inputs: PlanInputs, dims: ParallelDims) -
 
 
 def bubble_fraction(inputs: PlanInputs, dims: ParallelDims) -> float:
-    """Idle share of a pipeline step: (p-1)/(v·m + p-1), REFERENCE.md's GPipe/1F1B/interleaved formula."""
+    """Idle share of a pipeline step: (p-1)/(v·m + p-1), the GPipe/1F1B/interleaved formula of docs/pipeline.md."""
     if dims.pp == 1:
         return 0.0
     # lazy: pipeline building loads torch.distributed.pipelining (torch._dynamo) only for pp layouts

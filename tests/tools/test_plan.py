@@ -69,7 +69,7 @@ def test_fsdp_holds_a_quarter_of_ddp_model_state_on_four_ranks_as_zero_3_says():
     facts = read_model_facts(load_config(None, ["model.args={n_layer: 2, n_head: 4, n_embd: 64}"]).model)
     ddp = sum(model_state_bytes(facts.params, dims=ParallelDims("ddp", dp_replicate=4), optim=OptimConfig()))
     fsdp = sum(model_state_bytes(facts.params, dims=ParallelDims("fsdp", dp_shard=4), optim=OptimConfig()))
-    assert ddp == 16 * facts.num_params + 4 * len(facts.params)  # REFERENCE.md: 16Ψ (+ AdamW's step counters)
+    assert ddp == 16 * facts.num_params + 4 * len(facts.params)  # ZeRO: 16Ψ (+ AdamW's step counters)
     assert fsdp == pytest.approx(ddp / 4, rel=0.01)
 
 

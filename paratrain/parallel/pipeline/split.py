@@ -2,8 +2,8 @@
 
 The model declares its pipeline sequence (``ParallelPlan.pipeline_sequence``): module paths whose
 chained calls make up its forward. A stage is a run of consecutive pieces. Where the runs end comes
-either from split points the user names (each a piece that ends a stage, like seed 004's
-``split_spec: {"layer.4": "end"}``) or from balancing a cost per piece (parameter count, or a
+either from split points the user names (each a piece that ends a stage, as in torch's
+``pipeline(..., split_spec={"layer.4": SplitPoint.END})``) or from balancing a cost per piece (parameter count, or a
 measured time) so that the most expensive stage is as cheap as possible.
 """
 
