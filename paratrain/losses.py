@@ -9,6 +9,9 @@ import torch.nn.functional as F
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
+IGNORE_INDEX = -100
+"""The label of a token left out of the loss: PyTorch's cross_entropy default, and transformers'."""
+
 
 def cross_entropy() -> LossFn:
     """Token-level cross entropy for (batch, seq, vocab) logits against (batch, seq) targets. Outputs

@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 from paratrain.data.text import CharDataset, build_char_dataset
-from paratrain.parallel.target_tokens import IGNORE_INDEX
+from paratrain.losses import IGNORE_INDEX
 
 
 class UnevenlyMaskedChars(CharDataset):

@@ -12,6 +12,12 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+# The layouts ``parallel.strategy`` names (besides ``auto``, which the planner replaces by one of them).
+Strategy = Literal["single", "dp", "model_parallel", "ddp", "fsdp", "hsdp", "tp", "pp"]
+# Every degree a ``parallel`` section sets, in the mesh's rank order, outermost first; ep last, since it borrows
+# data-parallel ranks instead of being a mesh dimension of its own (parallel/dims.py).
+DEGREES = ("pp", "dp_replicate", "dp_shard", "cp", "tp", "ep")
+
 
 class Section(BaseModel):
     """Base of every config section: unknown keys are errors, field docstrings are descriptions."""
@@ -188,7 +194,7 @@ class FaultToleranceConfig(Section):
 
 
 class ParallelConfig(Section):
-    strategy: Literal["auto", "single", "dp", "model_parallel", "ddp", "fsdp", "hsdp", "tp", "pp"] | None = None
+    strategy: Literal["auto", Strategy] | None = None
     """Optional shorthand; the degrees below decide the layout and this only fills those left unset
     (explicit degrees win). null: one process trains alone, several run DDP over all of them unless
     degrees say otherwise. single: one process. dp: torch.nn.DataParallel over the local GPUs of one
@@ -249,14 +255,7 @@ class ParallelConfig(Section):
     """Fault-tolerant replica groups on torchft (see docs/layouts.md)."""
 
     def degrees(self) -> dict[str, int | None]:
-        return {
-            "pp": self.pp,
-            "dp_replicate": self.dp_replicate,
-            "dp_shard": self.dp_shard,
-            "cp": self.cp,
-            "tp": self.tp,
-            "ep": self.ep,
-        }
+        return {name: getattr(self, name) for name in DEGREES}
 
 
 class PipelineConfig(Section):

@@ -29,7 +29,7 @@ from torch.utils.data import Dataset
 from paratrain.data.conversations import Conversation, iter_conversations
 from paratrain.data.corpus import resolve_files
 from paratrain.errors import ConfigError
-from paratrain.parallel.target_tokens import IGNORE_INDEX
+from paratrain.losses import IGNORE_INDEX
 
 logger = logging.getLogger(__name__)
 

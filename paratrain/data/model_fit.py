@@ -170,11 +170,6 @@ def _check_output_against_targets(
         ) from None
 
 
-def _shape_of(outputs: Any) -> list[int] | str:
-    logits = getattr(outputs, "logits", outputs)  # transformers' ModelOutput, as the built-in losses read it
-    return list(logits.shape) if isinstance(logits, torch.Tensor) else type(outputs).__name__
-
-
 def _meta_cannot_run(error: Exception) -> bool:
     """Errors of running on meta tensors (no values, missing meta kernels), not of the shapes."""
     # torch.autocast(device_type="meta") raises "unsupported scalarType": transformers 4.x rotary

@@ -16,14 +16,6 @@ def is_distributed() -> bool:
     return dist.is_available() and dist.is_initialized()
 
 
-def all_reduce_mean(tensor: torch.Tensor, group: dist.ProcessGroup | None = None) -> torch.Tensor:
-    """Mean of tensor over the group's ranks (in place), e.g. a loss averaged across data-parallel ranks."""
-    if is_distributed():
-        dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group)
-        tensor /= dist.get_world_size(group)
-    return tensor
-
-
 def all_reduce_sum(tensor: torch.Tensor, group: dist.ProcessGroup | None = None) -> torch.Tensor:
     """Sum of tensor over the group's ranks (in place)."""
     if is_distributed():

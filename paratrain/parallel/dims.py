@@ -53,16 +53,13 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field, replace
-from typing import Literal
 
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from paratrain.config.schema import FaultToleranceConfig, ParallelConfig, PipelineConfig, TrainConfig
+from paratrain.config.schema import DEGREES, FaultToleranceConfig, ParallelConfig, PipelineConfig, Strategy, TrainConfig
 from paratrain.errors import ConfigError
 
-Strategy = Literal["single", "dp", "model_parallel", "ddp", "fsdp", "hsdp", "tp", "pp"]
-
-MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
+MESH_DIMS = tuple(name for name in DEGREES if name != "ep")  # ep borrows dp_shard x cp's ranks (see above)
 
 _ONE_PROCESS = ("single", "dp", "model_parallel")
 _SHARDED = ("fsdp", "hsdp")

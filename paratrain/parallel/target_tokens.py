@@ -22,8 +22,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
-IGNORE_INDEX = -100
-"""The label of a token left out of the loss: PyTorch's cross_entropy default, and transformers'."""
+from paratrain.losses import IGNORE_INDEX
 
 
 def count_targets(targets: object) -> int:

@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from paratrain.config.schema import (
+    DEGREES,
     Config,
     DataConfig,
     ModelConfig,
@@ -15,7 +16,7 @@ from paratrain.config.schema import (
     PipelineConfig,
     TrainConfig,
 )
-from paratrain.parallel.dims import MESH_DIMS, ParallelDims
+from paratrain.parallel.dims import ParallelDims
 
 
 @dataclass(frozen=True)
@@ -69,5 +70,5 @@ def plan_inputs(config: Config) -> PlanInputs:
 
 def parallel_with_layout(parallel: ParallelConfig, dims: ParallelDims) -> ParallelConfig:
     """The parallel section with its strategy and every degree replaced by this layout's."""
-    degrees = {name: getattr(dims, name) for name in (*MESH_DIMS, "ep")}
+    degrees = {name: getattr(dims, name) for name in DEGREES}
     return parallel.model_copy(update={"strategy": dims.strategy, **degrees})

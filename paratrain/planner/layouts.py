@@ -13,8 +13,9 @@ from collections.abc import Iterator
 from dataclasses import dataclass, replace
 
 from paratrain.checks.sequence_settings import check_sequence_layout
+from paratrain.config.schema import DEGREES
 from paratrain.errors import ConfigError
-from paratrain.parallel.dims import MESH_DIMS, ParallelDims, resolve_parallel_dims
+from paratrain.parallel.dims import ParallelDims, resolve_parallel_dims
 from paratrain.planner.inputs import PlanInputs
 from paratrain.planner.model_facts import ModelFacts
 
@@ -91,13 +92,13 @@ def _data_parallel_choices(pp: int, tp: int, dp: int) -> Iterator[ParallelDims]:
 
 def layout_overrides(dims: ParallelDims) -> list[str]:
     """Config overrides that select this layout, every degree explicit (so the file's own degrees do not mix in)."""
-    degrees = [f"parallel.{name}={getattr(dims, name)}" for name in MESH_DIMS]
-    return [f"parallel.strategy={dims.strategy}", *degrees, *([f"parallel.ep={dims.ep}"] if dims.ep_enabled else [])]
+    degrees = [f"parallel.{name}={getattr(dims, name)}" for name in DEGREES if name != "ep" or dims.ep_enabled]
+    return [f"parallel.strategy={dims.strategy}", *degrees]
 
 
 def describe_layout(dims: ParallelDims) -> str:
     """Short name: the strategy and the degrees above 1, e.g. ``fsdp dp_shard=8 tp=8``."""
-    degrees = [f"{name}={getattr(dims, name)}" for name in (*MESH_DIMS, "ep") if getattr(dims, name) > 1]
+    degrees = [f"{name}={getattr(dims, name)}" for name in DEGREES if getattr(dims, name) > 1]
     return " ".join([dims.strategy, *degrees])
 
 

@@ -16,7 +16,7 @@ import torch
 from paratrain.config.schema import Config
 from paratrain.errors import ConfigError
 from paratrain.launch.process_group import pick_device
-from paratrain.parallel.dims import MESH_DIMS, ParallelDims
+from paratrain.parallel.dims import ParallelDims
 from paratrain.planner.inputs import PlanInputs, parallel_with_layout, plan_inputs
 from paratrain.planner.layouts import Cluster, describe_layout
 from paratrain.planner.model_facts import ModelFacts, read_model_facts
@@ -225,9 +225,6 @@ def check_memory(
     return verdict
 
 
-def describe_auto_choice(config: Config) -> str:
-    """The log line naming the layout auto chose (the config resolve_auto_layout returned)."""
-    parallel = config.parallel
-    degrees = " x ".join(f"{name}={getattr(parallel, name)}" for name in MESH_DIMS)
-    experts = f", ep={parallel.ep}" if parallel.ep and parallel.ep > 1 else ""
-    return f"parallel.strategy=auto: training with the planner's layout {parallel.strategy} ({degrees}{experts})"
+def describe_auto_choice(dims: ParallelDims) -> str:
+    """The log line naming the layout auto chose (the degrees of the config resolve_auto_layout returned)."""
+    return f"parallel.strategy=auto: training with the planner's layout {dims.strategy} ({dims.describe()})"

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from paratrain.parallel.dims import MESH_DIMS, ParallelDims
+from paratrain.parallel.dims import ParallelDims
 from paratrain.planner.inputs import PlanInputs
 from paratrain.planner.layouts import Cluster, describe_layout, layout_overrides
 from paratrain.planner.model_facts import ModelFacts
@@ -104,7 +104,7 @@ def _verdict(plan: Plan, config_path: str) -> list[str]:
             f"parallel.activation_checkpointing=true, a smaller train.micro_batch_size, or more GPUs."
         ]
     command = run_command(config_path, plan.cluster, best.dims)
-    degrees = " x ".join(f"{name}={getattr(best.dims, name)}" for name in MESH_DIMS)
+    degrees = best.dims.describe()
     return [
         f"recommended: {describe_layout(best.dims)} ({degrees}), {format_bytes(best.peak.total)} per rank",
         f"why: {recommendation_reason(plan)}.",

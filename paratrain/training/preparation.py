@@ -51,5 +51,5 @@ def prepare_run(
         return PreparedRun(config)
     preflight(config, world_size=world_size, nproc_per_node=nproc_per_node)
     dims = resolve_parallel_dims(config.parallel, world_size=world_size, local_world_size=nproc_per_node)
-    choice = describe_auto_choice(config) if auto else None
+    choice = describe_auto_choice(dims) if auto else None
     return PreparedRun(config, dims, choice, ineffective_options(config, dims))

@@ -8,7 +8,7 @@ import pytest
 
 from paratrain.data.chat import chat_data
 from paratrain.errors import ConfigError
-from paratrain.parallel.target_tokens import IGNORE_INDEX
+from paratrain.losses import IGNORE_INDEX
 from tests.chat_fixtures import MARKED_TEMPLATE, write_chat_jsonl, write_chat_tokenizer
 
 pytest.importorskip("transformers")

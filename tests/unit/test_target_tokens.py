@@ -5,7 +5,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from paratrain.parallel.target_tokens import IGNORE_INDEX, count_targets, micro_batch_weights
+from paratrain.losses import IGNORE_INDEX
+from paratrain.parallel.target_tokens import count_targets, micro_batch_weights
 
 CPU = torch.device("cpu")
 

@@ -19,11 +19,11 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.pipelining import PipelineStage
 
-from paratrain.losses import LossFn
+from paratrain.losses import IGNORE_INDEX, LossFn
 from paratrain.parallel.pipeline.recorder import TimelineRecorder
 from paratrain.parallel.pipeline.schedules import PipelineShape, is_multi_stage, schedule_class
 from paratrain.parallel.sequence_sharding import SequenceSharding
-from paratrain.parallel.target_tokens import IGNORE_INDEX, count_targets, global_target_count
+from paratrain.parallel.target_tokens import count_targets, global_target_count
 from paratrain.tensors import move_to
 
 
