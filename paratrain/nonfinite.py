@@ -16,6 +16,7 @@ is about to be written.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal
@@ -23,6 +24,7 @@ from typing import TYPE_CHECKING, Literal
 import torch
 from torch import nn
 
+from paratrain.config.schema import TrainConfig
 from paratrain.errors import NonFiniteStop
 from paratrain.parallel.collectives import all_reduce_sum, barrier
 from paratrain.tensors import local_part
@@ -107,6 +109,61 @@ class PendingVerdicts:
                 self.pending = []
                 return step
         return None
+
+
+class NonFiniteWatch:
+    """The loop's side of the non-finite guard: each step's verdict read one step late (``PendingVerdicts``),
+    every weight checked before a checkpoint is written, and a stop that names the last checkpoint whose
+    weights were finite.
+
+    Args:
+        train: The ``train`` section (``nonfinite``, ``nonfinite_max_skips``).
+        before_stopping: Runs before the run stops (the trainer finishes a save in flight: its weights were
+            checked before it began).
+    """
+
+    def __init__(self, train: TrainConfig, *, before_stopping: Callable[[], object]):
+        self.guard = NonFiniteGuard(train.nonfinite, train.nonfinite_max_skips)
+        self.verdicts = PendingVerdicts(self.guard)
+        self.before_stopping = before_stopping
+        self.last_healthy_checkpoint: Path | None = None  # what a stop names
+
+    def step_done(self, step: int, finite: torch.Tensor) -> None:
+        """Queues the step's verdict and reads the previous step's, while this one runs."""
+        self.verdicts.add(step, finite)
+        self.settle(keep_newest=True)
+
+    def settle(self, *, keep_newest: bool = False) -> None:
+        """Reads the pending verdicts (see PendingVerdicts).
+
+        Raises:
+            NonFiniteStop: a verdict ends the run.
+        """
+        stop_at = self.verdicts.settle(keep_newest=keep_newest)
+        if stop_at is not None:
+            self.before_stopping()
+            raise stop_on_nonfinite(self.guard.reason(), step=stop_at, checkpoint=self.last_healthy_checkpoint)
+
+    def check_weights(self, model: nn.Module, *, step: int) -> None:
+        """Before checkpoint step-<step> is written: every verdict is read, and every weight is finite.
+
+        Raises:
+            NonFiniteStop: a step's verdict ends the run, or a weight is not finite (nothing is written).
+        """
+        self.settle()  # under stop, a step with non-finite gradients ends the run before any save
+        if not weights_are_finite(model):
+            self.before_stopping()
+            reason = f"the weights are not finite, so checkpoint step-{step} was not written"
+            raise stop_on_nonfinite(reason, step=step, checkpoint=self.last_healthy_checkpoint)
+
+    def applied_steps(self, steps: int, *, through_step: int) -> int:
+        """Of the ``steps`` up to ``through_step``, those applied (not skipped): every verdict is read first."""
+        self.settle()
+        return steps - self.guard.skipped_after(through_step - steps)
+
+    @property
+    def skipped_steps(self) -> int:
+        return len(self.guard.skipped_steps)
 
 
 def step_unless_nonfinite(optimizer: torch.optim.Optimizer, grad_norm: torch.Tensor) -> torch.Tensor:

@@ -126,28 +126,23 @@ OPTIONAL_STATE = ("rng", "grad_scaler", "replica_groups")
 
 
 def training_state(
-    model: nn.Module,
-    optimizer: torch.optim.Optimizer,
-    lr_scheduler: Stateful,
-    *,
-    data: Stateful,
-    progress: Progress,
-    rng: RNGState,
-    grad_scaler: Stateful | None = None,
+    model: nn.Module, optimizer: torch.optim.Optimizer, lr_scheduler: Stateful, *, data: Stateful, rng: RNGState
 ) -> dict[str, Stateful]:
-    """Every Stateful that a resume needs, under the names checkpoints store them by (``grad_scaler`` only
-    under fp16; a run switched to fp16 resumes a checkpoint without one, and its scaler starts fresh)."""
-    state = {
+    """The Statefuls every resume needs but the step count, under the names checkpoints store them by (the
+    trainer adds ``progress``, ``scaler_state`` under fp16 and the replica groups' counts)."""
+    return {
         "model": ModelState(model),
         "optimizer": OptimizerState(model, optimizer),
         "lr_scheduler": lr_scheduler,
         "data": data,
-        "progress": progress,
         "rng": rng,
     }
-    if grad_scaler is not None:
-        state["grad_scaler"] = grad_scaler
-    return state
+
+
+def scaler_state(grad_scaler: Stateful | None) -> dict[str, Stateful]:
+    """fp16's gradient scaler, under its checkpoint name; nothing without one (a run switched to fp16 resumes a
+    checkpoint without it, and its scaler starts fresh)."""
+    return {} if grad_scaler is None else {"grad_scaler": grad_scaler}
 
 
 def cuda_generator_names(devices: list[torch.device]) -> dict[str, torch.device]:

@@ -380,12 +380,8 @@ class ParallelDims:
     def describe_layout(self) -> str:
         """The layout as the start-up log names it: ``hsdp: dp_replicate=2 x dp_shard=2``."""
         used = [f"{name}={getattr(self, name)}" for name in MESH_DIMS if getattr(self, name) > 1]
-        return f"{self.strategy}: {' x '.join(used) or 'one process'}{self._describe_ep()}{self._describe_groups()}"
-
-    def _describe_groups(self) -> str:
-        if not self.ft_enabled:
-            return ""
-        return f", replica group {self.replica_group} of {self.replica_groups} (torchft)"
+        groups = f", replica group {self.replica_group} of {self.replica_groups} (torchft)" if self.ft_enabled else ""
+        return f"{self.strategy}: {' x '.join(used) or 'one process'}{self._describe_ep()}{groups}"
 
     def _describe_ep(self) -> str:
         return f", ep={self.ep} (experts over ep ranks of dp_shard x cp)" if self.ep_enabled else ""

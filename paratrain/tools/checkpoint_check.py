@@ -69,7 +69,7 @@ def check_checkpoint(checkpoint: Path, overrides: list[str]) -> str:
         trainer = Trainer(config)
         try:
             try:
-                trainer.load_checkpoint(checkpoint)
+                trainer.checkpoints.load(checkpoint)
             except (ConfigError, CheckpointError):
                 raise
             except (Exception, CheckpointException) as error:  # DCP's planner names the key or shape

@@ -18,6 +18,7 @@ from paratrain.config.factories import call_factory
 from paratrain.config.schema import (
     DataConfig,
     DebugConfig,
+    EvalConfig,
     FactoryConfig,
     LoraConfig,
     ModelConfig,
@@ -31,6 +32,7 @@ from paratrain.data.model_fit import SampleSources, check_dataset_fits_model
 from paratrain.data.stream import StreamedTokens, check_streaming
 from paratrain.debug import dump_weights
 from paratrain.engine import MicroBatchEngine
+from paratrain.evaluation import Evaluator, build_evaluator
 from paratrain.launch.process_group import (
     DistContext,
     init_distributed,
@@ -58,9 +60,9 @@ def resolve_dims(parallel: ParallelConfig) -> ParallelDims:
     )
 
 
-def init_rank(dims: ParallelDims, *, parallel: ParallelConfig, train: TrainConfig) -> DistContext:
+def init_rank(dims: ParallelDims, *, parallel: ParallelConfig, train: TrainConfig) -> tuple[DistContext, ParallelDims]:
     """This process's device and, when the layout needs one, its process group; then the device's kernel
-    settings (``train.deterministic``)."""
+    settings (``train.deterministic``). Returns the process and ``dims`` with its named mesh on that device."""
     ctx = init_distributed(
         device_kind=train.device,
         needs_group=dims.needs_process_group,
@@ -68,7 +70,9 @@ def init_rank(dims: ParallelDims, *, parallel: ParallelConfig, train: TrainConfi
         cpu_collectives=dims.fsdp_enabled and parallel.fsdp.cpu_offload,
     )
     apply_kernel_settings(ctx.device, deterministic=train.deterministic)
-    return ctx
+    dims = dims.with_mesh(ctx.device.type)
+    logger.info("layout %s on %s", dims.describe_layout(), ctx.device)
+    return ctx, dims
 
 
 def describe_sources(
@@ -182,6 +186,24 @@ def with_lora(model_factory: Callable[[], nn.Module], lora: LoraConfig | None) -
     if lora is None:
         return model_factory
     return lambda: apply_lora(model_factory(), lora)
+
+
+def build_rank_evaluator(
+    options: EvalConfig, dataset: Dataset | None, built: RankModel, *, dims: ParallelDims, train: TrainConfig
+) -> Evaluator | None:
+    """The evaluator of the laid-out model (see evaluation.build_evaluator): its forwards run as training's do,
+    under its mixed precision and its cut of each sequence."""
+    return build_evaluator(
+        options,
+        dataset,
+        built.loss_fn,
+        model=built.layout.runnable,
+        device=built.layout.engine.device,
+        autocast=built.precision.autocast,
+        dims=dims,
+        train=train,
+        sequence=built.layout.sequence,
+    )
 
 
 @dataclass(frozen=True)

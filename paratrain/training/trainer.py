@@ -21,13 +21,12 @@ from paratrain.callbacks.base import Callback, CallbackList
 from paratrain.callbacks.configured import build_callbacks
 from paratrain.callbacks.profiling import maybe_profiler
 from paratrain.callbacks.routing import maybe_router_stats
-from paratrain.checkpoint.policy import build_checkpointer, choose_resume, load_resume, save_due
-from paratrain.checkpoint.state import OPTIONAL_STATE, Progress, RNGState, training_state
+from paratrain.checkpoint.state import Progress, RNGState, scaler_state, training_state
 from paratrain.config.factories import call_factory, reported_as_user_code
 from paratrain.config.loading import config_to_yaml
 from paratrain.config.schema import Config
 from paratrain.debug import maybe_dump_gradients
-from paratrain.evaluation import build_evaluator, check_evaluation
+from paratrain.evaluation import check_evaluation
 from paratrain.gradients import clip_grad_norm
 from paratrain.launch import faults
 from paratrain.launch.preemption import StopSignals, end_on_signal
@@ -35,10 +34,11 @@ from paratrain.launch.process_group import destroy_distributed
 from paratrain.launch.replica_groups import maybe_join_replica_groups
 from paratrain.launch.watchdog import StepWatchdog
 from paratrain.losses import LossFn
-from paratrain.nonfinite import NonFiniteGuard, PendingVerdicts, step_optimizer, stop_on_nonfinite, weights_are_finite
+from paratrain.nonfinite import NonFiniteWatch, step_optimizer
 from paratrain.optim import build_lr_scheduler, build_optimizer
 from paratrain.tracking.metrics import LogWindow, MetricsLogger, NoMetrics, build_record, open_metrics, should_log
 from paratrain.training import rank_setup
+from paratrain.training.run_checkpoints import RunCheckpoints
 
 logger = logging.getLogger("paratrain")
 
@@ -90,13 +90,24 @@ class Trainer:
         dims = rank_setup.resolve_dims(config.parallel)
         check_evaluation(config.eval, dims, has_dataset=eval_dataset is not None)
         user_callbacks = build_callbacks(config.callbacks, callbacks)
-        self.ctx = ctx = rank_setup.init_rank(dims, parallel=config.parallel, train=train)
-        self.dims = dims.with_mesh(ctx.device.type)
-        logger.info("layout %s on %s", self.dims.describe_layout(), ctx.device)
+        ctx, self.dims = rank_setup.init_rank(dims, parallel=config.parallel, train=train)
+        self.ctx = ctx
         self.pipeline_group = self.dims.pp_mesh.get_group() if self.dims.pp_enabled else None  # other stages' ranks
         given = (dataset is not None, bool(model_factory), bool(loss_fn))  # for messages naming what the user gave
         dataset = rank_setup.load_dataset(dataset, config.data, dims=self.dims)
-        loss_fn = self._build_model(model_factory, loss_fn, dataset, given=given)
+        sections = rank_setup.RankSections(*(getattr(config, field.name) for field in fields(rank_setup.RankSections)))
+        built = rank_setup.build_rank_model(
+            model_factory or (lambda: call_factory(config.model, key="model")),
+            loss_fn or call_factory(config.loss, key="loss"),
+            dataset,
+            given=given,
+            dims=self.dims,
+            ctx=ctx,
+            sections=sections,
+            output_dir=output_dir,
+        )
+        self.bare_model, self.model, self.engine = built.layout.bare, built.layout.runnable, built.layout.engine
+        self.precision, self.devices = built.precision, built.devices
         # Data-parallel ranks draw different random numbers (e.g. dropout masks); tensor-parallel
         # ranks of one replica must draw the same, since they compute on the same activations.
         torch.manual_seed(train.seed + self.dims.dp_rank)
@@ -107,34 +118,20 @@ class Trainer:
         )
         self.tokens_per_sample = self.feed.tokens_per_sample
         self.progress = Progress()
-        self.nonfinite = NonFiniteGuard(train.nonfinite, train.nonfinite_max_skips)
-        self.verdicts = PendingVerdicts(self.nonfinite)  # read one step late (see paratrain.nonfinite)
-        self.last_healthy_checkpoint: Path | None = None  # what a stop on non-finite values names
-        self.evaluator = build_evaluator(
-            config.eval,
-            eval_dataset,
-            loss_fn,
-            model=self.model,
-            device=self.engine.device,
-            autocast=self.precision.autocast,
-            dims=self.dims,
-            train=train,
-            sequence=self.sequence,
-        )
+        self.health = NonFiniteWatch(train, before_stopping=lambda: self.checkpointer.wait())  # a save in flight
+        self.evaluator = rank_setup.build_rank_evaluator(config.eval, eval_dataset, built, dims=self.dims, train=train)
         profiler = maybe_profiler(config.profile, directory=output_dir / "profile", rank=ctx.rank, device=ctx.device)
         router_stats = maybe_router_stats(self.bare_model)  # a mixture of experts' routing, in the record
         self.callbacks = CallbackList([*profiler, *router_stats, *user_callbacks], self)
-        self.checkpointer = checkpointer = build_checkpointer(
-            config.checkpoint, directory=output_dir / "checkpoints", ctx=ctx, config=config.model_dump(mode="json")
+        resolved = config.model_dump(mode="json")  # recorded in every checkpoint, compared with a resume's
+        self.checkpoints = RunCheckpoints(
+            config.checkpoint, output_dir, ctx=ctx, config=resolved, state=self.checkpoint_state, health=self.health
         )
-        # Chosen and checked now, so a changed config is refused before anything runs; loaded by train().
-        resume = choose_resume(checkpointer, config.checkpoint, config=checkpointer.config, is_main=ctx.is_main)
-        self._resume_from, self._started, self._stepped = resume, False, False  # _stepped: see _first_step_or_next
+        self.checkpointer = self.checkpoints.checkpointer
+        self._started, self._stepped = False, False  # _stepped: see _first_step_or_next
+        groups = config.parallel.fault_tolerance  # fault-tolerant replica groups, when the run is one of several
         self.replicas = maybe_join_replica_groups(
-            config.parallel.fault_tolerance,
-            enabled=self.dims.ft_enabled,
-            device=ctx.device,
-            state=self.checkpoint_state,
+            groups, enabled=self.dims.ft_enabled, device=ctx.device, state=self.checkpoint_state
         )
 
     def train(self) -> TrainResult:
@@ -182,7 +179,7 @@ class Trainer:
                 if self.callbacks.stop_reason:
                     logger.info("stopping early after step %d: %s", self.progress.step, self.callbacks.stop_reason)
                     break
-            self._settle_verdicts()
+            self.health.settle()
             self.checkpointer.wait()  # an asynchronous save still in flight is complete before train() returns
             self.callbacks.call("on_train_end")
             outcome = "success"
@@ -221,15 +218,7 @@ class Trainer:
         self.progress.step += 1
         self.feed.step_done()
         window.add_step(step.loss, finite=step.finite)
-        self.verdicts.add(self.progress.step, step.finite)
-        self._settle_verdicts(keep_newest=True)  # the previous step's, while this one runs
-
-    def _settle_verdicts(self, *, keep_newest: bool = False) -> None:
-        """Reads the guard's pending verdicts (see PendingVerdicts); raises if the run must stop."""
-        stop_at = self.verdicts.settle(keep_newest=keep_newest)
-        if stop_at is not None:
-            self.checkpointer.wait()  # a save in flight is finished first: its weights were checked before it began
-            raise stop_on_nonfinite(self.nonfinite.reason(), step=stop_at, checkpoint=self.last_healthy_checkpoint)
+        self.health.step_done(self.progress.step, step.finite)
 
     def close(self) -> None:
         """Releases the layout, then the process group if this Trainer created it. Call once training is over."""
@@ -245,40 +234,9 @@ class Trainer:
 
     def checkpoint_state(self) -> dict[str, Any]:
         """Every Stateful that a resume needs, under the names checkpoints store them by."""
-        rng = RNGState(self.ctx.rank, self.devices)
-        data, scaler = self.feed.position, self.precision.scaler
-        state = training_state(
-            self.bare_model,
-            self.optimizer,
-            self.lr_scheduler,
-            data=data,
-            progress=self.progress,
-            rng=rng,
-            grad_scaler=scaler,
-        )
-        return state | self.replicas.checkpoint_state()
-
-    def _build_model(
-        self, model_factory: Callable[[], nn.Module] | None, loss_fn: LossFn | None, dataset: Dataset, *, given: tuple
-    ) -> LossFn:
-        """Lays the model out on this rank (see rank_setup.build_rank_model); returns the loss it trains with."""
-        config = self.config
-        built = rank_setup.build_rank_model(
-            model_factory or (lambda: call_factory(config.model, key="model")),
-            loss_fn or call_factory(config.loss, key="loss"),
-            dataset,
-            given=given,
-            dims=self.dims,
-            ctx=self.ctx,
-            sections=rank_setup.RankSections(
-                *(getattr(config, field.name) for field in fields(rank_setup.RankSections))
-            ),  # same names
-            output_dir=config.run.output_dir,
-        )
-        self.bare_model, self.model, self.engine = built.layout.bare, built.layout.runnable, built.layout.engine
-        self.sequence = built.layout.sequence
-        self.precision, self.devices = built.precision, built.devices
-        return built.loss_fn
+        rng, scaler = RNGState(self.ctx.rank, self.devices), self.precision.scaler
+        parts = training_state(self.bare_model, self.optimizer, self.lr_scheduler, data=self.feed.position, rng=rng)
+        return parts | {"progress": self.progress} | scaler_state(scaler) | self.replicas.checkpoint_state()
 
     def _maybe_evaluate(self, window: LogWindow) -> dict[str, float]:
         """{eval_loss, eval_time_s} on evaluation steps, else {}."""
@@ -291,8 +249,7 @@ class Trainer:
     def _log(
         self, metrics: MetricsLogger | NoMetrics, window: LogWindow, step: StepOutput, *, evaluated: dict[str, float]
     ) -> float:
-        self._settle_verdicts()  # skipped steps' losses are left out of loss_sum: every verdict is read first
-        applied = window.steps - self.nonfinite.skipped_after(self.progress.step - window.steps)
+        applied = self.health.applied_steps(window.steps, through_step=self.progress.step)  # skipped: left out
         group = self.dims.loss_mesh.get_group() if self.dims.mesh is not None else None
         loss = window.mean_loss(applied, group=group, dp=self.dims.loss_ranks)
         record = build_record(
@@ -305,7 +262,7 @@ class Trainer:
             tokens_per_sample=self.tokens_per_sample,
             epoch=self.feed.position.epoch,
             world_size=self.ctx.world_size,
-            skipped_steps=len(self.nonfinite.skipped_steps),
+            skipped_steps=self.health.skipped_steps,
         )
         record.update(evaluated)
         record.update(self.replicas.log_fields(global_batch_size=self.config.train.global_batch_size))
@@ -315,19 +272,12 @@ class Trainer:
         return loss
 
     def _maybe_save(self, *, preempted: bool = False) -> Path | None:
-        step, options, early = self.progress.step, self.config.checkpoint, self.callbacks.stop_reason is not None
-        due = save_due(step, options, max_steps=self.config.train.max_steps, ending_early=early, preempted=preempted)
-        if due is None:
-            return None
-        self._settle_verdicts()  # under stop, a step with non-finite gradients ends the run before any save
-        if not weights_are_finite(self.bare_model):
-            self.checkpointer.wait()  # a save in flight is finished first: its weights were checked before it began
-            reason = f"the weights are not finite, so checkpoint step-{step} was not written"
-            raise stop_on_nonfinite(reason, step=step, checkpoint=self.last_healthy_checkpoint)
-        path = self.checkpointer.save(step, self.checkpoint_state(), blocking=due.blocking, weights_finite=True)
-        self.last_healthy_checkpoint = path
-        logger.info("saved checkpoint %s" if due.blocking else "saving checkpoint %s in the background", path)
-        self.callbacks.call("on_checkpoint_saved", checkpoint=path)
+        early, max_steps = self.callbacks.stop_reason is not None, self.config.train.max_steps
+        path = self.checkpoints.maybe_save(
+            self.progress.step, self.bare_model, max_steps=max_steps, ending_early=early, preempted=preempted
+        )
+        if path is not None:
+            self.callbacks.call("on_checkpoint_saved", checkpoint=path)
         return path
 
     def _maybe_start(self) -> None:
@@ -336,8 +286,8 @@ class Trainer:
         config, step = self.config, self.progress.step
         if not self._started:
             self._started = True
-            if self._resume_from is not None and not self.replicas.heals_instead_of_resuming():
-                self._resume(self._resume_from)
+            if self.checkpoints.chosen is not None and not self.replicas.heals_instead_of_resuming():
+                self._resume()
             if self.ctx.is_main:
                 config.run.output_dir.mkdir(parents=True, exist_ok=True)
                 (config.run.output_dir / "config.yaml").write_text(config_to_yaml(config))
@@ -345,20 +295,10 @@ class Trainer:
         if step >= config.train.max_steps:
             logger.info("already at step %d of train.max_steps=%d: nothing to train", step, config.train.max_steps)
 
-    def _resume(self, chosen: Path) -> None:
-        """Loads the chosen checkpoint, or under ``resume: auto`` an older one when it proves damaged."""
-        self._resume_from = load_resume(
-            self.checkpointer,
-            chosen,
-            self.checkpoint_state(),
-            options=self.config.checkpoint,
-            config=self.checkpointer.config,
-            is_main=self.ctx.is_main,
-            optional=OPTIONAL_STATE,
-        )
-        step, epoch = self.progress.step, self.feed.position.epoch
-        logger.info("resumed from %s at step %d (epoch %d)", self._resume_from, step, epoch)
-        self.last_healthy_checkpoint = self._resume_from
+    def _resume(self) -> None:
+        """Loads the chosen checkpoint (see RunCheckpoints.resume) and brings the layout past its first step."""
+        loaded, step, epoch = self.checkpoints.resume(), self.progress.step, self.feed.position.epoch
+        logger.info("resumed from %s at step %d (epoch %d)", loaded, step, epoch)
         rank_setup.settle_resumed_layout(self.model, self.engine, self.feed, dims=self.dims, device=self.ctx.device)
         self.replicas.set_step(step)  # replica groups whose checkpoint is older heal from this one
 
@@ -372,9 +312,3 @@ class Trainer:
             step = self.train_step(batch)
         self._stepped = True
         return step
-
-    def load_checkpoint(self, path: Path) -> None:
-        """Loads a checkpoint's model and optimizer state into this layout, as a resume does, without
-        training or writing anything (``paratrain checkpoint check``). Every file is checked against the
-        manifest; a damaged one raises (DamagedCheckpointError), with no fallback."""
-        self.checkpointer.load(path, self.checkpoint_state(), optional=OPTIONAL_STATE)

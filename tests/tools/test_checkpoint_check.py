@@ -68,7 +68,7 @@ def test_a_load_whose_values_differ_from_the_saved_ones_is_caught(checkpoint, tm
     after loading."""
     trainer = Trainer(check_config(checkpoint, [], tmp_path))
     try:
-        trainer.load_checkpoint(checkpoint)
+        trainer.checkpoints.load(checkpoint)
         assert compare_with_saved(checkpoint, trainer).differing == []
         weight = trainer.bare_model.get_parameter("embed.tok.weight")
         with torch.no_grad():
