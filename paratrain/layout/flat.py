@@ -13,8 +13,8 @@ from torch import nn
 from paratrain.config.schema import ParallelConfig
 from paratrain.engine import MicroBatchEngine
 from paratrain.layout.request import LaidOutModel, LayoutRequest
-from paratrain.models.contract import declares_init, warn_misspelt_hooks
-from paratrain.models.init import build_on_meta, is_on_meta, materialize
+from paratrain.models.contract import warn_misspelt_hooks
+from paratrain.models.init import build_on_meta, initialises_piecewise, is_on_meta, materialize
 from paratrain.models.plan_derivation import plan_of
 from paratrain.parallel.dims import ParallelDims
 from paratrain.parallel.model_parallel import apply_model_parallel
@@ -33,17 +33,20 @@ def build_model(
     seed: int,
     pretrained: Path | None = None,
     sequence: SequenceSharding | None = None,
+    resuming: bool = False,
+    seed_checkpoint_dir: Path | None = None,
 ) -> LaidOutModel:
     """Builds the model on the meta device, parallelizes it, materialises it (``models.init`` says
     where the weights come from), then wraps replicas (DDP or DataParallel). The engine is left to the
     caller (None here).
 
-    A model from scratch without ``init_parameter`` in an unsharded layout is instead built directly
-    on its device, so whatever its constructor initialises stays as the user wrote it. A factory that
-    returns real weights is laid out as it is.
+    A plain model from scratch (no ``init_parameter``, not a transformers model) in an unsharded layout is
+    instead built directly on its device, so whatever its constructor initialises stays as the user wrote
+    it. A factory that returns real weights is laid out as it is.
     """
     model = build_on_meta(factory, seed=seed)
-    if is_on_meta(model) and pretrained is None and not (dims.is_sharded or declares_init(model)):
+    from_scratch = pretrained is None and not resuming
+    if is_on_meta(model) and from_scratch and not (dims.is_sharded or initialises_piecewise(model)):
         torch.manual_seed(seed)
         model = factory()
     if not (is_on_meta(model) or dims.is_sharded):
@@ -51,7 +54,13 @@ def build_model(
     parallelize(model, dims, plan=plan_of(model), options=options, sequence=sequence)
     offload = dims.fsdp_enabled and options.fsdp.cpu_offload
     materialize(
-        model, factory=factory, device=torch.device("cpu") if offload else device, seed=seed, pretrained=pretrained
+        model,
+        factory=factory,
+        device=torch.device("cpu") if offload else device,
+        seed=seed,
+        pretrained=pretrained,
+        resuming=resuming,
+        seed_checkpoint_dir=seed_checkpoint_dir,
     )
     runnable = maybe_wrap_replicas(model, dims, options=options, device=device)
     return LaidOutModel(model, runnable, engine=None)
@@ -68,6 +77,8 @@ def build_flat_layout(request: LayoutRequest) -> LaidOutModel:
         seed=request.train.seed,
         pretrained=request.pretrained,
         sequence=request.sequence,
+        resuming=request.resuming,
+        seed_checkpoint_dir=request.seed_checkpoint_dir,
     )
     if ctx.is_main:
         warn_misspelt_hooks(built.bare)

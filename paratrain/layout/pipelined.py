@@ -50,6 +50,8 @@ def build_pipeline_runtime(request: LayoutRequest) -> LaidOutModel:
         costs=costs,
         pretrained=request.pretrained,
         sequence=request.sequence,
+        resuming=request.resuming,
+        seed_checkpoint_dir=request.seed_checkpoint_dir,
     )
     if ctx.rank == 0:
         warn_misspelt_hooks(part.model)

@@ -49,6 +49,8 @@ class LayoutRequest:
         timeline_dir: Where pipeline.record_timeline writes each rank's timeline.
         pretrained: Directory of weights to load instead of initialising (model.pretrained).
         sequence: This rank's cut of each sequence (context parallel, document masking), or None.
+        resuming: A checkpoint's load fills the weights next: nothing is initialised.
+        seed_checkpoint_dir: Where a plain model's seed checkpoint goes (``run.output_dir``; models/init.py).
     """
 
     model_factory: Callable[[], nn.Module]
@@ -63,3 +65,5 @@ class LayoutRequest:
     timeline_dir: Path
     pretrained: Path | None = None
     sequence: SequenceSharding | None = None
+    resuming: bool = False
+    seed_checkpoint_dir: Path | None = None

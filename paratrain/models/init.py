@@ -1,28 +1,32 @@
 """Allocating and initialising a model that was built on the meta device.
 
-Sharded layouts build the model on ``meta`` (no memory), apply their parallelism, then materialise
-here: every parameter and buffer is allocated as this rank's shard and filled, one full tensor at a
-time, from one of three sources, so that every layout starts from the same weights as ``single``:
+Every layout builds the model on ``meta`` (no memory), applies its parallelism, then materialises here:
+each parameter and buffer is allocated as this rank's shard and filled from one of four sources, so that
+every layout starts from the same weights as ``single``, and no rank holds more than its shard plus one
+full tensor:
 
-1. ``model.pretrained`` (a directory of safetensors files): each tensor read by name from the files.
-   Buffers the files do not hold (non-persistent ones such as rotary ``inv_freq``) come from a build of
-   the model whose parameters stay on meta, so its constructor computes them as usual.
-2. A model that declares ``init_parameter(name, tensor, generator)`` (``contract.InitialisesParameters``;
-   paratrain's own models do): values that depend only on ``(seed, name)``, each full tensor drawn on
-   the CPU from a generator seeded by the two. Nothing holds the whole model at once: the path for models larger than host memory.
-3. Any other model (a plain ``nn.Module``, a ``transformers`` model with its ``_init_weights``): built
-   once for real on the CPU after ``torch.manual_seed(seed)``, exactly as ``single`` builds it, and each
-   rank keeps its slice of what was built. Each rank briefly holds the whole model in host memory.
+1. A resume: nothing is drawn or read. Parameters are left empty for the checkpoint's load to fill
+   (``resuming``); buffers the checkpoint does not hold (rotary frequencies) come from the constructor.
+2. ``model.pretrained`` (a directory of safetensors files): each tensor read by name, this rank's slice
+   alone where the placement allows. Buffers the files do not hold come from a build of the model whose
+   parameters stay on meta, so its constructor computes them as usual.
+3. A model whose own initialisation paratrain can divide: one that declares
+   ``init_parameter(name, tensor, generator)`` (``contract.InitialisesParameters``; paratrain's own models
+   do), or a transformers model (its ``_init_weights``). The initialisation is recorded as the operations
+   it applies to each tensor (``models.init_recording``), and each rank draws only its slice of them
+   (``models.init_replay``): values depend only on (seed, name), whatever the layout, and the distribution
+   is the model's own (its std, its zeros and ones). A tensor the recording cannot divide (an orthogonal
+   init, a copy from another tensor) is initialised whole, from a generator seeded by its name.
+4. Any other model (a plain ``nn.Module``, whose constructor is its initialisation): built once for real,
+   exactly as ``single`` builds it (seed, then factory), by one process, which writes it as a seed
+   checkpoint every rank then reads its slices from (as from ``model.pretrained``). That one process
+   briefly holds the whole model; the log says so. Unsharded layouts build such a model directly instead.
 
-Each rank draws or reads the same full tensor and keeps its own slice (``distribute_tensor`` with
-``src_data_rank=None``): random initialisation of a sharded DTensor is not used, since on a CPU mesh
-DTensor has no random-number tracker and every shard would get the same numbers. A parameter or
-buffer that no source fills is an error naming it, never uninitialised memory.
+A parameter or buffer that no source fills is an error naming it, never uninitialised memory.
 
 A factory that returns real weights itself (for example one calling ``from_pretrained``, which
 transformers 5 refuses under a meta-device context) is detected by ``build_on_meta``: its model is laid
-out as it is and nothing here runs. (transformers 4.x with accelerate installed does build it on meta;
-source 3 then loads it again for real, so the weights are still the ones it loaded.)
+out as it is and nothing here runs.
 """
 
 from __future__ import annotations
@@ -39,11 +43,25 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 
 from paratrain.errors import ConfigError
 from paratrain.models.contract import declares_init
+from paratrain.models.hf import is_transformers_model
+from paratrain.models.init_recording import initialise_whole, record_declared_init, record_transformers_init
+from paratrain.models.init_replay import Box, box_of, replay
 from paratrain.models.lora import init_adapter, is_adapter
 from paratrain.models.meta import on_meta
+from paratrain.models.seed_checkpoint import seed_checkpoint
 from paratrain.models.weights import LocalPiece, WeightSource, canonical_name
 
 logger = logging.getLogger("paratrain")
+
+# What a source returns for a parameter a resume's load fills: nothing is copied into it.
+LEFT_FOR_THE_LOAD = object()
+# Parameters up to this many numbers keep their constructor's value when the model's own init leaves them alone.
+SMALL_PARAMETER = 1 << 20
+
+
+def initialises_piecewise(model: nn.Module) -> bool:
+    """Whether each rank can draw its slice of the model's own initialisation (source 3 of the module docstring)."""
+    return declares_init(model) or is_transformers_model(model)
 
 
 def is_on_meta(model: nn.Module) -> bool:
@@ -73,16 +91,20 @@ def materialize(
     seed: int,
     pretrained: Path | None = None,
     allocate_via: list[nn.Module] | None = None,
+    resuming: bool = False,
+    seed_checkpoint_dir: Path | None = None,
 ) -> None:
     """Allocates every parameter and buffer on device and fills it (see module docstring).
 
     Args:
-        factory: The model's factory: source 3 builds the reference model with it, source 1 the
-            non-persistent buffers.
+        factory: The model's factory: sources 2-4 build the model again with it (on meta, or with its
+            parameters on meta for the buffers, or for real in one process).
         pretrained: Directory of safetensors weights to load instead of initialising.
         allocate_via: Modules that together hold all of the model's tensors, to allocate through
             instead of the model (pipeline stages: when FSDP wraps them, only they re-register
             the sharded parameters it tracks).
+        resuming: A checkpoint's load fills the parameters next: nothing is initialised.
+        seed_checkpoint_dir: Where a plain model's seed checkpoint is written (storage every rank reads).
 
     Raises:
         ConfigError: a parameter or buffer that no source fills, or pretrained weights whose names
@@ -90,11 +112,17 @@ def materialize(
     """
     if not is_on_meta(model):
         return
-    source = _weight_source(model, factory=factory, seed=seed, pretrained=pretrained)
     tied = _tied_parameters(model)
-    for module in allocate_via if allocate_via is not None else [model]:
-        module.to_empty(device=device)
-    _tie_again(tied)
+    with _weight_source(
+        model, factory=factory, seed=seed, pretrained=pretrained, resuming=resuming, scratch=seed_checkpoint_dir
+    ) as source:
+        for module in allocate_via if allocate_via is not None else [model]:
+            module.to_empty(device=device)
+        _tie_again(tied)
+        _fill(model, source, pretrained=pretrained)
+
+
+def _fill(model: nn.Module, source: WeightSource, *, pretrained: Path | None) -> None:
     missing = []
     with torch.no_grad():
         for name, tensor in _named_tensors(model):
@@ -102,7 +130,7 @@ def materialize(
             full = source(name, tensor)
             if full is None:
                 missing.append(name)
-            else:
+            elif full is not LEFT_FOR_THE_LOAD:
                 _copy_my_slice(tensor, full)
     if missing:
         raise ConfigError(
@@ -133,51 +161,110 @@ def _named_tensors(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
     return [*model.named_parameters(), *model.named_buffers()]
 
 
+@contextlib.contextmanager
 def _weight_source(
-    model: nn.Module, *, factory: Callable[[], nn.Module], seed: int, pretrained: Path | None
-) -> WeightSource:
-    if pretrained is not None:
+    model: nn.Module,
+    *,
+    factory: Callable[[], nn.Module],
+    seed: int,
+    pretrained: Path | None,
+    resuming: bool,
+    scratch: Path | None,
+) -> Iterator[WeightSource]:
+    if resuming:
+        buffers = _constructor_tensors(factory, keep_parameters=False)
+        logger.info("weights: left for the checkpoint being resumed (nothing initialised)")
+        yield lambda name, tensor: buffers.get(name, LEFT_FOR_THE_LOAD)
+    elif pretrained is not None:
         # lazy: safetensors is loaded only for runs with model.pretrained
         from paratrain.models.pretrained import pretrained_source  # safetensors: only when loading
 
-        base = pretrained_source(model, pretrained, buffers=_buffers_of_parameterless_build(factory))
-        # LoRA adapters are not in the files: drawn by name, so every layout starts from the same ones.
-        return lambda name, tensor: init_adapter(name, tensor, seed) if is_adapter(name) else base(name, tensor)
+        base = pretrained_source(model, pretrained, buffers=_constructor_tensors(factory, keep_parameters=False))
+        yield _with_adapters(base, seed)
+    elif initialises_piecewise(model):
+        yield _with_adapters(_replayed_source(model, factory=factory, seed=seed), seed)
+    else:
+        with seed_checkpoint(factory, seed=seed, directory=scratch) as directory:
+            # lazy: as for model.pretrained, the seed checkpoint is safetensors
+            from paratrain.models.pretrained import pretrained_source
+
+            yield pretrained_source(model, directory, buffers=_constructor_tensors(factory, keep_parameters=False))
+
+
+def _with_adapters(base: WeightSource, seed: int) -> WeightSource:
+    """LoRA adapters are in no file and no model init: drawn by name, so every layout starts from the same ones."""
+    return lambda name, tensor: init_adapter(name, tensor, seed) if is_adapter(name) else base(name, tensor)
+
+
+def _replayed_source(model: nn.Module, *, factory: Callable[[], nn.Module], seed: int) -> WeightSource:
+    """Source 3: each rank's slice drawn from the model's recorded initialisation (see module docstring)."""
+    constructed = _constructor_tensors(factory, keep_parameters=True)
     if declares_init(model):
-        return lambda name, tensor: _init_by_name(model, name, tensor, seed)
-    return _reference_source(factory, seed)
+        whole = lambda name, tensor: _init_by_name(model, name, tensor, seed)  # noqa: E731
+        recorded = lambda name, tensor: record_declared_init(model, name, tensor)  # noqa: E731
+    else:
+        reference = build_on_meta(factory, seed=seed)
+        records = record_transformers_init(reference)
+        whole = lambda name, tensor: initialise_whole(reference, name, seed=seed)  # noqa: E731
+        recorded = lambda name, tensor: records.get(name)  # noqa: E731
+
+    def source(name: str, tensor: torch.Tensor) -> torch.Tensor | LocalPiece | None:
+        record, shape = recorded(name, tensor), tuple(tensor.shape)
+        if record is not None and record.opaque:
+            return whole(name, tensor)
+        if record is None or not record.starts_whole():
+            # Not (wholly) set by the model's init: its constructor's value, where it is small enough to keep.
+            base = constructed.get(name)
+            return (
+                None
+                if base is None
+                else replay(record, name=name, seed=seed, shape=shape, box=Box.whole(shape), base=base)
+            )
+        box = box_of(tensor)
+        values = replay(record, name=name, seed=seed, shape=shape, box=box or Box.whole(shape), dtype=tensor.dtype)
+        return LocalPiece(values) if box is not None and isinstance(tensor, DTensor) else values
+
+    return source
 
 
 def _init_by_name(model: nn.Module, name: str, tensor: torch.Tensor, seed: int) -> torch.Tensor:
+    """A declared-init model's whole tensor, drawn for real from a generator seeded by (seed, name)."""
     generator = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
     full = torch.empty(tensor.shape, dtype=tensor.dtype)
     model.init_parameter(name, full, generator)
     return full
 
 
-def _reference_source(factory: Callable[[], nn.Module], seed: int) -> WeightSource:
-    """The model built for real on the CPU, as ``single`` builds it (seed, then factory)."""
+def build_whole(factory: Callable[[], nn.Module], *, device: torch.device, seed: int) -> nn.Module:
+    """The whole model with initial values on ``device``, in this one process (timing a pipeline's pieces on
+    rank 0, where the values need only be the model's kind of values): drawn piecewise where the model
+    allows it, else built for real."""
+    model = build_on_meta(factory, seed=seed)
+    if is_on_meta(model) and initialises_piecewise(model):
+        materialize(model, factory=factory, device=device, seed=seed)
+        return model
     torch.manual_seed(seed)
-    with torch.device("cpu"):
-        reference = dict(_named_tensors(factory()))
-    return lambda name, tensor: reference.get(name)
+    return (factory() if is_on_meta(model) else model).to(device)
 
 
-def _buffers_of_parameterless_build(factory: Callable[[], nn.Module]) -> dict[str, torch.Tensor]:
-    """The buffers the model's constructor computes (rotary frequencies, masks), from a build whose
-    parameters go to meta as they are registered (Accelerate's ``init_empty_weights`` does the same)."""
-    with _parameters_on_meta(), torch.device("cpu"):
+def _constructor_tensors(factory: Callable[[], nn.Module], *, keep_parameters: bool) -> dict[str, torch.Tensor]:
+    """The buffers the model's constructor computes (rotary frequencies, masks) and, with ``keep_parameters``,
+    its small parameters (up to ``SMALL_PARAMETER`` numbers: norms, biases), from a build whose other
+    parameters go to meta as they are registered (Accelerate's ``init_empty_weights`` does the same). Gives a
+    parameter the model's own init leaves alone its constructor's value, without building the large ones."""
+    limit = SMALL_PARAMETER if keep_parameters else -1
+    with _parameters_on_meta(larger_than=limit), torch.device("cpu"):
         model = factory()
-    return {name: buffer for name, buffer in model.named_buffers() if not buffer.is_meta}
+    return {name: tensor for name, tensor in [*model.named_parameters(), *model.named_buffers()] if not tensor.is_meta}
 
 
 @contextlib.contextmanager
-def _parameters_on_meta() -> Iterator[None]:
+def _parameters_on_meta(*, larger_than: int = -1) -> Iterator[None]:
     register = nn.Module.register_parameter
 
     def register_on_meta(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
         register(module, name, param)
-        if param is not None:
+        if param is not None and param.numel() > larger_than:
             kind, kwargs = type(param), param.__dict__
             module._parameters[name] = kind(param.to("meta"), requires_grad=param.requires_grad)
             module._parameters[name].__dict__.update(kwargs)

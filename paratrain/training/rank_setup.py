@@ -142,6 +142,7 @@ def build_rank_model(
     ctx: DistContext,
     sections: RankSections,
     output_dir: Path,
+    resuming: bool = False,
 ) -> RankModel:
     """Checks one sample against the model on meta (shapes and token ids, before allocating), compiles the
     loss if asked, lays the model out, and writes its initial weights when ``debug.dump_initial_weights`` asks.
@@ -151,6 +152,7 @@ def build_rank_model(
         given: Whether the dataset, the model factory and the loss came from the caller (not the config's
             factories), for messages.
         output_dir: ``run.output_dir``: the pipeline's timelines and the initial weights go under it.
+        resuming: A checkpoint's load fills the weights next: nothing is initialised (models/init.py).
     """
     model_factory = with_lora(model_factory, sections.model.lora)
     if not isinstance(dataset, StreamedTokens):  # a stream's samples cannot be read by index
@@ -172,9 +174,13 @@ def build_rank_model(
         timeline_dir=output_dir / "pipeline",
         pretrained=Path(pretrained) if pretrained else None,
         sequence=build_sequence_sharding(dims, document_end_id=document_end_of(dataset)),
+        resuming=resuming,
+        seed_checkpoint_dir=output_dir,
     )
     layout = build_layout(request)
-    if sections.debug.dump_initial_weights:
+    if sections.debug.dump_initial_weights and resuming:
+        logger.info("debug.dump_initial_weights: resuming, so there are no initial weights to write")
+    elif sections.debug.dump_initial_weights:
         pipeline_group = dims.pp_mesh.get_group() if dims.pp_enabled else None
         path = output_dir / "initial-weights.safetensors"
         dump_weights(layout.bare, path, is_main=ctx.is_main, pipeline_group=pipeline_group)

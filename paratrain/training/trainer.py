@@ -93,6 +93,13 @@ class Trainer:
         ctx, self.dims = rank_setup.init_rank(dims, parallel=config.parallel, train=train)
         self.ctx = ctx
         self.pipeline_group = self.dims.pp_mesh.get_group() if self.dims.pp_enabled else None  # other stages' ranks
+        self.health = NonFiniteWatch(train, before_stopping=lambda: self.checkpointer.wait())  # a save in flight
+        # Chosen now: a changed config is refused before anything is built, and a resume initialises nothing.
+        resolved = config.model_dump(mode="json")  # recorded in every checkpoint, compared with a resume's
+        self.checkpoints = RunCheckpoints(
+            config.checkpoint, output_dir, ctx=ctx, config=resolved, state=self.checkpoint_state, health=self.health
+        )
+        self.checkpointer = self.checkpoints.checkpointer
         given = (dataset is not None, bool(model_factory), bool(loss_fn))  # for messages naming what the user gave
         dataset = rank_setup.load_dataset(dataset, config.data, dims=self.dims)
         sections = rank_setup.RankSections(*(getattr(config, field.name) for field in fields(rank_setup.RankSections)))
@@ -105,6 +112,7 @@ class Trainer:
             ctx=ctx,
             sections=sections,
             output_dir=output_dir,
+            resuming=self.checkpoints.chosen is not None,
         )
         self.bare_model, self.model, self.engine = built.layout.bare, built.layout.runnable, built.layout.engine
         self.precision, self.devices = built.precision, built.devices
@@ -118,16 +126,10 @@ class Trainer:
         )
         self.tokens_per_sample = self.feed.tokens_per_sample
         self.progress = Progress()
-        self.health = NonFiniteWatch(train, before_stopping=lambda: self.checkpointer.wait())  # a save in flight
         self.evaluator = rank_setup.build_rank_evaluator(config.eval, eval_dataset, built, dims=self.dims, train=train)
         profiler = maybe_profiler(config.profile, directory=output_dir / "profile", rank=ctx.rank, device=ctx.device)
         router_stats = maybe_router_stats(self.bare_model)  # a mixture of experts' routing, in the record
         self.callbacks = CallbackList([*profiler, *router_stats, *user_callbacks], self)
-        resolved = config.model_dump(mode="json")  # recorded in every checkpoint, compared with a resume's
-        self.checkpoints = RunCheckpoints(
-            config.checkpoint, output_dir, ctx=ctx, config=resolved, state=self.checkpoint_state, health=self.health
-        )
-        self.checkpointer = self.checkpoints.checkpointer
         self._started, self._stepped = False, False  # _stepped: see _first_step_or_next
         groups = config.parallel.fault_tolerance  # fault-tolerant replica groups, when the run is one of several
         self.replicas = maybe_join_replica_groups(

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from paratrain.config.schema import ParallelConfig, PipelineConfig, TrainConfig
-from paratrain.models.init import materialize
+from paratrain.models.init import build_whole, materialize
 from paratrain.models.meta import on_meta
 from paratrain.models.plan_derivation import plan_of
 from paratrain.parallel.dims import ParallelDims
@@ -67,11 +67,14 @@ def build_pipeline_stages(
     costs: list[float] | None = None,
     pretrained: Path | None = None,
     sequence: SequenceSharding | None = None,
+    resuming: bool = False,
+    seed_checkpoint_dir: Path | None = None,
 ) -> PipelineStages:
     """This rank's stages, laid out, initialised and wrapped (see module docstring).
 
     Args:
         costs: Per-piece costs to balance stages by (pipeline.balance=time); None: parameter counts.
+        resuming, seed_checkpoint_dir: As for ``models.init.materialize``.
     """
     laid = lay_out_stages(
         factory,
@@ -83,7 +86,16 @@ def build_pipeline_stages(
         costs=costs,
         sequence=sequence,
     )
-    materialize(laid.model, factory=factory, device=device, seed=seed, pretrained=pretrained, allocate_via=laid.modules)
+    materialize(
+        laid.model,
+        factory=factory,
+        device=device,
+        seed=seed,
+        pretrained=pretrained,
+        allocate_via=laid.modules,
+        resuming=resuming,
+        seed_checkpoint_dir=seed_checkpoint_dir,
+    )
     modules = [
         maybe_wrap_replicas(module, dims, options=parallel, device=device, in_pipeline=True) for module in laid.modules
     ]
@@ -144,10 +156,8 @@ def measure_piece_costs(
     factory: Callable[[], nn.Module], sample: torch.Tensor, *, device: torch.device, seed: int
 ) -> list[float]:
     """pipeline.balance=time: each piece's forward + backward time on one micro-batch, measured on a
-    whole copy of the model (so the measuring rank briefly holds all of it)."""
-    with on_meta():
-        model = factory()
-    materialize(model, factory=factory, device=device, seed=seed)
+    whole copy of the model (so the measuring rank briefly holds all of it; preflight refuses it above a size)."""
+    model = build_whole(factory, device=device, seed=seed)
     sequence = pipeline_sequence(model)
     pieces = stage_modules(
         model, [[path] for path in sequence], contextlib.nullcontext, plan_of(model).pipeline_layer_inputs
