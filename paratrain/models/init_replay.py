@@ -16,6 +16,7 @@ is drawn whole and cut afterwards: the same values, one full tensor of memory.
 from __future__ import annotations
 
 import hashlib
+import math
 from dataclasses import dataclass
 
 import torch
@@ -96,17 +97,29 @@ def _draw_rows(out: torch.Tensor, op: InitOp, *, key: str, shape: tuple[int, ...
     if not shape:  # a 0-d tensor: one number
         out.copy_(_draw(op, (), key=key, block=0, dtype=out.dtype))
         return
-    row_len = _numel(shape[1:])
-    rows_per_block = max(1, BLOCK_ELEMENTS // max(row_len, 1))
-    first, end = box.offsets[0], box.offsets[0] + box.lengths[0]
-    if end <= first:
-        return  # this rank holds none of the rows
-    for block in range(first // rows_per_block, (end - 1) // rows_per_block + 1):
-        start, stop = block * rows_per_block, min((block + 1) * rows_per_block, shape[0])
+    first = box.offsets[0]
+    for block, start, stop in blocks_meeting(shape, box):
         rows = _draw(op, (stop - start, *shape[1:]), key=key, block=block, dtype=out.dtype)
-        lo, hi = max(start, first), min(stop, end)
+        lo, hi = max(start, first), min(stop, first + box.lengths[0])
         kept = rows[(slice(lo - start, hi - start), *box.slices()[1:])]
         out[lo - first : hi - first].copy_(kept)
+
+
+def blocks_meeting(shape: tuple[int, ...], box: Box) -> list[tuple[int, int, int]]:
+    """(block, first row, end row) of every block of whole rows that the box's rows meet."""
+    rows_per_block = max(1, BLOCK_ELEMENTS // max(math.prod(shape[1:]), 1))
+    first, end = box.offsets[0], box.offsets[0] + box.lengths[0]
+    if end <= first:
+        return []  # this rank holds none of the rows
+    return [
+        (block, block * rows_per_block, min((block + 1) * rows_per_block, shape[0]))
+        for block in range(first // rows_per_block, (end - 1) // rows_per_block + 1)
+    ]
+
+
+def rows_drawn(shape: tuple[int, ...], box: Box) -> int:
+    """How many rows a rank holding ``box`` draws for a random op on a tensor of ``shape``."""
+    return sum(stop - start for _, start, stop in blocks_meeting(shape, box)) if shape else 1
 
 
 def _draw(op: InitOp, shape: tuple[int, ...], *, key: str, block: int, dtype: torch.dtype) -> torch.Tensor:
@@ -144,10 +157,3 @@ def _view_indices(view: View) -> torch.Tensor:
         steps = torch.arange(length, dtype=torch.int64) * stride
         flat += steps.view([length if d == dim else 1 for d in range(len(view.size))])
     return flat
-
-
-def _numel(shape: tuple[int, ...]) -> int:
-    count = 1
-    for length in shape:
-        count *= length
-    return count
