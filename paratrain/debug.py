@@ -52,10 +52,11 @@ def dump_weights(
     """Gathers every parameter and buffer to full size (a collective: every rank calls this) and
     writes them from rank 0 under the model's own names: the initial weights of two layouts compare
     tensor by tensor."""
-    weights = {
-        name: tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
-        for name, tensor in [*model.named_parameters(), *model.named_buffers()]
-    }
+    weights = {}
+    for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
+        full = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor  # every rank: one at a time
+        if is_main or pipeline_group is not None:
+            weights[name] = full.detach().cpu()  # only rank 0 (and the stages' ranks, to send theirs) keeps them
     _write_gathered(weights, path, is_main=is_main, pipeline_group=pipeline_group)
 
 

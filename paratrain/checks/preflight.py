@@ -18,6 +18,7 @@ from paratrain.checkpoint.manifest import check_checkpoint, is_complete, read_ma
 from paratrain.checks.experts import check_expert_layout
 from paratrain.checks.pipeline_settings import check_pipeline
 from paratrain.checks.sequence_settings import check_sequence_layout
+from paratrain.checks.whole_model import check_whole_model_features
 from paratrain.config.factories import call_factory, check_factory_args
 from paratrain.config.schema import Config
 from paratrain.data.model_fit import check_data_fits_model
@@ -54,6 +55,7 @@ def preflight(config: Config, *, world_size: int, nproc_per_node: int) -> None:
         lambda: _check_sequence_layout(config, _dims(config, world_size, nproc_per_node), model_on_meta),
         lambda: _check_expert_layout(config, _dims(config, world_size, nproc_per_node), model_on_meta),
         lambda: _check_final_hf_export(config, model_on_meta),
+        lambda: check_whole_model_features(config.debug, config.pipeline, model_on_meta()),
         lambda: _check_lora_layout(config, _dims(config, world_size, nproc_per_node)),
         lambda: check_factory_args(config.loss, key="loss"),
         lambda: check_callback_configs(config.callbacks),

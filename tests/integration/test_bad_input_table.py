@@ -250,6 +250,18 @@ CASES: dict[str, Case] = {
     # --- pipeline -------------------------------------------------------------------------------
     "pipeline.schedule unknown": train("pipeline.schedule=Zigzag", expect="pipeline.schedule"),
     "pipeline.balance unknown": train("pipeline.balance=flops", expect="pipeline.balance"),
+    "pipeline.balance=time on a model too large to time whole": train(
+        "parallel.pp=2",
+        "pipeline.balance=time",
+        "model.args={block_size: 16, n_layer: 4, n_head: 16, n_embd: 8192}",
+        *TWO,
+        expect=("pipeline.balance=time times each piece on a whole copy", "pipeline.balance=parameters"),
+    ),
+    "debug.dump_initial_weights on a large model": train(
+        "debug.dump_initial_weights=true",
+        "model.args={block_size: 16, n_layer: 4, n_head: 16, n_embd: 4096}",
+        expect=("debug.dump_initial_weights=true gathers every weight to rank 0", "turn it off"),
+    ),
     "pipeline.microbatches zero": train("pipeline.microbatches=0", expect="pipeline.microbatches"),
     "pipeline.stages_per_rank zero": train("pipeline.stages_per_rank=0", expect="pipeline.stages_per_rank"),
     "pipeline split point that is not a piece": train(
