@@ -47,14 +47,15 @@ from paratrain.models.hf import is_transformers_model
 from paratrain.models.init_recording import initialise_whole, record_declared_init, record_transformers_init
 from paratrain.models.init_replay import Box, box_of, replay
 from paratrain.models.lora import init_adapter, is_adapter
-from paratrain.models.meta import on_meta
+from paratrain.models.meta import on_meta, skipping_init_of_meta_tensors
 from paratrain.models.seed_checkpoint import seed_checkpoint
 from paratrain.models.weights import LocalPiece, WeightSource, canonical_name
 
 logger = logging.getLogger("paratrain")
 
-# What a source returns for a parameter a resume's load fills: nothing is copied into it.
-LEFT_FOR_THE_LOAD = object()
+# What a source returns when there is nothing to copy into the tensor: it filled the tensor itself, or a
+# resume's load will.
+NOTHING_TO_COPY = object()
 # Parameters up to this many numbers keep their constructor's value when the model's own init leaves them alone.
 SMALL_PARAMETER = 1 << 20
 
@@ -130,7 +131,7 @@ def _fill(model: nn.Module, source: WeightSource, *, pretrained: Path | None) ->
             full = source(name, tensor)
             if full is None:
                 missing.append(name)
-            elif full is not LEFT_FOR_THE_LOAD:
+            elif full is not NOTHING_TO_COPY:
                 _copy_my_slice(tensor, full)
     if missing:
         raise ConfigError(
@@ -174,7 +175,7 @@ def _weight_source(
     if resuming:
         buffers = _constructor_tensors(factory, keep_parameters=False)
         logger.info("weights: left for the checkpoint being resumed (nothing initialised)")
-        yield lambda name, tensor: buffers.get(name, LEFT_FOR_THE_LOAD)
+        yield lambda name, tensor: buffers.get(name, NOTHING_TO_COPY)
     elif pretrained is not None:
         # lazy: safetensors is loaded only for runs with model.pretrained
         from paratrain.models.pretrained import pretrained_source  # safetensors: only when loading
@@ -221,6 +222,11 @@ def _replayed_source(model: nn.Module, *, factory: Callable[[], nn.Module], seed
                 else replay(record, name=name, seed=seed, shape=shape, box=Box.whole(shape), base=base)
             )
         box = box_of(tensor)
+        local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+        if box is not None and local.device.type == "cpu" and local.is_contiguous():
+            replay(record, name=name, seed=seed, shape=shape, box=box, out=local)  # no copy of the shard
+            return NOTHING_TO_COPY
+        # Drawn on the CPU (a GPU's generators give other numbers), then copied to the device.
         values = replay(record, name=name, seed=seed, shape=shape, box=box or Box.whole(shape), dtype=tensor.dtype)
         return LocalPiece(values) if box is not None and isinstance(tensor, DTensor) else values
 
@@ -253,7 +259,7 @@ def _constructor_tensors(factory: Callable[[], nn.Module], *, keep_parameters: b
     parameters go to meta as they are registered (Accelerate's ``init_empty_weights`` does the same). Gives a
     parameter the model's own init leaves alone its constructor's value, without building the large ones."""
     limit = SMALL_PARAMETER if keep_parameters else -1
-    with _parameters_on_meta(larger_than=limit), torch.device("cpu"):
+    with _parameters_on_meta(larger_than=limit), torch.device("cpu"), skipping_init_of_meta_tensors():
         model = factory()
     return {name: tensor for name, tensor in [*model.named_parameters(), *model.named_buffers()] if not tensor.is_meta}
 

@@ -110,6 +110,12 @@ class _Recorder(TorchDispatchMode):
         super().__init__()
         self.probes, self.records = probes, records  # probes: storage address -> (name, probe)
 
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        # A recording never runs under torch.compile; torch otherwise wraps this mode in dynamo's disable,
+        # which imports torch._dynamo (a second or more of every rank's start-up) on its first use.
+        return False
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         touched = [leaf for leaf in tree_leaves((args, kwargs)) if self._probe_name(leaf) is not None]

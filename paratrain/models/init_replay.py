@@ -66,15 +66,19 @@ def replay(
     box: Box,
     dtype: torch.dtype | None = None,
     base: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """The values of ``box`` of the tensor ``name`` (full ``shape``) that ``record``'s operations give, on the CPU.
+    """The values of ``box`` of the tensor ``name`` (full ``shape``) that ``record``'s operations give.
 
     Args:
         dtype: The tensor's dtype (``base``'s when given).
         base: The full tensor's values before the operations (its constructor's), when they do not start by
             setting all of it; zeros otherwise.
+        out: Where to write them (this rank's own part of the parameter, shaped as the box): no copy of the
+            shard is made. A new CPU tensor otherwise.
     """
-    out = base[box.slices()].clone() if base is not None else torch.zeros(box.lengths, dtype=dtype)
+    if out is None:
+        out = base[box.slices()].clone() if base is not None else torch.zeros(box.lengths, dtype=dtype)
     for position, op in record.effective() if record is not None else []:
         key = f"{seed}:{name}:{position}"
         if op.view is not None:
@@ -97,12 +101,15 @@ def _draw_rows(out: torch.Tensor, op: InitOp, *, key: str, shape: tuple[int, ...
     if not shape:  # a 0-d tensor: one number
         out.copy_(_draw(op, (), key=key, block=0, dtype=out.dtype))
         return
-    first = box.offsets[0]
+    first, whole_rows = box.offsets[0], box.lengths[1:] == tuple(shape[1:])
     for block, start, stop in blocks_meeting(shape, box):
-        rows = _draw(op, (stop - start, *shape[1:]), key=key, block=block, dtype=out.dtype)
         lo, hi = max(start, first), min(stop, first + box.lengths[0])
-        kept = rows[(slice(lo - start, hi - start), *box.slices()[1:])]
-        out[lo - first : hi - first].copy_(kept)
+        target = out[lo - first : hi - first]
+        if whole_rows and (lo, hi) == (start, stop) and target.is_contiguous() and target.dtype == torch.float32:
+            _fill_block(target, op, key=key, block=block)  # the box holds the whole block: drawn in place
+            continue
+        rows = _draw(op, (stop - start, *shape[1:]), key=key, block=block, dtype=out.dtype)
+        target.copy_(rows[(slice(lo - start, hi - start), *box.slices()[1:])])
 
 
 def blocks_meeting(shape: tuple[int, ...], box: Box) -> list[tuple[int, int, int]]:
@@ -120,6 +127,12 @@ def blocks_meeting(shape: tuple[int, ...], box: Box) -> list[tuple[int, int, int
 def rows_drawn(shape: tuple[int, ...], box: Box) -> int:
     """How many rows a rank holding ``box`` draws for a random op on a tensor of ``shape``."""
     return sum(stop - start for _, start, stop in blocks_meeting(shape, box)) if shape else 1
+
+
+def _fill_block(target: torch.Tensor, op: InitOp, *, key: str, block: int) -> None:
+    """A whole fp32 block drawn straight into its place: the same numbers as ``_draw`` of its shape gives."""
+    generator = torch.Generator(device=target.device).manual_seed(block_seed(key, block))
+    getattr(target, op.method)(*op.args, **dict(op.kwargs), generator=generator)
 
 
 def _draw(op: InitOp, shape: tuple[int, ...], *, key: str, block: int, dtype: torch.dtype) -> torch.Tensor:

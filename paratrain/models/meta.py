@@ -31,8 +31,14 @@ class _SkipInitOfMetaTensors(TorchFunctionMode):
 @contextlib.contextmanager
 def on_meta() -> Iterator[None]:
     """``torch.device("meta")`` for building a model, without running initialisers on its meta tensors."""
-    with torch.device("meta"), _SkipInitOfMetaTensors():
+    with torch.device("meta"), skipping_init_of_meta_tensors():
         yield
+
+
+def skipping_init_of_meta_tensors() -> TorchFunctionMode:
+    """Leaves out ``torch.nn.init`` calls on meta tensors (a build whose parameters go to meta as they are
+    registered runs its initialisers on them too)."""
+    return _SkipInitOfMetaTensors()
 
 
 def maybe_build_on_meta(factory: Callable[[], nn.Module]) -> nn.Module | None:

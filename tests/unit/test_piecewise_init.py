@@ -159,3 +159,16 @@ class Orthogonal(nn.Module):
 
     def forward(self, inputs: torch.Tensor) -> torch.Tensor:
         return inputs @ self.weight.T
+
+
+def test_blocks_drawn_in_place_into_a_shard_equal_the_blocks_drawn_apart():
+    """A rank holding whole blocks draws them straight into its shard (no copy): the same numbers."""
+    model = nn.Linear(1, 1)
+    model.init_parameter = lambda name, tensor, generator: nn.init.normal_(tensor, std=0.02)
+    shape = (4096, 256)  # 1024 rows per block
+    record = record_declared_init(model, "w", torch.empty(shape, device="meta"))
+    whole = replay(record, name="w", seed=1, shape=shape, box=Box.whole(shape), dtype=torch.float32)
+    for box in (Box((1024, 0), (2048, 256)), Box((1000, 0), (1100, 256))):  # whole blocks; parts of blocks
+        shard = torch.empty(box.lengths)
+        replay(record, name="w", seed=1, shape=shape, box=box, out=shard)
+        assert torch.equal(shard, whole[box.slices()])
