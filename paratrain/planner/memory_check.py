@@ -16,7 +16,7 @@ import torch
 from paratrain.config.schema import Config
 from paratrain.errors import ConfigError
 from paratrain.launch.process_group import pick_device
-from paratrain.parallel.dims import ParallelDims
+from paratrain.parallel.dims import ParallelDims, resolve_parallel_dims
 from paratrain.planner.inputs import PlanInputs, parallel_with_layout, plan_inputs
 from paratrain.planner.layouts import Cluster, describe_layout
 from paratrain.planner.model_facts import ModelFacts, read_model_facts
@@ -186,7 +186,8 @@ def maybe_resolve_auto(config: Config, *, world_size: int, nproc_per_node: int) 
     device = pick_device(config.train.device, 0)
     memory = total_memory(device, local_world_size=nproc_per_node)
     config = resolve_auto_layout(config, world_size=world_size, nnodes=world_size // nproc_per_node, memory=memory)
-    logger.info("%s", describe_auto_choice(config))
+    chosen = resolve_parallel_dims(config.parallel, world_size=world_size, local_world_size=nproc_per_node)
+    logger.info("%s", describe_auto_choice(chosen))
     return config
 
 
