@@ -23,7 +23,7 @@ def plan_layouts(
 
     Args:
         gpu_memory: Memory per GPU as the user wrote it ("80GB", "80GiB").
-        read_data_sample: For a model that is not GPT-like, read one sample of the dataset to measure its
+        read_data_sample: For a model that is not a transformer, read one sample of the dataset to measure its
             activations (otherwise they are left out).
 
     Returns:
@@ -56,7 +56,11 @@ def activation_source(facts: ModelFacts, data: DataConfig, *, read_data_sample: 
             f"data.factory={data.factory!r}: the planner measures activations of models that are "
             f"not GPT-like from one sample, which must be a tensor (got {type(inputs).__name__})"
         )
-    per_sample = measure_saved_bytes(facts.model, inputs.unsqueeze(0).to("meta"))
+    try:
+        per_sample = measure_saved_bytes(facts.model, inputs.unsqueeze(0).to("meta"))
+    except Exception as error:  # noqa: BLE001 - a forward may need tensor values, which meta tensors lack
+        first_line = (str(error).strip().splitlines() or [""])[0]
+        return None, f"not estimated (one forward on the meta device failed: {type(error).__name__}: {first_line})"
     return float(per_sample), "measured: tensors autograd saves in one forward on the meta device, per sample"
 
 

@@ -30,7 +30,8 @@ class PlanInputs:
     Attributes:
         model: ``factory`` and ``args``: the model built on the meta device; the factory is named in reports.
         data: ``factory`` and ``args``: one sample, to measure the activations of a model that is not GPT-like.
-        seq_len: ``data.args.block_size``: the sequence length, when the data names one.
+        seq_len: ``data.args.block_size`` (or ``seq_len``, as chat data calls it): the sequence length, when
+            the data names one.
         train: ``global_batch_size`` and ``micro_batch_size``.
         optim: ``name`` and ``momentum``: the size of the optimizer state.
         parallel: ``strategy`` and degrees (replaced by each candidate layout), ``sequence_parallel``,
@@ -59,7 +60,7 @@ def plan_inputs(config: Config) -> PlanInputs:
     return PlanInputs(
         model=config.model,
         data=config.data,
-        seq_len=config.data.args.get("block_size"),
+        seq_len=config.data.args.get("block_size") or config.data.args.get("seq_len"),
         train=config.train,
         optim=config.optim,
         parallel=config.parallel,
