@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
@@ -17,6 +16,7 @@ from paratrain.config.schema import Config
 from paratrain.errors import ConfigError
 from paratrain.launch.process_group import pick_device
 from paratrain.parallel.dims import ParallelDims, resolve_parallel_dims
+from paratrain.planner.host_memory import meminfo
 from paratrain.planner.inputs import PlanInputs, parallel_with_layout, plan_inputs
 from paratrain.planner.layouts import Cluster, describe_layout
 from paratrain.planner.model_facts import ModelFacts, read_model_facts
@@ -54,7 +54,7 @@ def free_memory(device: torch.device, *, local_world_size: int) -> FreeMemory:
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
         return FreeMemory(free, f"free on {device} (torch.cuda.mem_get_info)")
-    available = _meminfo("MemAvailable")
+    available = meminfo("MemAvailable")
     share = f" / {local_world_size} processes on this node" if local_world_size > 1 else ""
     return FreeMemory(available // local_world_size, f"MemAvailable in /proc/meminfo{share}")
 
@@ -63,15 +63,7 @@ def total_memory(device: torch.device, *, local_world_size: int) -> int:
     """What ``auto`` ranks layouts against: the same on every rank (free memory moves between reads)."""
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).total_memory
-    return _meminfo("MemTotal") // local_world_size
-
-
-def _meminfo(field: str) -> int:
-    for line in Path("/proc/meminfo").read_text().splitlines():
-        name, _, value = line.partition(":")
-        if name == field:
-            return int(value.split()[0]) * 1024  # reported in kB
-    raise ConfigError(f"/proc/meminfo has no {field}; pass --skip-memory-check (train.check_memory=false)")
+    return meminfo("MemTotal") // local_world_size
 
 
 def check_memory_fits(

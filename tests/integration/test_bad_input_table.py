@@ -488,6 +488,17 @@ CASES: dict[str, Case] = {
     ),
     "plan with no GPUs": case("plan", "{config}", "--gpus", "0", "--gpu-memory", "80GB", expect="--gpus=0"),
     "plan without --gpus": case("plan", "{config}", "--gpu-memory", "80GB", expect="--gpus"),
+    "plan with an unparsable host memory": case(
+        "plan",
+        "{config}",
+        "--gpus",
+        "2",
+        "--gpu-memory",
+        "80GB",
+        "--host-memory",
+        "lots",
+        expect="--host-memory='lots'",
+    ),
     "plan of a lazy model": case(
         "plan",
         "{config}",

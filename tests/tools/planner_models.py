@@ -1,5 +1,5 @@
 """Models the planner must refuse: one whose size is unknown until its first forward, one with no parameters;
-and one it must plan although its forward cannot run on the meta device."""
+and models it must plan: one whose forward cannot run on the meta device, a plain one without an init hook."""
 
 from torch import nn
 
@@ -26,3 +26,11 @@ class ValueDependentMLP(nn.Module):
 
 def build_value_dependent_mlp(in_features: int = 20) -> nn.Module:
     return ValueDependentMLP(in_features)
+
+
+def build_plain_mlp() -> nn.Module:
+    """A plain nn.Module (no init_parameter hook, not a transformers model): 20 -> 64 -> 64 -> 64 -> 1, 9,729
+    parameters in 8 tensors, the largest 64 x 64. A sharded layout builds it whole once, on rank 0."""
+    return nn.Sequential(
+        nn.Linear(20, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 1)
+    )
