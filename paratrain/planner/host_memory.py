@@ -128,6 +128,30 @@ def training_bytes(rank: RankMemory, inputs: PlanInputs, dims: ParallelDims, *, 
     return on_host + async_copy
 
 
+def host_memory_fix(node: NodeHostMemory, inputs: PlanInputs) -> str:
+    """What to change so that the node's processes hold less, by what fills the fullest of them."""
+    fullest = node.first
+    if fullest.fullest_phase == "init" and node.init_kind == "whole build":
+        return (
+            "Every process builds the whole model before moving it to its device: shard it (parallel.dp_shard, "
+            "parallel.tp or parallel.pp) so that each holds its slice, or start from model.pretrained."
+        )
+    if fullest.fullest_phase == "init" and node.init_kind == "seed build":
+        return (
+            "Rank 0 builds the whole model once, since the model has no init_parameter(name, tensor, generator) "
+            "hook: give it one (docs/models.md), or start from model.pretrained, so that no process holds it whole."
+        )
+    training = fullest.fullest_phase == "training"
+    fixes = []
+    if training and inputs.checkpoint.async_save:
+        fixes.append("checkpoint.async_save=false (no host copy of each process's parameters and optimizer state)")
+    if training and node.device == "cuda" and inputs.parallel.fsdp.cpu_offload:
+        fixes.append("parallel.fsdp.cpu_offload=false (the shards stay on the GPUs)")
+    fixes.append("fewer processes per node over more nodes (--nproc-per-node, --nnodes)")
+    fixes.append("more sharding (parallel.dp_shard, parallel.tp, parallel.pp)")
+    return "To hold less per node: " + "; ".join(fixes) + "."
+
+
 def meminfo(field: str) -> int:
     """A field of /proc/meminfo (MemTotal, MemAvailable), in bytes."""
     for line in Path("/proc/meminfo").read_text().splitlines():

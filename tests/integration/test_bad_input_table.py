@@ -107,6 +107,13 @@ CASES: dict[str, Case] = {
     "train.nonfinite unknown": train("train.nonfinite=ignore", expect="train.nonfinite:"),
     "train.nonfinite_max_skips zero": train("train.nonfinite_max_skips=0", expect="train.nonfinite_max_skips:"),
     "train.check_memory not a bool": train("train.check_memory=perhaps", expect="train.check_memory"),
+    "train.host_memory not a size": train(
+        "train.host_memory=lots", expect="train.host_memory='lots' is not a memory size; write a positive number"
+    ),
+    "host memory too small for the node's processes": train(
+        "train.host_memory=1MB",
+        expect=("of host memory per node, but only 977 KiB is available (train.host_memory)", "--skip-memory-check"),
+    ),
     # --- optim ----------------------------------------------------------------------------------
     "optim.name unknown": train("optim.name=adam", expect=("optim.name", "'adamw' or 'sgd'")),
     "optim.lr negative": train("optim.lr=-1", expect="optim.lr"),
