@@ -172,7 +172,12 @@ def slurm_command(args: argparse.Namespace) -> int:
 def plan_command(args: argparse.Namespace) -> int:
     config = load_config(args.config, args.overrides)
     text, code = plan_command_text(
-        config, config_path=args.config, gpus=args.gpus, gpu_memory=args.gpu_memory, nodes=args.nodes
+        config,
+        config_path=args.config,
+        gpus=args.gpus,
+        gpu_memory=args.gpu_memory,
+        nodes=args.nodes,
+        host_memory=args.host_memory,
     )
     print(text)
     return code

@@ -225,7 +225,7 @@ def add_checkpoint_parser(subparsers: argparse._SubParsersAction) -> None:
 
 
 def add_plan_parser(subparsers: argparse._SubParsersAction) -> None:
-    """``paratrain plan CONFIG --gpus N --gpu-memory SIZE``: every layout ranked."""
+    """``paratrain plan CONFIG --gpus N --gpu-memory SIZE [--host-memory SIZE]``: every layout ranked."""
     plan = subparsers.add_parser(
         "plan", help="memory per GPU of every layout a cluster allows, ranked, with a recommendation"
     )
@@ -234,5 +234,9 @@ def add_plan_parser(subparsers: argparse._SubParsersAction) -> None:
     plan.add_argument("--gpu-memory", required=True, help="memory per GPU, e.g. 80GB (10^9 B) or 80GiB (2^30 B)")
     plan.add_argument(
         "--nodes", type=int, default=1, help="nodes the GPUs are spread over evenly (tensor parallel stays in one)"
+    )
+    plan.add_argument(
+        "--host-memory",
+        help="host memory (RAM) per node, e.g. 2TB; default: this machine's (MemTotal in /proc/meminfo)",
     )
     plan.set_defaults(handler=commands.plan_command)

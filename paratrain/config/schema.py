@@ -67,8 +67,14 @@ class TrainConfig(Section):
     check_memory: bool = True
     """Before any parameter is allocated, compare the planner's estimate of a process's memory (parameters,
     gradients, optimizer state, activations) with its GPU's free memory, or its share of the available RAM
-    on CPU, and refuse a layout that cannot fit, naming a layout that does. false (or `paratrain train
-    --skip-memory-check`): start anyway. Models that are not GPT-like are counted without activations."""
+    on CPU, and refuse a layout that cannot fit, naming a layout that does; and the host memory a node's
+    processes need (init, resume, async-save copies; on CPU their model state too) with the node's available
+    RAM, once per node. false (or `paratrain train --skip-memory-check`): start anyway. Models that are not
+    transformers are counted without activations."""
+    host_memory: str | None = None
+    """Host memory (RAM) per node the memory check counts on, e.g. 512GB or 480GiB; null: MemAvailable in
+    /proc/meminfo. Set it when the run may use less than the machine has free (a Slurm --mem limit, a
+    container's), or more."""
 
 
 def on_off_word(value: Any) -> Any:

@@ -8,7 +8,14 @@ without the s x s score matrix, which fused scaled_dot_product_attention kernels
     norm inputs 2 + attention input 1 + q, k, v 3 + attention output 1 + out_proj input 1
     + MLP input 1 + GELU input 4 + down_proj input 4 = 18
 
-Tensor parallel splits the 14 inside the column/row-parallel pair; sequence parallel also the 4 left.
+Other decoders differ from that block in two places, and the count follows their widths: k and v have
+kv_heads/heads of q's width (grouped-query attention), and the MLP keeps 2 tensors of its inner width f
+(activation input, down_proj input; GPT: 2 x 4h = 8) or, gated (SwiGLU: down(act(gate(x)) * up(x))), 4
+(gate and up outputs, the activation's output, down_proj input). Llama's counts 18 - 2 (1 - kv/heads)
++ (4 f/h - 8): 22.5 with 2 of 8 key/value heads and f = 3.5h, which is what autograd saves in a real
+forward of transformers' Llama.
+
+Tensor parallel splits the tensors inside the column/row-parallel pair; sequence parallel also the 4 left.
 Activation checkpointing keeps only each layer's input (1), and recomputes one layer at a time.
 The head adds the final norm's and LM head's inputs, the logits (b x s x vocab, in the compute dtype)
 and the loss's fp32 log-softmax.
@@ -24,8 +31,9 @@ from torch.autograd.graph import saved_tensors_hooks
 
 from paratrain.planner.model_facts import TransformerSizes
 
-LAYER_TENSORS = 18  # s x b x h tensors one layer keeps for backward
+LAYER_TENSORS = 18  # s x b x h tensors one layer of paratrain's GPT keeps for backward
 LAYER_TENSORS_OUTSIDE_TP = 4  # of which outside the tensor-parallel region: two norm inputs, qkv and MLP inputs
+GPT_MLP_TENSORS = 8  # of which the MLP's: GELU input and down_proj input, 4h each
 
 
 @dataclass(frozen=True)
@@ -40,14 +48,22 @@ class ActivationShape:
     cp: int = 1  # context parallel: a rank holds seq_len / cp tokens of each sample
 
 
+def layer_tensors(sizes: TransformerSizes) -> float:
+    """s x b x h tensors one layer keeps: the GPT block's 18, with k, v and the MLP at this model's widths."""
+    kv_share = (sizes.kv_heads or sizes.heads) / sizes.heads
+    mlp_width = (sizes.ffn_hidden or 4 * sizes.hidden) / sizes.hidden
+    mlp = (4 if sizes.gated_mlp else 2) * mlp_width
+    return LAYER_TENSORS - 2 * (1 - kv_share) + mlp - GPT_MLP_TENSORS
+
+
 def layer_bytes(sizes: TransformerSizes, shape: ActivationShape) -> float:
     """Bytes one transformer layer keeps for backward for one micro-batch (see the module docstring)."""
     tensor = sizes.seq_len / shape.cp * shape.micro_batch * sizes.hidden * shape.element_bytes
     if shape.checkpointing:
         return tensor / (shape.tp if shape.sequence_parallel else 1)
     if shape.sequence_parallel:
-        return LAYER_TENSORS * tensor / shape.tp
-    inside = LAYER_TENSORS - LAYER_TENSORS_OUTSIDE_TP
+        return layer_tensors(sizes) * tensor / shape.tp
+    inside = layer_tensors(sizes) - LAYER_TENSORS_OUTSIDE_TP
     return (LAYER_TENSORS_OUTSIDE_TP + inside / shape.tp) * tensor
 
 
@@ -86,4 +102,5 @@ def measure_saved_bytes(model: nn.Module, inputs: torch.Tensor) -> int:
 
     with saved_tensors_hooks(pack, lambda tensor: tensor):
         output = model(inputs)
-    return sum(saved.values()) + output.numel() * output.element_size()
+    logits = getattr(output, "logits", output)  # a transformers model returns its logits in an output object
+    return sum(saved.values()) + (logits.numel() * logits.element_size() if isinstance(logits, torch.Tensor) else 0)

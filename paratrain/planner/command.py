@@ -1,4 +1,5 @@
-"""``paratrain plan CONFIG --gpus N --gpu-memory 80GB [--nodes K]``: read the model, estimate every layout, print."""
+"""``paratrain plan CONFIG --gpus N --gpu-memory 80GB [--nodes K] [--host-memory 2TB]``: read the model, estimate
+every layout, print."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from paratrain.config.factories import call_factory
 from paratrain.config.schema import Config, DataConfig
 from paratrain.errors import ConfigError
 from paratrain.planner.activations import measure_saved_bytes
+from paratrain.planner.host_memory import meminfo
 from paratrain.planner.inputs import plan_inputs
 from paratrain.planner.layouts import Cluster
 from paratrain.planner.model_facts import ModelFacts, read_model_facts
@@ -17,13 +19,20 @@ from paratrain.planner.units import parse_memory
 
 
 def plan_layouts(
-    config: Config, *, gpus: int, gpu_memory: str, nodes: int = 1, read_data_sample: bool = True
+    config: Config,
+    *,
+    gpus: int,
+    gpu_memory: str,
+    nodes: int = 1,
+    host_memory: str | None = None,
+    read_data_sample: bool = True,
 ) -> tuple[Plan, ModelFacts, str]:
     """Ranks the layouts for ``config``'s model on the cluster.
 
     Args:
         gpu_memory: Memory per GPU as the user wrote it ("80GB", "80GiB").
-        read_data_sample: For a model that is not GPT-like, read one sample of the dataset to measure its
+        host_memory: Host memory per node as the user wrote it ("2TB"); None: layouts are not judged by it.
+        read_data_sample: For a model that is not a transformer, read one sample of the dataset to measure its
             activations (otherwise they are left out).
 
     Returns:
@@ -32,7 +41,8 @@ def plan_layouts(
     Raises:
         ConfigError: unparsable memory, a cluster that does not divide, or a model with no size information.
     """
-    cluster = Cluster(gpus, nodes, parse_memory(gpu_memory, argument="--gpu-memory"))
+    host = parse_memory(host_memory, argument="--host-memory") if host_memory is not None else None
+    cluster = Cluster(gpus, nodes, parse_memory(gpu_memory, argument="--gpu-memory"), host)
     cluster.check()
     inputs = plan_inputs(config)
     facts = read_model_facts(inputs.model, seq_len=inputs.seq_len)
@@ -56,12 +66,28 @@ def activation_source(facts: ModelFacts, data: DataConfig, *, read_data_sample: 
             f"data.factory={data.factory!r}: the planner measures activations of models that are "
             f"not GPT-like from one sample, which must be a tensor (got {type(inputs).__name__})"
         )
-    per_sample = measure_saved_bytes(facts.model, inputs.unsqueeze(0).to("meta"))
+    try:
+        per_sample = measure_saved_bytes(facts.model, inputs.unsqueeze(0).to("meta"))
+    except Exception as error:  # noqa: BLE001 - a forward may need tensor values, which meta tensors lack
+        first_line = (str(error).strip().splitlines() or [""])[0]
+        return None, f"not estimated (one forward on the meta device failed: {type(error).__name__}: {first_line})"
     return float(per_sample), "measured: tensors autograd saves in one forward on the meta device, per sample"
 
 
-def plan_command_text(config: Config, *, config_path: str, gpus: int, gpu_memory: str, nodes: int) -> tuple[str, int]:
-    """The report, and the exit code: 0 when a layout fits, 1 when none does."""
-    plan, facts, source = plan_layouts(config, gpus=gpus, gpu_memory=gpu_memory, nodes=nodes)
-    text = format_plan(plan, facts, plan_inputs(config), config_path=config_path, activation_source=source)
+def plan_command_text(
+    config: Config, *, config_path: str, gpus: int, gpu_memory: str, nodes: int, host_memory: str | None = None
+) -> tuple[str, int]:
+    """The report, and the exit code: 0 when a layout fits, 1 when none does.
+
+    Args:
+        host_memory: RAM per node as the user wrote it; None: this machine's (MemTotal).
+    """
+    if host_memory is None:
+        host_memory, host_source = f"{meminfo('MemTotal')}B", "this machine's MemTotal; --host-memory SIZE for others"
+    else:
+        host_source = "--host-memory"
+    plan, facts, source = plan_layouts(config, gpus=gpus, gpu_memory=gpu_memory, nodes=nodes, host_memory=host_memory)
+    text = format_plan(
+        plan, facts, plan_inputs(config), config_path=config_path, activation_source=source, host_source=host_source
+    )
     return text, 0 if plan.recommended else 1

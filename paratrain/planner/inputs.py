@@ -8,6 +8,7 @@ from dataclasses import dataclass, replace
 
 from paratrain.config.schema import (
     DEGREES,
+    CheckpointConfig,
     Config,
     DataConfig,
     ModelConfig,
@@ -29,8 +30,10 @@ class PlanInputs:
 
     Attributes:
         model: ``factory`` and ``args``: the model built on the meta device; the factory is named in reports.
+            ``pretrained``: whether each rank reads its shard from files (host_memory.py).
         data: ``factory`` and ``args``: one sample, to measure the activations of a model that is not GPT-like.
-        seq_len: ``data.args.block_size``: the sequence length, when the data names one.
+        seq_len: ``data.args.block_size`` (or ``seq_len``, as chat data calls it): the sequence length, when
+            the data names one.
         train: ``global_batch_size`` and ``micro_batch_size``.
         optim: ``name`` and ``momentum``: the size of the optimizer state.
         parallel: ``strategy`` and degrees (replaced by each candidate layout), ``sequence_parallel``,
@@ -38,6 +41,7 @@ class PlanInputs:
             ``reshard_after_forward``) and ``ddp.gradient_as_bucket_view``.
         pipeline: ``schedule``, ``microbatches`` and how stages are cut.
         precision: The compute dtype: activations' bytes per element.
+        checkpoint: ``resume`` and ``async_save``: what a process holds in host memory (host_memory.py).
     """
 
     model: ModelConfig
@@ -48,6 +52,7 @@ class PlanInputs:
     parallel: ParallelConfig
     pipeline: PipelineConfig
     precision: str
+    checkpoint: CheckpointConfig
 
     def with_layout(self, dims: ParallelDims) -> PlanInputs:
         """These inputs with the parallel strategy and degrees replaced by this layout's."""
@@ -59,12 +64,13 @@ def plan_inputs(config: Config) -> PlanInputs:
     return PlanInputs(
         model=config.model,
         data=config.data,
-        seq_len=config.data.args.get("block_size"),
+        seq_len=config.data.args.get("block_size") or config.data.args.get("seq_len"),
         train=config.train,
         optim=config.optim,
         parallel=config.parallel,
         pipeline=config.pipeline,
         precision=config.precision,
+        checkpoint=config.checkpoint,
     )
 
 

@@ -22,11 +22,12 @@ from paratrain.planner.model_facts import ModelFacts
 
 @dataclass(frozen=True)
 class Cluster:
-    """GPUs of equal memory, spread evenly over nodes."""
+    """GPUs of equal memory, spread evenly over nodes of equal host memory."""
 
     gpus: int
     nodes: int
     gpu_memory: int  # bytes per GPU
+    host_memory: int | None = None  # bytes of RAM per node; None: layouts are not judged by it
 
     @property
     def gpus_per_node(self) -> int:

@@ -9,20 +9,20 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
-from paratrain.config.schema import Config
+from paratrain.config.schema import Config, TrainConfig
 from paratrain.errors import ConfigError
 from paratrain.launch.process_group import pick_device
-from paratrain.parallel.dims import ParallelDims
+from paratrain.parallel.dims import ParallelDims, resolve_parallel_dims
+from paratrain.planner.host_memory import DeviceKind, NodeHostMemory, host_memory_fix, meminfo
 from paratrain.planner.inputs import PlanInputs, parallel_with_layout, plan_inputs
 from paratrain.planner.layouts import Cluster, describe_layout
 from paratrain.planner.model_facts import ModelFacts, read_model_facts
-from paratrain.planner.presentation import run_command
+from paratrain.planner.presentation import describe_node_host, run_command
 from paratrain.planner.ranking import LayoutEstimate, estimate_layout, rank_layouts
-from paratrain.planner.units import format_bytes
+from paratrain.planner.units import format_bytes, parse_memory
 
 logger = logging.getLogger("paratrain")
 
@@ -35,9 +35,9 @@ _NOT_ESTIMATED = ("dp", "model_parallel")
 class MemoryRefused(ConfigError):
     """The memory check's refusal; also carries the numbers, for the one-line note of a rank other than 0."""
 
-    def __init__(self, message: str, *, needed: int, free: FreeMemory):
+    def __init__(self, message: str, *, needed: int, free: FreeMemory, per: str = "per process"):
         super().__init__(message)
-        self.needed, self.free = needed, free
+        self.needed, self.free, self.per = needed, free, per
 
 
 @dataclass(frozen=True)
@@ -54,7 +54,7 @@ def free_memory(device: torch.device, *, local_world_size: int) -> FreeMemory:
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
         return FreeMemory(free, f"free on {device} (torch.cuda.mem_get_info)")
-    available = _meminfo("MemAvailable")
+    available = meminfo("MemAvailable")
     share = f" / {local_world_size} processes on this node" if local_world_size > 1 else ""
     return FreeMemory(available // local_world_size, f"MemAvailable in /proc/meminfo{share}")
 
@@ -63,21 +63,33 @@ def total_memory(device: torch.device, *, local_world_size: int) -> int:
     """What ``auto`` ranks layouts against: the same on every rank (free memory moves between reads)."""
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).total_memory
-    return _meminfo("MemTotal") // local_world_size
+    return meminfo("MemTotal") // local_world_size
 
 
-def _meminfo(field: str) -> int:
-    for line in Path("/proc/meminfo").read_text().splitlines():
-        name, _, value = line.partition(":")
-        if name == field:
-            return int(value.split()[0]) * 1024  # reported in kB
-    raise ConfigError(f"/proc/meminfo has no {field}; pass --skip-memory-check (train.check_memory=false)")
+def available_host_memory(train: TrainConfig) -> FreeMemory:
+    """The RAM a node's processes may use: ``train.host_memory`` when set, else MemAvailable.
+
+    Raises:
+        ConfigError: a train.host_memory that is not a memory size.
+    """
+    if train.host_memory is not None:
+        return FreeMemory(parse_memory(train.host_memory, argument="train.host_memory"), "train.host_memory")
+    return FreeMemory(meminfo("MemAvailable"), "MemAvailable in /proc/meminfo")
 
 
 def check_memory_fits(
-    config: Config, dims: ParallelDims, free: FreeMemory, *, nnodes: int, config_path: str = "CONFIG"
+    config: Config,
+    dims: ParallelDims,
+    free: FreeMemory,
+    *,
+    nnodes: int,
+    config_path: str = "CONFIG",
+    device: DeviceKind = "cuda",
 ) -> LayoutEstimate | None:
     """Refuses a layout whose fullest rank needs more than the free memory.
+
+    Args:
+        device: Whether the processes train on GPUs or on the CPU: what the estimate's host memory counts.
 
     Returns:
         The estimate (None when this layout or model is not one the planner estimates; a log line says so).
@@ -92,11 +104,35 @@ def check_memory_fits(
     facts = _facts_or_none(inputs)
     if facts is None:
         return None
-    estimate = estimate_layout(facts, inputs, dims, gpus_per_node=dims.world_size // nnodes, measured_per_sample=None)
+    per_node = dims.world_size // nnodes
+    estimate = estimate_layout(facts, inputs, dims, gpus_per_node=per_node, measured_per_sample=None, device=device)
     if estimate.peak.total > free.bytes:
         message = _refusal(facts, inputs, estimate, free, nnodes=nnodes, config_path=config_path)
         raise MemoryRefused(message, needed=estimate.peak.total, free=free)
     return estimate
+
+
+def check_host_memory_fits(config: Config, estimate: LayoutEstimate, available: FreeMemory) -> NodeHostMemory:
+    """Refuses a layout whose fullest node's processes need more host memory than ``available``
+    (planner/host_memory.py: init, resume and training, on GPU runs as on CPU runs).
+
+    Raises:
+        MemoryRefused: naming the estimate per node, what each process holds, what is available and the fix.
+    """
+    node = estimate.host
+    if node.per_node <= available.bytes:
+        return node
+    message = "\n".join(
+        [
+            f"the layout {describe_layout(estimate.dims)} needs an estimated {format_bytes(node.per_node)} of host "
+            f"memory per node, but only {format_bytes(available.bytes)} is available ({available.source}): "
+            f"{describe_node_host(node)}",
+            f"{host_memory_fix(node, plan_inputs(config))} If the node has more for this run than that, set "
+            f"train.host_memory=SIZE.",
+            "To start anyway, pass --skip-memory-check (or set train.check_memory=false).",
+        ]
+    )
+    raise MemoryRefused(message, needed=node.per_node, free=available, per="of host memory per node")
 
 
 def _facts_or_none(inputs: PlanInputs) -> ModelFacts | None:
@@ -186,31 +222,37 @@ def maybe_resolve_auto(config: Config, *, world_size: int, nproc_per_node: int) 
     device = pick_device(config.train.device, 0)
     memory = total_memory(device, local_world_size=nproc_per_node)
     config = resolve_auto_layout(config, world_size=world_size, nnodes=world_size // nproc_per_node, memory=memory)
-    logger.info("%s", describe_auto_choice(config))
+    chosen = resolve_parallel_dims(config.parallel, world_size=world_size, local_world_size=nproc_per_node)
+    logger.info("%s", describe_auto_choice(chosen))
     return config
 
 
 def check_memory(
     config: Config, dims: ParallelDims, *, rank: int, local_rank: int, local_world_size: int, config_path: str
 ) -> str | None:
-    """check_memory_fits for this process's device, unless train.check_memory=false; logs the verdict and
-    returns it (None when this layout or model is not estimated).
+    """check_memory_fits for this process's device and, on local rank 0 (once per node), check_host_memory_fits
+    for the node's RAM, unless train.check_memory=false; logs the verdict and returns it (None when this
+    layout or model is not estimated).
 
     Only rank 0 prints a user error's message; another rank that refuses (its GPU has less free than rank
-    0's) says so in one line, so a refusal is never silent and never repeated in full.
+    0's, its node less RAM) says so in one line, so a refusal is never silent and never repeated in full.
     """
     if not config.train.check_memory:
         logger.info("memory check skipped (train.check_memory=false)")
         return "memory check skipped (train.check_memory=false)"
-    free = free_memory(pick_device(config.train.device, local_rank), local_world_size=local_world_size)
+    device = pick_device(config.train.device, local_rank)
+    free = free_memory(device, local_world_size=local_world_size)
     nnodes = max(1, dims.world_size // local_world_size)
+    kind: DeviceKind = "cuda" if device.type == "cuda" else "cpu"
     try:
-        estimate = check_memory_fits(config, dims, free, nnodes=nnodes, config_path=config_path)
+        estimate = check_memory_fits(config, dims, free, nnodes=nnodes, config_path=config_path, device=kind)
+        host = _maybe_check_host(config, estimate, local_rank=local_rank)
     except MemoryRefused as refused:
         if rank != 0:
             logger.warning(
-                "memory check refused: an estimated %s per process, %s free (%s)",
+                "memory check refused: an estimated %s %s, %s free (%s)",
                 format_bytes(refused.needed),
+                refused.per,
                 format_bytes(refused.free.bytes),
                 refused.free.source,
             )
@@ -219,10 +261,22 @@ def check_memory(
         return None
     verdict = (
         f"memory check: {format_bytes(estimate.peak.total)} per process estimated, {format_bytes(free.bytes)} "
-        f"free ({free.source})"
+        f"free ({free.source}){host}"
     )
     logger.info("%s", verdict)
     return verdict
+
+
+def _maybe_check_host(config: Config, estimate: LayoutEstimate | None, *, local_rank: int) -> str:
+    """check_host_memory_fits on local rank 0 (the node's processes share its RAM); the verdict's clause."""
+    if estimate is None or local_rank != 0:
+        return ""
+    available = available_host_memory(config.train)
+    node = check_host_memory_fits(config, estimate, available)
+    return (
+        f"; host memory {format_bytes(node.per_node)} per node estimated, {format_bytes(available.bytes)} "
+        f"available ({available.source})"
+    )
 
 
 def describe_auto_choice(dims: ParallelDims) -> str:

@@ -51,7 +51,8 @@ class ParamFacts:
 
 @dataclass(frozen=True)
 class TransformerSizes:
-    """Sizes of a GPT-style model, for the activation formula (see docs/planner.md)."""
+    """Sizes of a decoder-only transformer, for the activation formula (see docs/planner.md). The defaults
+    of the last fields are paratrain's GPT block: as many key/value heads as heads, a 4 x hidden GELU MLP."""
 
     num_layers: int
     hidden: int
@@ -60,6 +61,9 @@ class TransformerSizes:
     vocab: int
     moe_layers: int = 0  # blocks with a mixture-of-experts feed-forward
     experts_per_token: int = 0  # their router's top k: copies of each token sent to experts
+    kv_heads: int | None = None  # grouped-query attention: fewer key/value heads (None: as many as heads)
+    ffn_hidden: int | None = None  # the MLP's inner width (None: 4 x hidden)
+    gated_mlp: bool = False  # a gated MLP (SwiGLU: gate and up projections), as Llama's
 
 
 @dataclass(frozen=True)
@@ -134,10 +138,17 @@ def read_model_facts(model_config: ModelConfig, *, seq_len: int | None = None) -
 
 
 def transformer_sizes(model: nn.Module, *, seq_len: int | None = None) -> TransformerSizes | None:
-    """GPT-like sizes from ``model.config`` (n_layer, n_embd, n_head, block_size, vocab_size), or None."""
+    """The sizes of paratrain's GPT or of a transformers decoder, from ``model.config``; None for other models."""
     config: Any = getattr(model, "config", None)
+    if config is None:
+        return None
+    return _gpt_sizes(config, seq_len) or _transformers_sizes(model, config, seq_len)
+
+
+def _gpt_sizes(config: Any, seq_len: int | None) -> TransformerSizes | None:
+    """paratrain's GPT: n_layer, n_embd, n_head, block_size, vocab_size."""
     names = ("n_layer", "n_embd", "n_head", "block_size", "vocab_size")
-    if config is None or not all(isinstance(getattr(config, name, None), int) for name in names):
+    if not all(isinstance(getattr(config, name, None), int) for name in names):
         return None
     moe = getattr(config, "moe", None)
     top_k = getattr(moe, "top_k", 0)
@@ -149,6 +160,30 @@ def transformer_sizes(model: nn.Module, *, seq_len: int | None = None) -> Transf
         config.vocab_size,
         moe_layers=config.n_layer if top_k else 0,
         experts_per_token=top_k,
+    )
+
+
+def _transformers_sizes(model: nn.Module, config: Any, seq_len: int | None) -> TransformerSizes | None:
+    """A transformers decoder (Llama, Qwen, Mistral, GPT-2, ...): its config's standard names (GPT-2's
+    n_layer and n_embd answer to them through transformers' attribute_map), the sequence from the data or
+    else max_position_embeddings. Gated is read off the parameters: a gate projection beside up and down."""
+    names = ("num_hidden_layers", "hidden_size", "num_attention_heads", "vocab_size")
+    sizes = [getattr(config, name, None) for name in names]
+    seq_len = seq_len or getattr(config, "max_position_embeddings", None)
+    if not all(isinstance(value, int) for value in [*sizes, seq_len]):
+        return None
+    num_layers, hidden, heads, vocab = sizes
+    ffn_hidden = getattr(config, "intermediate_size", None) or getattr(config, "n_inner", None)
+    gated = any(".gate_proj." in name or ".gate_up_proj" in name for name, _ in model.named_parameters())
+    return TransformerSizes(
+        num_layers,
+        hidden,
+        heads,
+        seq_len,
+        vocab,
+        kv_heads=getattr(config, "num_key_value_heads", None),
+        ffn_hidden=ffn_hidden if isinstance(ffn_hidden, int) else None,
+        gated_mlp=gated,
     )
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from paratrain.parallel.dims import ParallelDims
+from paratrain.planner.host_memory import HostMemory, NodeHostMemory
 from paratrain.planner.inputs import PlanInputs
 from paratrain.planner.layouts import Cluster, describe_layout, layout_overrides
 from paratrain.planner.model_facts import ModelFacts
@@ -12,14 +13,16 @@ from paratrain.planner.units import format_bytes, format_seconds
 SHOWN_LAYOUTS = 12
 
 
-def format_plan(plan: Plan, facts: ModelFacts, inputs: PlanInputs, *, config_path: str, activation_source: str) -> str:
+def format_plan(
+    plan: Plan, facts: ModelFacts, inputs: PlanInputs, *, config_path: str, activation_source: str, host_source: str
+) -> str:
     lines = [
-        *_header(plan, facts, inputs, activation_source),
+        *_header(plan, facts, inputs, activation_source, host_source),
         "",
         *_table(plan),
         *_refused(plan),
         "",
-        *_verdict(plan, config_path),
+        *_verdict(plan, config_path, checkpointing=inputs.parallel.activation_checkpointing),
     ]
     return "\n".join(lines)
 
@@ -35,7 +38,7 @@ def _refused(plan: Plan, shown: int = 3) -> list[str]:
     return lines
 
 
-def _header(plan: Plan, facts: ModelFacts, inputs: PlanInputs, activation_source: str) -> list[str]:
+def _header(plan: Plan, facts: ModelFacts, inputs: PlanInputs, activation_source: str, host_source: str) -> list[str]:
     cluster = plan.cluster
     optimizer = inputs.optim.name + (f" (momentum {inputs.optim.momentum})" if inputs.optim.name == "sgd" else "")
     return [
@@ -43,27 +46,37 @@ def _header(plan: Plan, facts: ModelFacts, inputs: PlanInputs, activation_source
         f"optimizer {optimizer}; precision {inputs.precision} (weights, gradients, optimizer state fp32)",
         f"batch: global {inputs.train.global_batch_size}, micro {inputs.train.micro_batch_size}; activation "
         f"checkpointing {'on' if inputs.parallel.activation_checkpointing else 'off'}; activations: {activation_source}",
-        f"cluster: {cluster.gpus} GPU(s) on {cluster.nodes} node(s), {format_bytes(cluster.gpu_memory)} each "
-        f"({USABLE_FRACTION:.0%} usable: {format_bytes(USABLE_FRACTION * cluster.gpu_memory)})",
+        _cluster_line(cluster, host_source),
         f"{len(plan.ranked)} layout(s) estimated, {len(plan.fitting)} fit; {len(plan.refused)} refused by "
         f"paratrain's checks",
     ]
 
 
+def _cluster_line(cluster: Cluster, host_source: str) -> str:
+    usable = format_bytes(USABLE_FRACTION * cluster.gpu_memory)
+    line = (
+        f"cluster: {cluster.gpus} GPU(s) on {cluster.nodes} node(s), {format_bytes(cluster.gpu_memory)} each "
+        f"({USABLE_FRACTION:.0%} usable: {usable})"
+    )
+    if cluster.host_memory is None:
+        return line
+    return f"{line}; host memory {format_bytes(cluster.host_memory)} per node ({host_source})"
+
+
 def _table(plan: Plan) -> list[str]:
     header = (
         f"{'#':>3}  {'layout':<38} {'params':>10} {'grads':>10} {'optim':>10} {'activ.':>10} {'working':>10} "
-        f"{'total':>10} {'of GPU':>6}  {'comm/step':>10} {'x-node':>10} {'overhead':>9}  fits"
+        f"{'total':>10} {'of GPU':>6} {'host/node':>10}  {'comm/step':>10} {'x-node':>10} {'overhead':>9}  fits"
     )
     rows = [header]
     for index, estimate in enumerate(plan.ranked[:SHOWN_LAYOUTS], start=1):
-        rows.append(_row(index, estimate, plan.cluster.gpu_memory))
+        rows.append(_row(index, estimate, plan.cluster))
     if len(plan.ranked) > SHOWN_LAYOUTS:
         rows.append(f"  ... {len(plan.ranked) - SHOWN_LAYOUTS} more")
     return rows
 
 
-def _row(index: int, estimate: LayoutEstimate, gpu_memory: int) -> str:
+def _row(index: int, estimate: LayoutEstimate, cluster: Cluster) -> str:
     peak, traffic = estimate.peak, estimate.traffic
     cells = [
         format_bytes(value)
@@ -72,10 +85,17 @@ def _row(index: int, estimate: LayoutEstimate, gpu_memory: int) -> str:
     return (
         f"{index:>3}  {describe_layout(estimate.dims):<38} "
         + " ".join(f"{cell:>10}" for cell in cells)
-        + f" {peak.total / gpu_memory:>6.0%}  {format_bytes(traffic.total):>10} {format_bytes(traffic.inter_node):>10}"
+        + f" {peak.total / cluster.gpu_memory:>6.0%} {format_bytes(estimate.host.per_node):>10}"
+        + f"  {format_bytes(traffic.total):>10} {format_bytes(traffic.inter_node):>10}"
         + f" {format_seconds(estimate.overhead_seconds):>9}"
-        + f"  {'yes' if estimate.fits(gpu_memory) else 'no'}"
+        + f"  {_fits_cell(estimate, cluster)}"
     )
+
+
+def _fits_cell(estimate: LayoutEstimate, cluster: Cluster) -> str:
+    if not estimate.fits_gpu(cluster.gpu_memory):
+        return "no"
+    return "yes" if estimate.fits(cluster) else "no: host"
 
 
 def _shorten(text: str, limit: int = 160) -> str:
@@ -90,23 +110,73 @@ def run_command(config_path: str, cluster: Cluster, dims: ParallelDims) -> str:
     )
 
 
-def _verdict(plan: Plan, config_path: str) -> list[str]:
-    best = plan.recommended
+def _verdict(plan: Plan, config_path: str, *, checkpointing: bool) -> list[str]:
+    best, cluster = plan.recommended, plan.cluster
+    if best is None and not plan.ranked:
+        return [f"no layout of {cluster.gpus} GPU(s) passes paratrain's checks (the refusals above say why)."]
     if best is None:
-        smallest = min(plan.ranked, key=lambda estimate: estimate.peak.total, default=None)
-        hint = (
-            f" the least memory is {describe_layout(smallest.dims)} at {format_bytes(smallest.peak.total)} per rank"
-            if smallest
-            else ""
-        )
-        return [
-            f"no layout fits in {format_bytes(USABLE_FRACTION * plan.cluster.gpu_memory)} per GPU;{hint}. Try "
-            f"parallel.activation_checkpointing=true, a smaller train.micro_batch_size, or more GPUs."
-        ]
-    command = run_command(config_path, plan.cluster, best.dims)
+        return _nothing_fits(plan, checkpointing=checkpointing)
+    command = run_command(config_path, cluster, best.dims)
     degrees = best.dims.describe()
     return [
         f"recommended: {describe_layout(best.dims)} ({degrees}), {format_bytes(best.peak.total)} per rank",
         f"why: {recommendation_reason(plan)}.",
+        host_verdict(best, cluster),
         f"run it: {command}",
     ]
+
+
+def _nothing_fits(plan: Plan, *, checkpointing: bool) -> list[str]:
+    """Why no layout fits: the GPUs' memory (the least-memory layout named), or only the nodes' host memory."""
+    cluster, usable = plan.cluster, format_bytes(USABLE_FRACTION * plan.cluster.gpu_memory)
+    on_gpus = [estimate for estimate in plan.ranked if estimate.fits_gpu(cluster.gpu_memory)]
+    if on_gpus:
+        least = min(on_gpus, key=lambda estimate: estimate.host.per_node)
+        return [
+            f"no layout fits: {len(on_gpus)} fit in {usable} per GPU, but none in "
+            f"{format_bytes(cluster.host_memory)} of host memory per node. Pass --host-memory with the nodes' "
+            f"RAM if they have more, or spread the GPUs over more nodes (--nodes).",
+            host_verdict(least, cluster),
+        ]
+    smallest = min(plan.ranked, key=lambda estimate: estimate.peak.total)
+    tries = "" if checkpointing else "parallel.activation_checkpointing=true, "
+    return [
+        f"no layout fits in {usable} per GPU; the least memory is {describe_layout(smallest.dims)} at "
+        f"{format_bytes(smallest.peak.total)} per rank. Try {tries}a smaller train.micro_batch_size, or more GPUs.",
+        host_verdict(smallest, cluster),
+    ]
+
+
+def host_verdict(estimate: LayoutEstimate, cluster: Cluster) -> str:
+    """The host memory a node of this layout needs, against the cluster's, with what each process holds."""
+    node = estimate.host
+    if cluster.host_memory is None:
+        against = "(not judged)"
+    else:
+        verdict = "fits" if node.fits(cluster.host_memory) else "does not fit"
+        against = f"of {format_bytes(cluster.host_memory)}: {verdict}"
+    return (
+        f"host memory of {describe_layout(estimate.dims)}: {format_bytes(node.per_node)} per node {against}; "
+        f"{describe_node_host(node)}"
+    )
+
+
+def describe_node_host(node: NodeHostMemory) -> str:
+    """What the node's processes hold: ``8 GPU process(es) x 38.77 GiB = runtime 2.00 GiB + init 36.77 GiB
+    (its other phases: ...)``, rank 0 apart when it builds the whole model."""
+    kind = "GPU" if node.device == "cuda" else "CPU"
+    if node.first == node.other:
+        return f"{node.processes} {kind} process(es) x {_describe_process(node.other)}"
+    return (
+        f"rank 0 {_describe_process(node.first)}, building the whole model once (it has no init_parameter hook); "
+        f"{node.processes - 1} other {kind} process(es) x {_describe_process(node.other)}"
+    )
+
+
+def _describe_process(host: HostMemory) -> str:
+    phase = host.fullest_phase
+    others = ", ".join(f"{name} {format_bytes(size)}" for name, size in host.phases.items() if name != phase)
+    return (
+        f"{format_bytes(host.total)} = runtime {format_bytes(host.runtime)} + {phase} "
+        f"{format_bytes(host.phases[phase])} (its other phases: {others})"
+    )

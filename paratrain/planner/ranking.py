@@ -1,8 +1,9 @@
 """Estimates for every candidate layout, which of them fit, and the one to recommend.
 
-A layout fits when its fullest rank needs at most ``USABLE_FRACTION`` of a GPU's memory: the rest is
+A layout fits when its fullest rank needs at most ``USABLE_FRACTION`` of a GPU's memory (the rest is
 headroom for the CUDA context, the allocator's fragmentation and temporary buffers the estimate
-leaves out. Layouts that fit are ranked by their estimated overhead per step, then by memory:
+leaves out) and, when the cluster names its host memory, its fullest node's processes fit in that
+(host_memory.py). Layouts that fit are ranked by their estimated overhead per step, then by memory:
 
     overhead = communication time (not overlapped, at the nominal link speeds of communication.py)
              + pipeline bubble (p-1)/(v·m + p-1) x compute time
@@ -21,6 +22,7 @@ from dataclasses import dataclass
 from paratrain.parallel.dims import ParallelDims
 from paratrain.planner.accounting import RankMemory, rank_memory, stage_shares
 from paratrain.planner.communication import Traffic, step_traffic
+from paratrain.planner.host_memory import DeviceKind, NodeHostMemory, node_host_memory
 from paratrain.planner.inputs import PlanInputs
 from paratrain.planner.layouts import Cluster, candidate_layouts, describe_layout, layout_problem
 from paratrain.planner.model_facts import ModelFacts
@@ -32,12 +34,14 @@ NOMINAL_FLOPS = 400e12  # achieved FLOP/s per GPU: about 40 % of an H100's dense
 
 @dataclass(frozen=True)
 class LayoutEstimate:
-    """One layout: the memory of its fullest rank, each pipeline rank's, and its traffic per step."""
+    """One layout: the memory of its fullest rank, each pipeline rank's, its fullest node's host memory, and
+    its traffic per step."""
 
     dims: ParallelDims
     per_pp_rank: tuple[RankMemory, ...]
     traffic: Traffic  # of the pipeline rank that sends most
     bubble_seconds: float  # pipeline idle time per step (0 without a pipeline)
+    host: NodeHostMemory
     repeated_seconds: float = 0.0  # expert compute repeated on every tp rank (0 without experts or tp)
 
     @property
@@ -48,11 +52,14 @@ class LayoutEstimate:
     def peak(self) -> RankMemory:
         return max(self.per_pp_rank, key=lambda memory: memory.total)
 
-    def fits(self, gpu_memory: int) -> bool:
+    def fits_gpu(self, gpu_memory: int) -> bool:
         return self.peak.total <= USABLE_FRACTION * gpu_memory
 
-    def sort_key(self, gpu_memory: int) -> tuple:
-        return (not self.fits(gpu_memory), self.overhead_seconds, self.peak.total)
+    def fits(self, cluster: Cluster) -> bool:
+        return self.fits_gpu(cluster.gpu_memory) and self.host.fits(cluster.host_memory)
+
+    def sort_key(self, cluster: Cluster) -> tuple:
+        return (not self.fits(cluster), self.overhead_seconds, self.peak.total)
 
 
 @dataclass(frozen=True)
@@ -65,7 +72,7 @@ class Plan:
 
     @property
     def fitting(self) -> tuple[LayoutEstimate, ...]:
-        return tuple(estimate for estimate in self.ranked if estimate.fits(self.cluster.gpu_memory))
+        return tuple(estimate for estimate in self.ranked if estimate.fits(self.cluster))
 
     @property
     def recommended(self) -> LayoutEstimate | None:
@@ -73,9 +80,20 @@ class Plan:
 
 
 def estimate_layout(
-    facts: ModelFacts, inputs: PlanInputs, dims: ParallelDims, *, gpus_per_node: int, measured_per_sample: float | None
+    facts: ModelFacts,
+    inputs: PlanInputs,
+    dims: ParallelDims,
+    *,
+    gpus_per_node: int,
+    measured_per_sample: float | None,
+    device: DeviceKind = "cuda",
 ) -> LayoutEstimate:
-    """Memory and traffic of one layout (the inputs' parallel section is replaced by it)."""
+    """Memory and traffic of one layout (the inputs' parallel section is replaced by it).
+
+    Args:
+        gpus_per_node: Processes per node (on CPU runs too): what shares a node's links and host memory.
+        device: Whether the processes train on GPUs or on the CPU, for their host memory.
+    """
     inputs = inputs.with_layout(dims)
     shares = stage_shares(facts, inputs, dims)
     memory = tuple(rank_memory(facts, share, inputs, dims, measured_per_sample=measured_per_sample) for share in shares)
@@ -85,7 +103,9 @@ def estimate_layout(
     )
     compute = compute_seconds(facts, inputs, dims)
     repeated = (dims.tp - 1) * compute * facts.expert_params / facts.num_params if facts.num_params else 0.0
-    return LayoutEstimate(dims, memory, traffic, bubble_fraction(inputs, dims) * compute, repeated)
+    fullest = max(memory, key=lambda rank: rank.total)
+    host = node_host_memory(facts, inputs, fullest, dims, device=device, processes=gpus_per_node)
+    return LayoutEstimate(dims, memory, traffic, bubble_fraction(inputs, dims) * compute, host, repeated)
 
 
 def compute_seconds(facts: ModelFacts, inputs: PlanInputs, dims: ParallelDims) -> float:
@@ -120,7 +140,7 @@ def rank_layouts(facts: ModelFacts, inputs: PlanInputs, cluster: Cluster, *, mea
                 facts, inputs, dims, gpus_per_node=cluster.gpus_per_node, measured_per_sample=measured_per_sample
             )
         )
-    estimates.sort(key=lambda estimate: estimate.sort_key(cluster.gpu_memory))
+    estimates.sort(key=lambda estimate: estimate.sort_key(cluster))
     return Plan(cluster, tuple(estimates), tuple(refused))
 
 

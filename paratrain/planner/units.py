@@ -33,8 +33,9 @@ def parse_memory(text: str, *, argument: str) -> int:
     match = _SIZE.match(text)
     unit = match and _UNITS.get(match.group(2).upper())
     if not unit or float(match.group(1)) <= 0:
+        example = f"{argument} 80GB" if argument.startswith("--") else f"{argument}=80GB"  # an option or a config key
         raise ConfigError(
-            f"{argument}={text!r} is not a memory size; write a positive number with a unit, e.g. {argument} 80GB "
+            f"{argument}={text!r} is not a memory size; write a positive number with a unit, e.g. {example} "
             f"(units: B, KB, MB, GB, TB = powers of 1000; KiB, MiB, GiB, TiB = powers of 1024)"
         )
     return int(float(match.group(1)) * unit)

@@ -178,7 +178,10 @@ COMMANDS: dict[str, Run | Elsewhere] = {
     "train.global_batch_size=16 --nproc-per-node 4 --steps 10": Run(
         ("--steps", "2"), "two steps show the verdict; the parity tests compare 20 and more", output="PASS"
     ),
-    "paratrain plan examples/gpt_7b.yaml --gpus 64 --nodes 8 --gpu-memory 80GB": Run(output="recommended:"),
+    "paratrain plan examples/gpt_7b.yaml --gpus 64 --nodes 8 --gpu-memory 80GB --host-memory 2TB": Run(
+        output="recommended:"
+    ),
+    "paratrain plan examples/hf_llama.yaml --gpus 2 --gpu-memory 80GB": Run(output="host memory of "),
     "paratrain train examples/gpt_7b.yaml --dry-run --nproc-per-node 8 --nnodes 8 parallel.strategy=fsdp "
     "parallel.pp=4 parallel.tp=4": Run(output="dry run: 64 ranks"),
     # --- examples' headers ------------------------------------------------------------------------------

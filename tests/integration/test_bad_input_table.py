@@ -107,6 +107,13 @@ CASES: dict[str, Case] = {
     "train.nonfinite unknown": train("train.nonfinite=ignore", expect="train.nonfinite:"),
     "train.nonfinite_max_skips zero": train("train.nonfinite_max_skips=0", expect="train.nonfinite_max_skips:"),
     "train.check_memory not a bool": train("train.check_memory=perhaps", expect="train.check_memory"),
+    "train.host_memory not a size": train(
+        "train.host_memory=lots", expect="train.host_memory='lots' is not a memory size; write a positive number"
+    ),
+    "host memory too small for the node's processes": train(
+        "train.host_memory=1MB",
+        expect=("of host memory per node, but only 977 KiB is available (train.host_memory)", "--skip-memory-check"),
+    ),
     # --- optim ----------------------------------------------------------------------------------
     "optim.name unknown": train("optim.name=adam", expect=("optim.name", "'adamw' or 'sgd'")),
     "optim.lr negative": train("optim.lr=-1", expect="optim.lr"),
@@ -500,6 +507,17 @@ CASES: dict[str, Case] = {
     ),
     "plan with no GPUs": case("plan", "{config}", "--gpus", "0", "--gpu-memory", "80GB", expect="--gpus=0"),
     "plan without --gpus": case("plan", "{config}", "--gpu-memory", "80GB", expect="--gpus"),
+    "plan with an unparsable host memory": case(
+        "plan",
+        "{config}",
+        "--gpus",
+        "2",
+        "--gpu-memory",
+        "80GB",
+        "--host-memory",
+        "lots",
+        expect="--host-memory='lots'",
+    ),
     "plan of a lazy model": case(
         "plan",
         "{config}",

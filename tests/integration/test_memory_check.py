@@ -13,7 +13,14 @@ import yaml
 
 from paratrain.config.loading import validate_config
 from paratrain.parallel.dims import MESH_DIMS, ParallelDims
-from paratrain.planner.memory_check import FreeMemory, check_memory_fits, free_memory, resolve_auto_layout
+from paratrain.planner.memory_check import (
+    FreeMemory,
+    check_host_memory_fits,
+    check_memory,
+    check_memory_fits,
+    free_memory,
+    resolve_auto_layout,
+)
 from tests.harness import read_metrics, run_cli_in_process, tiny_config, write_config
 
 # One block of this GPT holds 12 x 2560^2 parameters: 16 bytes each with AdamW (weights, gradients, two moments).
@@ -52,6 +59,38 @@ def test_on_cpu_several_processes_are_refused_once_before_the_launch(tmp_path):
     assert code == 2 and "Traceback" not in stderr, stderr
     assert "the layout ddp dp_replicate=2 needs an estimated" in stderr
     assert "/ 2 processes on this node" in stderr and "rank 0 failed" not in stderr
+
+
+def test_a_node_without_the_host_memory_its_processes_need_is_refused_before_the_launch(tmp_path):
+    config = write_config(tmp_path / "config.yaml", tiny_config(tmp_path / "run", train={"device": "cpu"}))
+    # Two CPU processes of 360 MiB of runtime each cannot share 600 MB: refused once, by the launcher.
+    code, stderr = run_cli_in_process(["train", str(config), "--nproc-per-node", "2", "train.host_memory=600MB"])
+    assert code == 2 and "Traceback" not in stderr, stderr
+    assert "the layout ddp dp_replicate=2 needs an estimated " in stderr
+    assert "of host memory per node, but only 572 MiB is available (train.host_memory): 2 CPU process(es) x " in stderr
+    assert "set train.host_memory=SIZE" in stderr and "--skip-memory-check" in stderr
+    assert "rank 0 failed" not in stderr and not (tmp_path / "run").exists()
+
+
+def test_the_host_memory_of_a_node_is_checked_by_its_local_rank_0_only():
+    config = validate_config(tiny_config(Path("runs/x"), train={"device": "cpu", "host_memory": "1MB"}))
+    dims = ParallelDims("ddp", dp_replicate=2)
+    with pytest.raises(ValueError, match="of host memory per node, but only 977 KiB is available"):
+        check_memory(config, dims, rank=0, local_rank=0, local_world_size=2, config_path="c.yaml")
+    # The node's other processes share the same RAM: they check their own device's share, not the node's.
+    verdict = check_memory(config, dims, rank=1, local_rank=1, local_world_size=2, config_path="c.yaml")
+    assert verdict.startswith("memory check: ") and "host memory" not in verdict
+
+
+def test_a_gpu_runs_host_memory_is_checked_against_the_nodes_ram():
+    # On GPUs the model state lives on the devices; the node's RAM holds the runtimes and the model's init.
+    config = validate_config(tiny_config(Path("runs/x"), model={"args": {**WIDE, "n_layer": 4}}))
+    dims = ParallelDims("fsdp", dp_shard=8)
+    estimate = check_memory_fits(config, dims, FreeMemory(2**50, "plenty"), nnodes=1, device="cuda")
+    node = check_host_memory_fits(config, estimate, FreeMemory(2**50, "plenty"))
+    assert node.device == "cuda" and node.other.training == 0 and node.per_node > 8 * 2 * 2**30
+    with pytest.raises(ValueError, match=r"needs an estimated .* of host memory per node, .* 8 GPU process\(es\)"):
+        check_host_memory_fits(config, estimate, FreeMemory(node.per_node - 1, "test"))
 
 
 def test_skip_memory_check_starts_without_the_check(tmp_path):

@@ -4,6 +4,7 @@ and its bad input."""
 from __future__ import annotations
 
 import json
+import resource
 
 import pytest
 import torch
@@ -23,7 +24,9 @@ from paratrain.planner.layouts import describe_layout
 from paratrain.planner.model_facts import ParamFacts, read_model_facts, transformer_sizes
 from paratrain.planner.units import parse_memory
 from tests.distributed.count_model_state import LAYOUTS, layout_config
-from tests.harness import launch_workers, tiny_config, write_config
+from tests.harness import REPO_ROOT, launch_workers, tiny_config, write_config
+
+HF_LLAMA, LLAMA_70B = REPO_ROOT / "examples/hf_llama.yaml", REPO_ROOT / "examples/llama_70b.yaml"
 
 
 def test_memory_strings_read_decimal_and_binary_units():
@@ -114,7 +117,7 @@ def test_ddp_is_recommended_when_it_fits_and_sharding_when_it_does_not():
 def test_plan_command_prints_the_layouts_and_the_command_to_run_the_recommended_one(tmp_path, capsys):
     config = write_config(tmp_path / "c.yaml", tiny_config(tmp_path / "run", train={"global_batch_size": 16}))
     # One node of 8 and a tiny model: ddp's one all-reduce costs least, and it fits.
-    assert main(["plan", str(config), "--gpus", "8", "--gpu-memory", "16GiB"]) == 0
+    assert main(["plan", str(config), "--gpus", "8", "--gpu-memory", "16GiB", "--host-memory", "1TB"]) == 0
     out = capsys.readouterr().out
     assert "cluster: 8 GPU(s) on 1 node(s), 16.00 GiB each (90% usable: 14.40 GiB)" in out
     assert "recommended: ddp dp_replicate=8 (pp=1 x dp_replicate=8 x dp_shard=1 x cp=1 x tp=1)" in out
@@ -167,6 +170,62 @@ def test_a_model_that_is_not_a_transformer_gets_activations_measured_on_meta():
     assert narrow.recommended.dims == wide.recommended.dims
     # The hidden layers' outputs are what is measured: 64 times wider layers must show up.
     assert 0 < narrow.recommended.peak.activations < wide.recommended.peak.activations
+
+
+def test_a_model_whose_forward_needs_tensor_values_is_planned_without_activations():
+    config = load_config(
+        None,
+        [
+            "model.factory=tests.tools.planner_models:build_value_dependent_mlp",
+            "data.factory=paratrain.data.regression:build_regression_dataset",
+        ],
+    )
+    plan, _, source = plan_layouts(config, gpus=2, gpu_memory="1GB")
+    assert source.startswith("not estimated (one forward on the meta device failed: RuntimeError: ")
+    assert plan.recommended is not None and plan.recommended.peak.activations == 0
+
+
+def test_plan_of_the_hf_llama_example_prints_its_layouts_from_the_transformer_formula(capsys):
+    pytest.importorskip("transformers")
+    assert main(["plan", str(HF_LLAMA), "--gpus", "2", "--gpu-memory", "80GB"]) == 0
+    out = capsys.readouterr().out
+    assert "model: paratrain.models.hf:causal_lm, 90,432 parameters (21 tensors)" in out
+    assert "activations: transformer formula (layers 2, hidden 64, heads 4, sequence 64, vocab 128)" in out
+    assert "fsdp dp_shard=2 " in out and "tp tp=2 " in out
+    assert f"run it: paratrain train {HF_LLAMA} --nproc-per-node 2 --nnodes 1 " in out
+
+
+def test_a_70b_llama_is_planned_on_the_meta_device_without_allocating_its_weights(capsys):
+    pytest.importorskip("transformers")
+    peak_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux
+    # 8 GPUs of 80 GB cannot hold 16 bytes of model state for each of 70.6B parameters: exit code 1.
+    assert main(["plan", str(LLAMA_70B), "--gpus", "8", "--gpu-memory", "80GB", "--host-memory", "2TB"]) == 1
+    assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - peak_before < 2 * 2**20  # its weights: 263 GiB
+    out = capsys.readouterr().out
+    assert "70,553,706,496 parameters (723 tensors)" in out
+    assert "transformer formula (layers 80, hidden 8192, heads 64, sequence 8192, vocab 128256)" in out
+    assert "fsdp pp=2 dp_shard=4 " in out and "no layout fits in 67.06 GiB per GPU" in out
+    # The node's host memory does fit: docs/planner.md gives this line as the 70B figure, so it must stay true.
+    host = next(line for line in out.splitlines() if line.startswith("host memory of "))
+    assert host.startswith("host memory of fsdp pp=2 cp=4: 310 GiB per node of 1.82 TiB: fits; 8 GPU process(es)")
+    assert host in (REPO_ROOT / "docs/planner.md").read_text()
+
+
+def test_llama_activation_formula_equals_the_tensors_autograd_saves_in_a_real_forward():
+    transformers = pytest.importorskip("transformers")
+    # Grouped-query attention (2 of 8 heads for k and v) and a SwiGLU MLP of 3.5 x hidden: a real forward on the
+    # CPU, whose fused attention keeps no s x s scores; a layer is what a second layer adds.
+    sizes = {"hidden_size": 512, "intermediate_size": 1792, "num_attention_heads": 8, "num_key_value_heads": 2}
+    saved = []
+    for layers in (1, 2):
+        config = transformers.LlamaConfig(vocab_size=16, num_hidden_layers=layers, **sizes)
+        model = transformers.LlamaForCausalLM(config)
+        saved.append(measure_saved_bytes(model, torch.zeros(1, 8, dtype=torch.long)))
+    facts_sizes = transformer_sizes(model, seq_len=8)
+    assert (facts_sizes.kv_heads, facts_sizes.ffn_hidden, facts_sizes.gated_mlp) == (2, 1792, True)
+    formula = layer_bytes(facts_sizes, ActivationShape(micro_batch=1, element_bytes=4))
+    assert formula == 22.5 * 8 * 512 * 4  # 18 - 2 x (1 - 2/8) + (4 x 3.5 - 8) tensors of s x b x h
+    assert saved[1] - saved[0] == pytest.approx(formula, rel=0.05)
 
 
 @pytest.fixture(scope="module")
