@@ -32,6 +32,7 @@ out as it is and nothing here runs.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import zlib
 from collections.abc import Callable, Iterator
@@ -189,7 +190,8 @@ def _weight_source(
             # lazy: as for model.pretrained, the seed checkpoint is safetensors
             from paratrain.models.pretrained import pretrained_source
 
-            yield pretrained_source(model, directory, buffers=_constructor_tensors(factory, keep_parameters=False))
+            buffers = _constructor_tensors(factory, keep_parameters=False)
+            yield pretrained_source(model, directory, buffers=buffers, what="the seed checkpoint")
 
 
 def _with_adapters(base: WeightSource, seed: int) -> WeightSource:
@@ -199,7 +201,8 @@ def _with_adapters(base: WeightSource, seed: int) -> WeightSource:
 
 def _replayed_source(model: nn.Module, *, factory: Callable[[], nn.Module], seed: int) -> WeightSource:
     """Source 3: each rank's slice drawn from the model's recorded initialisation (see module docstring)."""
-    constructed = _constructor_tensors(factory, keep_parameters=True)
+    # Built only if some parameter needs it (the model's own init left it alone): most models never do.
+    constructed = functools.cache(lambda: _constructor_tensors(factory, keep_parameters=True))
     if declares_init(model):
         whole = lambda name, tensor: _init_by_name(model, name, tensor, seed)  # noqa: E731
         recorded = lambda name, tensor: record_declared_init(model, name, tensor)  # noqa: E731
@@ -215,7 +218,7 @@ def _replayed_source(model: nn.Module, *, factory: Callable[[], nn.Module], seed
             return whole(name, tensor)
         if record is None or not record.starts_whole():
             # Not (wholly) set by the model's init: its constructor's value, where it is small enough to keep.
-            base = constructed.get(name)
+            base = constructed().get(name)
             return (
                 None
                 if base is None

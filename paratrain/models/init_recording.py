@@ -17,6 +17,7 @@ a generator seeded by its name (``RecordedInit.opaque``), which is exact but not
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import zlib
 from collections.abc import Callable, Iterator
@@ -241,16 +242,27 @@ def record_module_init(
         on: Which modules to run it on (the others are left out).
     """
     names = {id(param): name for name, param in model.named_parameters()}
-    probes = {id(param): nn.Parameter(probe_like(param), requires_grad=False) for param in model.parameters()}
+    owners = collections.Counter(id(param) for module in model.modules() for param in _own(module, names))
+    probes: dict[int, nn.Parameter] = {}  # a module's probes live while it runs; a shared one until its last
     records: dict[str, RecordedInit] = {}
     for module in model.modules():
-        own = [(key, param) for key, param in module._parameters.items() if param is not None and id(param) in names]
+        own = {key: param for key, param in module._parameters.items() if id(param) in names}
         if not own or not on(module):
             continue
-        with swapped(module, {key: probes[id(param)] for key, param in own}):
-            with recording({names[id(param)]: probes[id(param)] for _, param in own}, records):
+        for param in own.values():
+            probes.setdefault(id(param), nn.Parameter(probe_like(param), requires_grad=False))
+        with swapped(module, {key: probes[id(param)] for key, param in own.items()}):
+            with recording({names[id(param)]: probes[id(param)] for param in own.values()}, records):
                 init_module(module)
+        for param in own.values():
+            owners[id(param)] -= 1
+            if owners[id(param)] == 0:
+                del probes[id(param)]
     return records
+
+
+def _own(module: nn.Module, names: dict[int, str]) -> list[nn.Parameter]:
+    return [param for param in module._parameters.values() if id(param) in names]
 
 
 @contextlib.contextmanager

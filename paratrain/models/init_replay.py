@@ -21,6 +21,8 @@ from dataclasses import dataclass
 
 import torch
 from torch.distributed.tensor import DTensor, Replicate, Shard
+
+# Private in torch 2.13, and what DTensor itself uses to place a shard (torchtitan's loaders use it too).
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from paratrain.models.init_recording import InitOp, RecordedInit, View

@@ -17,12 +17,10 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError, safe_open
 from torch import nn
-from torch.distributed.tensor import DTensor, Replicate, Shard
-
-# Private in torch 2.13, and what DTensor itself uses to place a shard (torchtitan's loaders use it too).
-from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+from torch.distributed.tensor import DTensor
 
 from paratrain.errors import ConfigError
+from paratrain.models.init_replay import box_of
 from paratrain.models.lora import base_name, is_adapter
 from paratrain.models.weights import LocalPiece, canonical_name
 
@@ -94,12 +92,16 @@ def check_pretrained_dir(directory: Path) -> None:
             pass
 
 
-def pretrained_source(model: nn.Module, directory: Path, *, buffers: dict[str, torch.Tensor]):
+def pretrained_source(
+    model: nn.Module, directory: Path, *, buffers: dict[str, torch.Tensor], what: str = "model.pretrained"
+):
     """A ``models.weights.WeightSource`` reading the directory's tensors by the model's parameter names.
 
     Args:
         model: The model on meta (possibly laid out): its names and full shapes are checked first.
         buffers: Buffers computed by the model's constructor, for those the files do not hold.
+        what: What the directory is, for the warning about tensors the model does not have: the files of
+            ``model.pretrained``; a seed checkpoint holds the whole model, of which a pipeline stage keeps a part.
 
     Raises:
         ConfigError: naming the first few parameters the files lack or hold in another shape.
@@ -111,7 +113,7 @@ def pretrained_source(model: nn.Module, directory: Path, *, buffers: dict[str, t
     }
     _check_names_and_shapes(expected, located, directory)
     unused = sorted(set(located) - set(expected) - {canonical_name(name) for name, _ in model.named_buffers()})
-    if unused:
+    if unused and what == "model.pretrained":
         logger.warning("model.pretrained: %d tensors the model does not have are ignored: %s", len(unused), unused[:5])
 
     def source(name: str, tensor: torch.Tensor) -> torch.Tensor | None:
@@ -132,14 +134,10 @@ def pretrained_source(model: nn.Module, directory: Path, *, buffers: dict[str, t
 
 def local_region(tensor: torch.Tensor) -> tuple[slice, ...] | None:
     """The index of this rank's piece of a sharded tensor in the full one, so only that piece is read;
-    None for a plain tensor, or placements other than plain Shard/Replicate (a strided shard of fsdp over
-    tp is not one contiguous block), which read the whole tensor and keep the slice."""
-    if not isinstance(tensor, DTensor):
-        return None
-    if not all(type(placement) in (Shard, Replicate) for placement in tensor.placements):
-        return None
-    shape, offset = compute_local_shape_and_global_offset(tensor.shape, tensor.device_mesh, tensor.placements)
-    return tuple(slice(start, start + size) for start, size in zip(offset, shape))
+    None for a plain tensor, or a piece that is not one box of the full tensor (a strided shard of fsdp over
+    tp), which reads the whole tensor and keeps the slice."""
+    box = box_of(tensor) if isinstance(tensor, DTensor) else None
+    return None if box is None else box.slices()
 
 
 def _check_names_and_shapes(expected: dict[str, tuple], located: dict[str, Path], directory: Path) -> None:
