@@ -191,8 +191,11 @@ class FaultToleranceConfig(Section):
     timeout_s: float = Field(10.0, gt=0)
     """Timeout of the cross-group collectives: a group that stops answering for longer is left out of the
     step (the others' step is not committed and is retried in the next quorum)."""
-    quorum_timeout_s: float = Field(60.0, gt=0)
-    """How long a step waits for a quorum of min_replica_groups groups."""
+    quorum_timeout_s: float = Field(120.0, gt=0)
+    """How long a step waits for a quorum of min_replica_groups groups. Keep it above the lighthouse's
+    --join-timeout-ms (60 s by default): the lighthouse waits that long for a live group that is slow to ask
+    for the quorum before forming it without that group, and a step that gave up first would end its own
+    group instead of stepping on."""
 
     @property
     def enabled(self) -> bool:

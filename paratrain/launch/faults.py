@@ -11,7 +11,9 @@ that depends on how fast the run goes). ``slow_async_save``
 delays the background write of an asynchronous save by ``SLOW_WRITE_S`` before it completes, so
 that something can happen while a save is in flight. ``nan_grad`` fills this rank's gradients with
 NaN after the backward of the step (every rank by default), as a diverging model would. ``slow_step`` sleeps
-``SLOW_STEP_S`` at the start of the step, a slow group beside fast ones. A step may be a range ``A-B``
+``SLOW_STEP_S`` at the start of the step, a slow group beside fast ones. ``wait_for_groups`` makes a replica group
+wait at the start of the step until every group is back in the quorum (a test's fixed point: a killed
+group's restart, however slow the machine, rejoins before the live group can finish). A step may be a range ``A-B``
 (``slow_step:6-40``). Several faults are separated by commas
 (``sigterm_mid_async_save:20:1,slow_async_save:20``). With the variable unset, nothing happens. A
 fault fires in the first attempt only: workers that torchrun restarts (``TORCHELASTIC_RESTART_COUNT``
@@ -58,6 +60,12 @@ def maybe_kill(point: str, *, step: int, rank: int) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
     elif _fires(f"sigterm_{point}", step=step, rank=rank):
         os.kill(os.getpid(), signal.SIGTERM)
+
+
+def fires(point: str, *, step: int, rank: int) -> bool:
+    """Whether the fault ``point`` is set for this step and rank (for points whose action is not a kill,
+    a stall or a sleep: ``wait_for_groups``)."""
+    return _fires(point, step=step, rank=rank)
 
 
 def _fires(point: str, *, step: int, rank: int) -> bool:

@@ -15,6 +15,7 @@ torchft is an optional dependency (``pip install 'paratrain[ft]'``): imported on
 from __future__ import annotations
 
 import logging
+import os
 import time
 import urllib.request
 from collections.abc import Callable, Iterable
@@ -26,6 +27,7 @@ import torch
 from torch import nn
 
 from paratrain.config.schema import FaultToleranceConfig
+from paratrain.launch import faults
 from paratrain.launch.lighthouse import import_torchft
 from paratrain.tensors import local_part
 
@@ -61,9 +63,11 @@ class ReplicaGroupSync:
 
     enabled = True
 
-    def __init__(self, manager: Any, *, replica_groups: int, counts: GroupCounts, start_timeout_s: float):
+    def __init__(
+        self, manager: Any, *, replica_groups: int, counts: GroupCounts, start_timeout_s: float, rank: int = 0
+    ):
         self.manager, self.replica_groups, self.counts = manager, replica_groups, counts
-        self.start_timeout_s = start_timeout_s
+        self.start_timeout_s, self.rank = start_timeout_s, rank
         self.healed, self.started = False, False
 
     def heals_instead_of_resuming(self) -> bool:
@@ -100,18 +104,21 @@ class ReplicaGroupSync:
         self.manager.start_quorum()
         if not self.started:
             self.started = True
-            self._wait_for_every_group()
+            self._wait_for_every_group(first_step=True)
+        elif faults.fires("wait_for_groups", step=self.manager.current_step() + 1, rank=self.rank):
+            self._wait_for_every_group(first_step=False)  # a test's fixed point: a restarted peer is back first
         self.counts.live = self.manager.num_participants()
         return self.healed
 
-    def _wait_for_every_group(self) -> None:
+    def _wait_for_every_group(self, *, first_step: bool) -> None:
         """At a run's first step every group is awaited (up to start_timeout_s), so that none steps alone on
         its shards while the others are still starting. A group joining a run under way (healed from a
-        peer, or a quorum past step 0) waits for no one: the missing groups may be dead."""
+        peer, or a quorum past step 0) waits for no one: the missing groups may be dead. (Fault injection's
+        ``wait_for_groups`` waits at a later step, for tests whose timing must not depend on the machine.)"""
         deadline = time.monotonic() + self.start_timeout_s
         while (
             self.manager.num_participants() < self.replica_groups
-            and self.manager.current_step() == 0
+            and (self.manager.current_step() == 0 or not first_step)
             and not self.healed
             and time.monotonic() < deadline
         ):
@@ -250,7 +257,11 @@ def build_replica_group_sync(
         init_sync=False,
     )
     sync = ReplicaGroupSync(
-        manager, replica_groups=options.replica_groups, counts=counts, start_timeout_s=options.quorum_timeout_s
+        manager,
+        replica_groups=options.replica_groups,
+        counts=counts,
+        start_timeout_s=options.quorum_timeout_s,
+        rank=int(os.environ.get("RANK", 0)),
     )
     return sync
 

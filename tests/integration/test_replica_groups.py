@@ -33,11 +33,23 @@ pytest.importorskip("torchft", reason="replica groups need the ft extra: pip ins
 STEPS = 20
 
 
+# A loaded machine can starve a group for long stretches: the lighthouse waits for a live group's quorum
+# request for up to JOIN_TIMEOUT_S (a dead one is left out after a second without heartbeats), and every
+# group waits for the quorum longer than that, so no test passes or fails by the machine's speed.
+JOIN_TIMEOUT_S = 300
+QUORUM_TIMEOUT_S = JOIN_TIMEOUT_S + 60
+
+
 @pytest.fixture
 def lighthouse():
     """A lighthouse on a free loopback port: its address. It forgets a silent group after 1 s."""
     port = free_loopback_port()
-    server = start_cli(["lighthouse", "--bind", f"127.0.0.1:{port}", "--heartbeat-timeout-ms", "1000"])
+    server = start_cli(
+        [
+            "lighthouse", "--bind", f"127.0.0.1:{port}", "--heartbeat-timeout-ms", "1000",
+            "--join-timeout-ms", str(JOIN_TIMEOUT_S * 1000),
+        ]
+    )  # fmt: skip
     deadline = time.monotonic() + 60
     while True:
         try:
@@ -74,7 +86,7 @@ def finish(groups: list[subprocess.Popen]) -> list[str]:
 
 
 def test_two_replica_groups_without_failure_train_exactly_as_ddp_over_two_processes(tmp_path, lighthouse):
-    parallel = {"fault_tolerance": {"lighthouse": lighthouse}}
+    parallel = {"fault_tolerance": {"lighthouse": lighthouse, "quorum_timeout_s": QUORUM_TIMEOUT_S}}
     sections = {"parallel": parallel, "train": {"max_steps": STEPS}, "checkpoint": {"every_steps": STEPS // 2}}
     config = write_config(tmp_path / "c.yaml", tiny_config(tmp_path / "ft", **sections))
     groups = start_groups(config)
@@ -97,16 +109,18 @@ def test_two_replica_groups_without_failure_train_exactly_as_ddp_over_two_proces
 
 
 def test_a_killed_group_heals_from_its_live_peer_while_the_peer_keeps_stepping(tmp_path, lighthouse):
-    steps, killed_after = 40, 5
-    parallel = {"fault_tolerance": {"lighthouse": lighthouse}}
+    steps, killed_after, back_by = 40, 5, 30
+    parallel = {"fault_tolerance": {"lighthouse": lighthouse, "quorum_timeout_s": QUORUM_TIMEOUT_S}}
     config = write_config(
         tmp_path / "c.yaml", tiny_config(tmp_path / "ft", parallel=parallel, train={"max_steps": steps})
     )
-    # Group 0 takes half a second a step, so it is still training when torchrun has restarted group 1.
+    # Group 0 takes half a second a step while group 1 is away, and at step 30 waits for it to be back: however
+    # slow torchrun's restart of group 1 is on this machine, group 1 heals from a group still training.
+    slow_alone = f"slow_step:{killed_after + 1}-{steps},wait_for_groups:{back_by}"
     groups = start_groups(
         config,
         extra={1: ["--max-restarts", "1"]},
-        env={0: {"PARATRAIN_FAULT": f"slow_step:{killed_after + 1}-{steps}"}, 1: {"PARATRAIN_FAULT": "after_step:5"}},
+        env={0: {"PARATRAIN_FAULT": slow_alone}, 1: {"PARATRAIN_FAULT": f"after_step:{killed_after}"}},
     )
     healthy_log, healed_log = finish(groups)
     healthy, healed = tmp_path / "ft/replica-group-0", tmp_path / "ft/replica-group-1"
