@@ -31,6 +31,7 @@ from torch.autograd.graph import saved_tensors_hooks
 
 from paratrain.models.attention_hooks import install_sequence_functions
 from paratrain.models.gpt import build_gpt
+from paratrain.parallel.documents import EndToken
 from paratrain.parallel.sequence_sharding import SequenceSharding
 
 GOAL_SLACK = 0.10
@@ -68,7 +69,7 @@ def rank_activation_bytes(rank: int, cp: int, seq_len: int, port: int, documents
     torch.manual_seed(0)
     model = build_gpt(block_size=seq_len, **MODEL)
     sharding = SequenceSharding(
-        cp=cp, cp_rank=rank, cp_group=dist.group.WORLD if cp > 1 else None, document_end_id=EOS if documents else None
+        cp=cp, cp_rank=rank, cp_group=dist.group.WORLD if cp > 1 else None, documents=EndToken(EOS) if documents else None
     )
     install_sequence_functions(model, attention=sharding.attention, positions=sharding.positions)
     tokens = one_sample(seq_len, documents=documents)
@@ -113,7 +114,7 @@ def mask_cost_table(seq_lens: list[int], rounds: int) -> None:
     for seq_len in seq_lens:
         torch.manual_seed(0)
         plain, masked = build_gpt(block_size=seq_len, **MODEL), build_gpt(block_size=seq_len, **MODEL)
-        sharding = SequenceSharding(cp=1, cp_rank=0, cp_group=None, document_end_id=EOS)
+        sharding = SequenceSharding(cp=1, cp_rank=0, cp_group=None, documents=EndToken(EOS))
         install_sequence_functions(masked, attention=sharding.attention, positions=sharding.positions)
         tokens = torch.cat([one_sample(seq_len, documents=True)] * 2)
         step_seconds(plain, None, tokens), step_seconds(masked, sharding, tokens)  # warm-up

@@ -12,8 +12,9 @@ Which tokens are the reply: a template with ``{% generation %}`` markers tells t
 reply ``i`` is the tokens between the rendering of the turns before it (with the generation prompt) and the
 rendering that ends with it. A template whose renderings are not prefixes of each other is refused.
 
-Each sample is padded to ``seq_len`` on its own (no packing): positions start at 0 in every sample, and
-under causal attention no token attends to padding or to another sample.
+Samples are packed into rows of ``seq_len`` tokens (``pack``, the default; paratrain.data.packing), each computed
+as if it were alone: positions restart at 0 in every sample and no token attends to another sample. With
+``pack=False`` each sample is padded to ``seq_len`` on its own.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from torch.utils.data import Dataset
 
 from paratrain.data.conversations import Conversation, iter_conversations
 from paratrain.data.corpus import resolve_files
+from paratrain.data.packing import PackedSamples
 from paratrain.errors import ConfigError
 from paratrain.losses import IGNORE_INDEX
 
@@ -69,7 +71,8 @@ def chat_data(
     seq_len: int,
     overflow: Literal["truncate", "drop"] = "truncate",
     chat_template: str | None = None,
-) -> ChatSamples:
+    pack: bool = True,
+) -> ChatSamples | PackedSamples:
     """Factory for config files: ``data.factory: paratrain.data.chat:chat_data``.
 
     Args:
@@ -80,6 +83,8 @@ def chat_data(
         overflow: A conversation longer than ``seq_len + 1`` tokens is cut to it (``truncate``) or left out
             (``drop``); the log counts both, and a sample left with no reply token is dropped either way.
         chat_template: A Jinja chat template to use instead of the tokenizer's own (or for one without).
+        pack: Pack conversations into rows of ``seq_len`` tokens, each computed as if alone (paratrain.data.packing);
+            False: one conversation per row, padded to ``seq_len``.
 
     Raises:
         ConfigError: no files, a tokenizer without a chat template, bad rows, or no sample left.
@@ -104,7 +109,8 @@ def chat_data(
             "chat data: %d samples, %d truncated and %d dropped at seq_len=%d", len(samples), cut, dropped, seq_len
         )
     pad_id = loaded.pad_token_id if loaded.pad_token_id is not None else (loaded.eos_token_id or 0)
-    return ChatSamples(samples, seq_len=seq_len, pad_id=pad_id, vocab_size=len(loaded))
+    rows = PackedSamples if pack else ChatSamples
+    return rows(samples, seq_len=seq_len, pad_id=pad_id, vocab_size=len(loaded))
 
 
 def load_chat_tokenizer(path: str, *, chat_template: str | None):

@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from paratrain.errors import ConfigError
+from paratrain.parallel.documents import without_marks
 
 # loss_fn(outputs, targets) -> mean loss, as paratrain.losses defines it (data/ imports no other package).
 LossFn = Callable[[Any, torch.Tensor], torch.Tensor]
@@ -96,6 +97,7 @@ def check_sample_fits_model(
     inputs, targets = sample
     if not isinstance(inputs, torch.Tensor) or not isinstance(targets, torch.Tensor):
         return
+    inputs = without_marks(inputs)  # packed samples mark where each begins; the layout clears the marks
     if inputs.numel() == 0:
         raise ConfigError(
             f"{sources.data} gives an empty sample (inputs of shape {list(inputs.shape)}); check data.args "

@@ -10,9 +10,9 @@ attention needs the others', through the all-to-all exchange of DeepSpeed Ulysse
 kernel, and trades back. That needs cp to divide the (key/value) heads, and costs two all-to-alls of
 the activations per attention, whatever the sequence length.
 
-Document masking (a dataset whose ``document_end_id`` is set: ``data.args.document_mask``) keeps
-attention within each document of a packed window (documents end with that token) and restarts
-positions at each document, so a document is computed as if it began the window.
+Documents (a corpus with ``data.args.document_mask``, or packed samples: parallel/documents.py) keep
+attention within each document of a row and restart positions at each document, so a document is
+computed as if it were a row of its own; attention runs on each document alone, with no mask built.
 
 The model reads all of this through two functions a layout installs on it (models/attention_hooks.py):
 ``attention(q, k, v, ...)`` and ``positions(tokens)``. Both follow the micro-batch the engine last cut
@@ -31,22 +31,16 @@ from torch.distributed._functional_collectives import all_to_all_single_autograd
 
 from paratrain.errors import ConfigError
 from paratrain.parallel.dims import ParallelDims
+from paratrain.parallel.documents import DocumentBoundaries, document_attention, layout_from_starts
 
 
-def build_sequence_sharding(dims: ParallelDims, *, document_end_id: int | None) -> SequenceSharding | None:
+def build_sequence_sharding(dims: ParallelDims, *, documents: DocumentBoundaries | None) -> SequenceSharding | None:
     """This rank's cut of every sequence under ``dims`` (mesh built), or None when each rank computes whole
-    sequences with plain causal attention (no cp, no document masking): nothing is installed then."""
-    if not dims.cp_enabled and document_end_id is None:
+    sequences with plain causal attention (no cp, no documents): nothing is installed then."""
+    if not dims.cp_enabled and documents is None:
         return None
     group = dims.cp_mesh.get_group() if dims.cp_enabled else None
-    return SequenceSharding(cp=dims.cp, cp_rank=dims.cp_rank, cp_group=group, document_end_id=document_end_id)
-
-
-def document_end_of(dataset: object) -> int | None:
-    """The token id that ends each document of a dataset's packed windows when it asks for document
-    masking (its ``document_end_id``: ``data.args.document_mask``), else None."""
-    end_id = getattr(dataset, "document_end_id", None)
-    return end_id if isinstance(end_id, int) else None
+    return SequenceSharding(cp=dims.cp, cp_rank=dims.cp_rank, cp_group=group, documents=documents)
 
 
 def local_token_indices(seq_len: int, *, cp: int, cp_rank: int) -> torch.Tensor:
@@ -62,20 +56,6 @@ def local_token_indices(seq_len: int, *, cp: int, cp_rank: int) -> torch.Tensor:
     return torch.cat([torch.arange(first, first + chunk), torch.arange(second, second + chunk)])
 
 
-def document_layout(tokens: torch.Tensor, end_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Which document each token of a packed window belongs to, and its position within that document.
-
-    A document ends with ``end_id`` (the token belongs to the document it ends); the next token starts
-    a new one. For tokens ``[a, b, EOS, c, d]``: documents ``[0, 0, 0, 1, 1]``, positions ``[0, 1, 2, 0, 1]``.
-    """
-    ends = tokens == end_id
-    starts = torch.cat([torch.ones_like(ends[:, :1]), ends[:, :-1]], dim=1)
-    documents = torch.cumsum(starts.long(), dim=1) - 1
-    index = torch.arange(tokens.shape[1], device=tokens.device).expand_as(tokens)
-    start_of_own = torch.cummax(torch.where(starts, index, torch.zeros_like(index)), dim=1).values
-    return documents, index - start_of_own
-
-
 @dataclass
 class CutMicroBatch:
     """What attention and positions need of the micro-batch the engine last cut.
@@ -83,11 +63,11 @@ class CutMicroBatch:
     Attributes:
         positions: Each of this rank's tokens' position, ``(batch or 1, local tokens)``.
         documents: The document of every token of the whole sequence, ``(batch, seq)``; None: one
-            causal sequence.
+            causal sequence (attention within documents: parallel/documents.py).
         exchange: Whether attention gathers the other cp ranks' tokens (False: the rank holds whole
             sequences, as in evaluation).
-        masks: The additive attention masks built for this micro-batch, by (sliding window, dtype): built
-            once and shared by every layer, so autograd keeps one copy for backward, not one per layer.
+        masks: The additive sliding-window masks built for this micro-batch, by (window, dtype): built once
+            and shared by every layer, so autograd keeps one copy for backward, not one per layer.
     """
 
     positions: torch.Tensor
@@ -97,10 +77,9 @@ class CutMicroBatch:
 
     def mask(self, seq_len: int, *, sliding_window: int | None, like: torch.Tensor) -> torch.Tensor | None:
         """The additive mask (0 where allowed, -inf elsewhere) for queries of ``like``'s dtype and device."""
-        documents = self.documents if self.documents is not None and self.documents.shape[1] == seq_len else None
         key = (sliding_window, like.dtype)
         if key not in self.masks:
-            allowed = attention_mask(seq_len, documents=documents, sliding_window=sliding_window, device=like.device)
+            allowed = attention_mask(seq_len, sliding_window=sliding_window, device=like.device)
             self.masks[key] = None if allowed is None else additive(allowed, like.dtype)
         return self.masks[key]
 
@@ -113,13 +92,15 @@ class SequenceSharding:
         cp: Context-parallel degree (1: each rank holds whole sequences).
         cp_rank: This rank's index among them.
         cp_group: Their process group (None when cp is 1).
-        document_end_id: The token that ends each document of a packed window, when attention is to stay
-            within documents; None: attention spans the whole window.
+        documents: How each row marks where its documents begin, when attention is to stay within them;
+            None: attention spans the whole row.
     """
 
-    def __init__(self, *, cp: int, cp_rank: int, cp_group: ProcessGroup | None, document_end_id: int | None):
+    def __init__(
+        self, *, cp: int, cp_rank: int, cp_group: ProcessGroup | None, documents: DocumentBoundaries | None = None
+    ):
         self.cp, self.cp_rank, self.cp_group = cp, cp_rank, cp_group
-        self.document_end_id = document_end_id
+        self.documents = documents
         self.current: CutMicroBatch | None = None
         self._orders: dict[tuple[int, torch.device], tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
 
@@ -129,7 +110,7 @@ class SequenceSharding:
         """This rank's tokens of ``inputs`` and ``targets`` (``(batch, seq)`` each), remembered for the
         forward and backward that follow."""
         local = self._order(inputs.shape[1], inputs.device)[0]
-        documents, positions = self._documents_and_positions(inputs)
+        inputs, documents, positions = self._documents_and_positions(inputs)
         self.current = CutMicroBatch(positions[:, local], documents, exchange=self.cp > 1)
         return inputs[:, local], targets[:, local]
 
@@ -139,7 +120,7 @@ class SequenceSharding:
 
     def whole(self, inputs: torch.Tensor) -> torch.Tensor:
         """``inputs`` kept whole on this rank (evaluation): attention stays local, documents still apply."""
-        documents, positions = self._documents_and_positions(inputs)
+        inputs, documents, positions = self._documents_and_positions(inputs)
         self.current = CutMicroBatch(positions, documents, exchange=False)
         return inputs
 
@@ -173,10 +154,15 @@ class SequenceSharding:
         if exchange:
             query, key, value = (self._heads_for_tokens(tensor) for tensor in (query, key, value))
         seq_len = query.shape[2]
+        if current is not None and current.documents is not None and current.documents.shape[1] == seq_len:
+            output = document_attention(
+                query, key, value, current.documents, sliding_window=sliding_window, dropout_p=dropout_p, scale=scale
+            )
+            return self._tokens_for_heads(output) if exchange else output
         if current is not None:
             mask = current.mask(seq_len, sliding_window=sliding_window, like=query)
         else:
-            allowed = attention_mask(seq_len, documents=None, sliding_window=sliding_window, device=query.device)
+            allowed = attention_mask(seq_len, sliding_window=sliding_window, device=query.device)
             mask = None if allowed is None else additive(allowed, query.dtype)
         output = sdpa(query, key, value, mask=mask, dropout_p=dropout_p, scale=scale)
         return self._tokens_for_heads(output) if exchange else output
@@ -218,10 +204,12 @@ class SequenceSharding:
             self._orders[key] = (local.to(device), by_rank.to(device), torch.argsort(by_rank).to(device))
         return self._orders[key]
 
-    def _documents_and_positions(self, inputs: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor]:
-        if self.document_end_id is None:
-            return None, torch.arange(inputs.shape[1], device=inputs.device).unsqueeze(0)
-        return document_layout(inputs, self.document_end_id)
+    def _documents_and_positions(self, inputs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+        """(the ids the model sees, each token's document or None, each token's position)."""
+        if self.documents is None:
+            return inputs, None, torch.arange(inputs.shape[1], device=inputs.device).unsqueeze(0)
+        tokens, starts = self.documents.split(inputs)
+        return tokens, *layout_from_starts(starts)
 
 
 def sdpa(
@@ -247,20 +235,12 @@ def additive(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill(~allowed, float("-inf"))
 
 
-def attention_mask(
-    seq_len: int, *, documents: torch.Tensor | None, sliding_window: int | None, device: torch.device
-) -> torch.Tensor | None:
-    """``(batch or 1, 1, seq, seq)`` booleans, True where query i may attend key j: j ≤ i, in the same
-    document, within the window (i − j < window, transformers' convention); None when causal alone."""
-    if documents is None and not sliding_window:
+def attention_mask(seq_len: int, *, sliding_window: int | None, device: torch.device) -> torch.Tensor | None:
+    """``(1, 1, seq, seq)`` booleans, True where query i may attend key j: j ≤ i, within the window (i − j <
+    window, transformers' convention); None when causal alone."""
+    if not sliding_window:
         return None
     query_index = torch.arange(seq_len, device=device).unsqueeze(1)
     key_index = torch.arange(seq_len, device=device).unsqueeze(0)
-    allowed = key_index <= query_index
-    if sliding_window:
-        allowed = allowed & (query_index - key_index < sliding_window)
-    allowed = allowed.unsqueeze(0)
-    if documents is not None:
-        documents = documents.to(device)
-        allowed = allowed & (documents.unsqueeze(2) == documents.unsqueeze(1))
-    return allowed.unsqueeze(1)
+    allowed = (key_index <= query_index) & (query_index - key_index < sliding_window)
+    return allowed.unsqueeze(0).unsqueeze(1)

@@ -47,7 +47,8 @@ from paratrain.parallel.activation import compile_loss
 from paratrain.parallel.ddp import settle_buckets
 from paratrain.parallel.devices import devices_computed_on
 from paratrain.parallel.dims import ParallelDims, micro_batch_size, resolve_parallel_dims
-from paratrain.parallel.sequence_sharding import build_sequence_sharding, document_end_of
+from paratrain.parallel.documents import boundaries_of
+from paratrain.parallel.sequence_sharding import build_sequence_sharding
 from paratrain.precision import MixedPrecision, Precision, build_mixed_precision
 
 logger = logging.getLogger("paratrain")
@@ -173,7 +174,7 @@ def build_rank_model(
         sample_dataset=dataset,
         timeline_dir=output_dir / "pipeline",
         pretrained=Path(pretrained) if pretrained else None,
-        sequence=build_sequence_sharding(dims, document_end_id=document_end_of(dataset)),
+        sequence=build_sequence_sharding(dims, documents=boundaries_of(dataset)),
         resuming=resuming,
         seed_checkpoint_dir=output_dir,
     )

@@ -39,7 +39,7 @@ def test_only_the_assistant_replies_and_their_end_of_turn_are_targets(tmp_path, 
     ]
     path = tmp_path / "chat.jsonl"
     path.write_text("".join(json.dumps(row) + "\n" for row in rows))
-    inputs, targets = chat_data(files=str(path), tokenizer=str(tokenizer_dir), seq_len=32)[0]
+    inputs, targets = chat_data(files=str(path), tokenizer=str(tokenizer_dir), seq_len=32, pack=False)[0]
     kept = [int(t) for t in targets if t != IGNORE_INDEX]
     assert words_of(tokenizer_dir, kept) == ["five", "<|end|>", "fine", "thanks", "<|end|>"]
     assert words_of(tokenizer_dir, inputs[:3]) == ["<|system|>", "hi", "<|end|>"]
@@ -51,7 +51,8 @@ def test_generation_markers_and_prefix_rendering_find_the_same_replies(tmp_path,
     path = write_chat_jsonl(tmp_path / "chat.jsonl", 12)
     by_prefix = chat_data(files=str(path), tokenizer=str(tokenizer_dir), seq_len=40)
     by_markers = chat_data(files=str(path), tokenizer=str(tokenizer_dir), seq_len=40, chat_template=MARKED_TEMPLATE)
-    for index in range(12):
+    assert len(by_prefix) == len(by_markers) < 12  # packed: fewer rows than conversations
+    for index in range(len(by_prefix)):
         assert all((a == b).all() for a, b in zip(by_prefix[index], by_markers[index], strict=True))
 
 
@@ -60,8 +61,8 @@ def test_prompt_completion_rows_and_a_saved_dataset_read_alike(tmp_path, tokeniz
     path = write_chat_jsonl(tmp_path / "pc.jsonl", 6, columns="prompt/completion")
     rows = [json.loads(line) for line in path.read_text().splitlines()]
     datasets.Dataset.from_list(rows).save_to_disk(str(tmp_path / "saved"))
-    from_jsonl = chat_data(files=str(path), tokenizer=str(tokenizer_dir), seq_len=24)
-    from_disk = chat_data(files=str(tmp_path / "saved"), tokenizer=str(tokenizer_dir), seq_len=24)
+    from_jsonl = chat_data(files=str(path), tokenizer=str(tokenizer_dir), seq_len=24, pack=False)
+    from_disk = chat_data(files=str(tmp_path / "saved"), tokenizer=str(tokenizer_dir), seq_len=24, pack=False)
     assert len(from_jsonl) == len(from_disk) == 6
     inputs, targets = from_disk[1]
     assert words_of(tokenizer_dir, inputs[:1]) == ["<|user|>"]
@@ -91,7 +92,8 @@ def test_paratrain_loss_on_a_chat_sample_equals_the_loss_transformers_computes_f
     from paratrain.losses import cross_entropy
     from paratrain.models.hf import causal_lm
 
-    data = chat_data(files=str(write_chat_jsonl(tmp_path / "c.jsonl", 4)), tokenizer=str(tokenizer_dir), seq_len=40)
+    path = write_chat_jsonl(tmp_path / "c.jsonl", 4)
+    data = chat_data(files=str(path), tokenizer=str(tokenizer_dir), seq_len=40, pack=False)
     torch.manual_seed(0)
     model = causal_lm(
         model_type="llama",

@@ -1,5 +1,6 @@
 """The pieces of context parallel and document masking that need no process group: which tokens each cp
-rank holds, documents and their positions in a packed window, and the attention mask (issue 23)."""
+rank holds, documents (ended by a token, or marked packed samples) and their positions in a row, attention
+within each document, and the sliding-window mask."""
 
 from __future__ import annotations
 
@@ -8,7 +9,8 @@ import torch
 import torch.nn.functional as F
 
 from paratrain.errors import ConfigError
-from paratrain.parallel.sequence_sharding import SequenceSharding, attention_mask, document_layout, local_token_indices
+from paratrain.parallel.documents import EndToken, MarkedStarts, document_attention, layout_from_starts, mark_starts
+from paratrain.parallel.sequence_sharding import SequenceSharding, attention_mask, local_token_indices
 
 
 def test_each_cp_rank_holds_an_early_and_a_late_chunk_and_together_they_hold_every_token_once():
@@ -26,24 +28,55 @@ def test_a_sequence_that_does_not_split_into_two_chunks_per_rank_is_refused_nami
 
 def test_documents_end_with_their_end_token_and_positions_restart_after_it():
     tokens = torch.tensor([[5, 6, 0, 7, 8, 0, 9], [0, 1, 2, 3, 4, 5, 6]])
-    documents, positions = document_layout(tokens, end_id=0)
+    ids, starts = EndToken(0).split(tokens)
+    documents, positions = layout_from_starts(starts)
+    assert torch.equal(ids, tokens)
     assert documents.tolist() == [[0, 0, 0, 1, 1, 1, 2], [0, 1, 1, 1, 1, 1, 1]]
     assert positions.tolist() == [[0, 1, 2, 0, 1, 2, 0], [0, 0, 1, 2, 3, 4, 5]]
 
 
-def test_the_mask_is_causal_within_documents_and_the_sliding_window():
-    documents = torch.tensor([[0, 0, 1, 1]])
-    mask = attention_mask(4, documents=documents, sliding_window=None, device=torch.device("cpu"))
-    assert mask[0, 0].int().tolist() == [[1, 0, 0, 0], [1, 1, 0, 0], [0, 0, 1, 0], [0, 0, 1, 1]]
-    window = attention_mask(4, documents=None, sliding_window=2, device=torch.device("cpu"))
+def test_the_sliding_window_mask_is_causal_within_the_window():
+    window = attention_mask(4, sliding_window=2, device=torch.device("cpu"))
     assert window[0, 0].int().tolist() == [[1, 0, 0, 0], [1, 1, 0, 0], [0, 1, 1, 0], [0, 0, 1, 1]]
-    assert attention_mask(4, documents=None, sliding_window=None, device=torch.device("cpu")) is None
+    assert attention_mask(4, sliding_window=None, device=torch.device("cpu")) is None
+
+
+def test_marked_sample_starts_are_read_and_cleared_before_the_model_sees_the_ids():
+    row = mark_starts(torch.tensor([11, 12, 13, 21, 22, 0, 0]), [0, 3, 5])  # two samples, then padding
+    ids, starts = MarkedStarts().split(row.unsqueeze(0))
+    assert ids.tolist() == [[11, 12, 13, 21, 22, 0, 0]]
+    documents, positions = layout_from_starts(starts)
+    assert documents.tolist() == [[0, 0, 0, 1, 1, 2, 2]] and positions.tolist() == [[0, 1, 2, 0, 1, 0, 1]]
+
+
+@pytest.mark.parametrize("window", [None, 2])
+def test_attention_within_documents_equals_each_document_alone_forward_and_backward(window):
+    """Documents of several lengths in two rows (some lengths shared: stacked into one call), grouped-query
+    heads, with and without a sliding window: each document's output and gradients are its own alone."""
+    torch.manual_seed(0)
+    documents = torch.tensor([[0, 0, 0, 1, 1, 2, 2, 2], [0, 0, 1, 1, 1, 1, 1, 2]])
+    query = torch.randn(2, 4, 8, 8, requires_grad=True)
+    key, value = (torch.randn(2, 2, 8, 8, requires_grad=True) for _ in range(2))
+    together = document_attention(query, key, value, documents, sliding_window=window)
+    together.sum().backward()
+    grads = [tensor.grad.clone() for tensor in (query, key, value)]
+    for row, spans in ((0, [(0, 3), (3, 5), (5, 8)]), (1, [(0, 2), (2, 7), (7, 8)])):
+        for first, end in spans:
+            q, k, v = (
+                tensor.detach()[row : row + 1, :, first:end].clone().requires_grad_() for tensor in (query, key, value)
+            )
+            mask = attention_mask(end - first, sliding_window=window, device=torch.device("cpu"))
+            alone = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, enable_gqa=True)
+            alone.sum().backward()
+            torch.testing.assert_close(together[row : row + 1, :, first:end], alone)
+            for grad, piece in zip(grads, (q, k, v), strict=True):
+                torch.testing.assert_close(grad[row : row + 1, :, first:end], piece.grad)
 
 
 def test_document_masked_attention_equals_attending_to_each_document_alone():
     torch.manual_seed(0)
     tokens = torch.tensor([[3, 4, 9, 5, 6, 7]])  # two documents: [3, 4, 9] and [5, 6, 7]
-    sharding = SequenceSharding(cp=1, cp_rank=0, cp_group=None, document_end_id=9)
+    sharding = SequenceSharding(cp=1, cp_rank=0, cp_group=None, documents=EndToken(9))
     inputs, _ = sharding.shard(tokens, tokens)
     assert sharding.positions(inputs).tolist() == [[0, 1, 2, 0, 1, 2]]
     query, key, value = (torch.randn(1, 2, 6, 4) for _ in range(3))

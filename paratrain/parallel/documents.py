@@ -1,0 +1,138 @@
+"""Where the documents (or packed samples) of a sequence begin, and attention that stays inside each one.
+
+A dataset says how to find the boundaries of its rows (``boundaries_of``):
+
+- ``EndToken``: documents end with a token of their own (a tokenized corpus's EOS, ``data.args.document_mask``);
+- ``MarkedStarts``: each packed sample's first input token carries ``START_MARK`` (a high bit no vocabulary
+  reaches), set by the dataset and cleared here before the model sees the ids (packed chat samples, whose
+  templates put end-of-turn tokens inside every conversation, so no token can end one).
+
+Attention within documents (``document_attention``) runs causal SDPA on each document alone, documents of
+one length stacked into one call: its work and memory are Σ len², not seq², with no mask built, so it
+divides by context parallel like the rest of the activations. Positions restart at 0 in each document.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+# Bit 62 of an int64 token id: far above any vocabulary, and the sign bit stays clear.
+START_MARK = 1 << 62
+
+
+@dataclass(frozen=True)
+class EndToken:
+    """Documents end with ``token`` (it belongs to the document it ends); the next token begins one."""
+
+    token: int
+
+    def split(self, inputs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the ids, where each document starts) of ``(batch, seq)`` inputs."""
+        ends = inputs == self.token
+        return inputs, torch.cat([torch.ones_like(ends[:, :1]), ends[:, :-1]], dim=1)
+
+
+@dataclass(frozen=True)
+class MarkedStarts:
+    """Each document's first token is marked with ``START_MARK`` (``mark_starts``)."""
+
+    def split(self, inputs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the ids without marks, where each document starts) of ``(batch, seq)`` inputs."""
+        starts = (inputs & START_MARK) != 0
+        starts[:, 0] = True
+        return inputs & ~START_MARK, starts
+
+
+DocumentBoundaries = EndToken | MarkedStarts
+
+
+def boundaries_of(dataset: object) -> DocumentBoundaries | None:
+    """How a dataset's rows mark their documents: its ``document_end_id`` (document masking of a corpus), or its
+    ``marks_sample_starts`` (packed samples); None when attention spans each whole row."""
+    end_id = getattr(dataset, "document_end_id", None)
+    if isinstance(end_id, int):
+        return EndToken(end_id)
+    return MarkedStarts() if getattr(dataset, "marks_sample_starts", False) else None
+
+
+def mark_starts(tokens: torch.Tensor, starts: list[int]) -> torch.Tensor:
+    """``tokens`` (one row) with ``START_MARK`` set at each index of ``starts``."""
+    marked = tokens.clone()
+    marked[starts] |= START_MARK
+    return marked
+
+
+def without_marks(inputs: torch.Tensor) -> torch.Tensor:
+    """The ids of inputs that may carry start marks, as the model sees them (unchanged without marks)."""
+    return inputs & ~START_MARK if not inputs.is_floating_point() else inputs
+
+
+def layout_from_starts(starts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Which document each token belongs to, and its position within it, from ``(batch, seq)`` start flags:
+    ``[T, F, F, T, F]`` -> documents ``[0, 0, 0, 1, 1]``, positions ``[0, 1, 2, 0, 1]``."""
+    documents = torch.cumsum(starts.long(), dim=1) - 1
+    index = torch.arange(starts.shape[1], device=starts.device).expand_as(starts)
+    start_of_own = torch.cummax(torch.where(starts, index, torch.zeros_like(index)), dim=1).values
+    return documents, index - start_of_own
+
+
+def document_spans(documents: torch.Tensor) -> list[tuple[int, int, int]]:
+    """(row, first, end) of every document of ``(batch, seq)`` document ids, in order."""
+    spans = []
+    for row, ids in enumerate(documents.tolist()):
+        first = 0
+        for index in range(1, len(ids) + 1):
+            if index == len(ids) or ids[index] != ids[first]:
+                spans.append((row, first, index))
+                first = index
+    return spans
+
+
+def document_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    documents: torch.Tensor,
+    *,
+    sliding_window: int | None = None,
+    dropout_p: float = 0.0,
+    scale: float | None = None,
+) -> torch.Tensor:
+    """Causal attention of ``(batch, heads, seq, head_dim)`` tensors within each document of ``documents``
+    (``(batch, seq)``; key and value may have fewer heads): each document attends only to itself, exactly as
+    if it were a sequence of its own. Returns a tensor shaped like ``query``."""
+    by_length: dict[int, list[tuple[int, int, int]]] = defaultdict(list)
+    for span in document_spans(documents):
+        by_length[span[2] - span[1]].append(span)
+    pieces: dict[tuple[int, int], torch.Tensor] = {}
+    for length, spans in by_length.items():
+        q, k, v = (
+            torch.stack([tensor[row, :, first:end] for row, first, end in spans]) for tensor in (query, key, value)
+        )
+        mask = _window(length, sliding_window, like=q)
+        out = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, is_causal=mask is None, dropout_p=dropout_p, scale=scale,
+            enable_gqa=k.shape[1] != q.shape[1],
+        )  # fmt: skip
+        for (row, first, _), piece in zip(spans, out.unbind(0), strict=True):
+            pieces[row, first] = piece
+    rows = []
+    for row in range(query.shape[0]):
+        firsts = sorted(first for piece_row, first in pieces if piece_row == row)
+        rows.append(torch.cat([pieces[row, first] for first in firsts], dim=1))
+    return torch.stack(rows)
+
+
+def _window(length: int, sliding_window: int | None, *, like: torch.Tensor) -> torch.Tensor | None:
+    """A causal sliding-window mask for one document (transformers' convention: i − j < window); None when
+    the window does not cut into it (plain causal, SDPA's fused path)."""
+    if not sliding_window or length <= sliding_window:
+        return None
+    query_index = torch.arange(length, device=like.device).unsqueeze(1)
+    key_index = torch.arange(length, device=like.device).unsqueeze(0)
+    allowed = (key_index <= query_index) & (query_index - key_index < sliding_window)
+    return torch.zeros(allowed.shape, dtype=like.dtype, device=like.device).masked_fill(~allowed, float("-inf"))
