@@ -73,7 +73,7 @@ def test_sigkill_mid_epoch_with_two_loader_workers_resumes_bit_identical_and_reu
     # The resumed run is a process of its own, like the killed one. Trained inside the test process its weights
     # were not bit-identical (close, not equal); a fresh process is, so the in-process state is the difference.
     resumed = train(config, *resume_overrides(tmp_path / "run", tmp_path / "resumed"))
-    assert "reusing token cache" in resumed.stderr and "tokenizing" not in resumed.stderr
+    assert "reusing the data cache" in resumed.stderr and "tokenizing" not in resumed.stderr
     assert f"step-{EVERY} at step {EVERY}" in resumed.stderr
     assert_resume_reproduces_the_killed_run(tmp_path / "run", tmp_path / "resumed")
 

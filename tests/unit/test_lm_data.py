@@ -11,7 +11,7 @@ import torch
 from tokenizers import Tokenizer, models, pre_tokenizers
 
 from paratrain.data.lm import packed_text
-from paratrain.data.token_cache import cache_problem
+from paratrain.data.shared_cache import cache_problem
 from paratrain.errors import ConfigError
 
 WORDS = [f"w{i}" for i in range(40)]
@@ -88,7 +88,7 @@ def test_second_build_reuses_the_cache_and_a_corrupted_or_partial_one_is_rebuilt
     expected = first.array.tolist()
     caplog.clear()
     packed_text(**corpus, block_size=16)  # another block size packs the same cached tokens
-    assert "reusing token cache" in caplog.text and "tokenizing" not in caplog.text
+    assert "reusing the data cache" in caplog.text and "tokenizing" not in caplog.text
 
     directory = first.tokens.path.parent
     raw = bytearray(first.tokens.path.read_bytes())
