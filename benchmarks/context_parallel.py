@@ -69,7 +69,10 @@ def rank_activation_bytes(rank: int, cp: int, seq_len: int, port: int, documents
     torch.manual_seed(0)
     model = build_gpt(block_size=seq_len, **MODEL)
     sharding = SequenceSharding(
-        cp=cp, cp_rank=rank, cp_group=dist.group.WORLD if cp > 1 else None, documents=EndToken(EOS) if documents else None
+        cp=cp,
+        cp_rank=rank,
+        cp_group=dist.group.WORLD if cp > 1 else None,
+        documents=EndToken(EOS) if documents else None,
     )
     install_sequence_functions(model, attention=sharding.attention, positions=sharding.positions)
     tokens = one_sample(seq_len, documents=documents)

@@ -1,8 +1,8 @@
 """Chat and instruction samples: conversations rendered by the tokenizer's chat template, with the loss on
 the assistant's replies only.
 
-Every conversation is tokenized once, when the dataset is built (SFT sets are small next to pretraining
-corpora). Labels: each token of an assistant reply, with the end-of-turn tokens the template puts after it,
+Every conversation is tokenized once, into a cache shared by every rank of a node and every later run
+(paratrain.data.shared_cache: keyed by the files, the tokenizer and the template). Labels: each token of an assistant reply, with the end-of-turn tokens the template puts after it,
 is a target; every other token (system prompt, user turns, the template's role headers) carries
 ``IGNORE_INDEX``. A multi-turn conversation is one sample that learns every assistant reply in it, each
 seeing the whole conversation before it.
@@ -21,19 +21,26 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Literal
 
+import numpy as np
 import torch
 from torch.utils.data import Dataset
 
 from paratrain.data.conversations import Conversation, iter_conversations
 from paratrain.data.corpus import resolve_files
 from paratrain.data.packing import PackedSamples
+from paratrain.data.shared_cache import DEFAULT_CACHE_DIR, cache_key, directory_digest, fingerprint, shared_cache
 from paratrain.errors import ConfigError
 from paratrain.losses import IGNORE_INDEX
 
 logger = logging.getLogger(__name__)
+
+CHAT_CACHE_FORMAT = 1
+SAMPLE_ARRAYS = ("tokens", "labels", "offsets")  # every sample's ids and labels, one after another; where each begins
 
 
 @dataclass(frozen=True)
@@ -72,6 +79,7 @@ def chat_data(
     overflow: Literal["truncate", "drop"] = "truncate",
     chat_template: str | None = None,
     pack: bool = True,
+    cache_dir: str = DEFAULT_CACHE_DIR,
 ) -> ChatSamples | PackedSamples:
     """Factory for config files: ``data.factory: paratrain.data.chat:chat_data``.
 
@@ -85,6 +93,7 @@ def chat_data(
         chat_template: A Jinja chat template to use instead of the tokenizer's own (or for one without).
         pack: Pack conversations into rows of ``seq_len`` tokens, each computed as if alone (paratrain.data.packing);
             False: one conversation per row, padded to ``seq_len``.
+        cache_dir: Where tokenized conversations are kept, one directory per files/tokenizer/template.
 
     Raises:
         ConfigError: no files, a tokenizer without a chat template, bad rows, or no sample left.
@@ -94,14 +103,18 @@ def chat_data(
             f"data.args: seq_len={seq_len} must be at least 1 and overflow={overflow!r} 'truncate' or 'drop'"
         )
     loaded = load_chat_tokenizer(tokenizer, chat_template=chat_template)
+    rendered_all = tokenized_once(
+        resolve_files(files),
+        lambda paths: [render(loaded, conversation) for path in paths for conversation in iter_conversations(path)],
+        key={"tokenizer": directory_digest(Path(tokenizer)), "template": loaded.chat_template, "kind": "chat"},
+        cache_dir=Path(cache_dir),
+    )
     samples, cut, dropped = [], 0, 0
-    for path in resolve_files(files):
-        for conversation in iter_conversations(path):
-            rendered = render(loaded, conversation)
-            sample = fit(rendered, seq_len=seq_len, overflow=overflow)
-            cut += sample is not None and len(sample.tokens) < len(rendered.tokens)
-            dropped += sample is None
-            samples += [sample] if sample is not None else []
+    for rendered in rendered_all:
+        sample = fit(rendered, seq_len=seq_len, overflow=overflow)
+        cut += sample is not None and len(sample.tokens) < len(rendered.tokens)
+        dropped += sample is None
+        samples += [sample] if sample is not None else []
     if not samples:
         raise ConfigError(f"data.args: no conversation in {files!r} keeps a reply within seq_len={seq_len}")
     if int(os.environ.get("RANK", 0)) == 0:
@@ -111,6 +124,38 @@ def chat_data(
     pad_id = loaded.pad_token_id if loaded.pad_token_id is not None else (loaded.eos_token_id or 0)
     rows = PackedSamples if pack else ChatSamples
     return rows(samples, seq_len=seq_len, pad_id=pad_id, vocab_size=len(loaded))
+
+
+def tokenized_once(
+    files: list[Path], tokenize: Callable[[list[Path]], list[ChatSample]], *, key: dict, cache_dir: Path
+) -> list[ChatSample]:
+    """``tokenize(files)``'s samples, from the shared cache when an intact one exists for these files and ``key``
+    (the tokenizer and template), else tokenized by local rank 0 into it while the node's other ranks wait."""
+    inputs = {"format": CHAT_CACHE_FORMAT, "files": [fingerprint(path) for path in files], **key}
+    directory = Path(cache_dir).expanduser() / cache_key(inputs)
+    shared_cache(directory, lambda staging: _write_samples(staging, tokenize(files)), local_rank=_local_rank())
+    tokens, labels, offsets = (np.load(directory / f"{name}.npy", allow_pickle=False) for name in SAMPLE_ARRAYS)
+    return [
+        ChatSample(tokens[start:end].tolist(), labels[start:end].tolist())
+        for start, end in zip(offsets[:-1].tolist(), offsets[1:].tolist(), strict=True)
+    ]
+
+
+def _write_samples(staging: Path, samples: list[ChatSample]) -> dict:
+    logger.info("tokenized %d samples into the data cache %s", len(samples), staging.with_suffix(""))
+    lengths = [len(sample.tokens) for sample in samples]
+    arrays = {
+        "tokens": np.array([token for sample in samples for token in sample.tokens], dtype=np.int64),
+        "labels": np.array([label for sample in samples for label in sample.labels], dtype=np.int64),
+        "offsets": np.concatenate([[0], np.cumsum(lengths, dtype=np.int64)]).astype(np.int64),
+    }
+    for name, array in arrays.items():
+        np.save(staging / f"{name}.npy", array, allow_pickle=False)
+    return {"samples": len(samples), "tokens": int(sum(lengths))}
+
+
+def _local_rank() -> int:
+    return int(os.environ.get("LOCAL_RANK", 0))
 
 
 def load_chat_tokenizer(path: str, *, chat_template: str | None):

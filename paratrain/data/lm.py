@@ -23,12 +23,11 @@ import torch
 from torch.utils.data import Dataset
 
 from paratrain.data.corpus import resolve_files
+from paratrain.data.shared_cache import DEFAULT_CACHE_DIR
 from paratrain.data.stream import StreamedTokens
 from paratrain.data.token_cache import TokenArray, build_token_array
 from paratrain.data.tokenizer import load_tokenizer
 from paratrain.errors import ConfigError
-
-DEFAULT_CACHE_DIR = "~/.cache/paratrain/tokens"
 
 
 class PackedTokens(Dataset):

@@ -29,6 +29,7 @@ from paratrain.errors import ConfigError
 logger = logging.getLogger("paratrain")
 
 META = "meta.json"
+DEFAULT_CACHE_DIR = "~/.cache/paratrain/tokens"
 
 
 def cache_key(inputs: dict[str, Any]) -> str:

@@ -111,3 +111,23 @@ def test_paratrain_loss_on_a_chat_sample_equals_the_loss_transformers_computes_f
     tokens, labels = torch.tensor([sample.tokens]), torch.tensor([sample.labels])
     theirs = model(input_ids=tokens, labels=labels).loss
     torch.testing.assert_close(ours, theirs, rtol=1e-6, atol=1e-6)
+
+
+def test_conversations_are_tokenized_once_and_again_only_when_an_input_changes(tmp_path, tokenizer_dir, caplog):
+    import logging
+
+    caplog.set_level(logging.INFO)
+    path = write_chat_jsonl(tmp_path / "chat.jsonl", 8)
+    args = dict(files=str(path), tokenizer=str(tokenizer_dir), seq_len=32, cache_dir=str(tmp_path / "cache"))
+    first = chat_data(**args)
+    assert "tokenized 8 samples into the data cache" in caplog.text
+    caplog.clear()
+    again = chat_data(**args, pack=False)  # packing is a view of the cached samples
+    assert "reusing the data cache" in caplog.text and "tokenized" not in caplog.text.replace("tokenized again", "")
+    assert [s.tokens for s in again.samples] == [s.tokens for s in first.samples]
+    caplog.clear()
+    write_chat_jsonl(path, 9)  # a changed file: a new cache
+    assert len(chat_data(**args, pack=False)) == 9 and "tokenized 9 samples" in caplog.text
+    caplog.clear()
+    chat_data(**args, chat_template=MARKED_TEMPLATE)  # another template: a new cache too
+    assert "tokenized 9 samples" in caplog.text
