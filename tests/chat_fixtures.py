@@ -56,3 +56,26 @@ def write_chat_jsonl(path: Path, count: int, *, columns: str = "messages") -> Pa
         rows = [{"messages": turns} for turns in rows]
     path.write_text("".join(json.dumps(row) + "\n" for row in rows))
     return path
+
+
+def preference_row(index: int, *, conversational: bool = True) -> dict:
+    """Preference row ``index``: a prompt and two different replies of 1 to 4 words (TRL's column names)."""
+
+    def words(count: int, offset: int) -> str:
+        return " ".join(WORDS[(offset + i) % len(WORDS)] for i in range(count))
+
+    prompt = words(1 + (index * 5) % 7, index)
+    chosen, rejected = words(1 + index % 4, index + 2), words(1 + (index + 1) % 4, index + 9)
+    if not conversational:
+        return {"prompt": prompt + " ", "chosen": chosen, "rejected": rejected}
+    return {
+        "prompt": [{"role": "user", "content": prompt}],
+        "chosen": [{"role": "assistant", "content": chosen}],
+        "rejected": [{"role": "assistant", "content": rejected}],
+    }
+
+
+def write_preference_jsonl(path: Path, count: int, *, conversational: bool = True) -> Path:
+    rows = [preference_row(index, conversational=conversational) for index in range(count)]
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return path

@@ -121,8 +121,9 @@ class RNGState(Stateful):
 
 # Loaded only where the checkpoint has them. RNG states are saved per rank: a run resumed on more ranks has
 # none for the new ones. A run switched to fp16 resumes a checkpoint without a gradient scaler: its scaler
-# starts fresh. A checkpoint of a plain run resumed by replica groups holds no counts: they start at 0.
-OPTIONAL_STATE = ("rng", "grad_scaler", "replica_groups")
+# starts fresh. A checkpoint of a plain run resumed by replica groups holds no counts: they start at 0. A DPO run
+# resuming another run's checkpoint holds no reference log-probabilities: they are computed.
+OPTIONAL_STATE = ("rng", "grad_scaler", "replica_groups", "preference_reference")
 
 
 def training_state(

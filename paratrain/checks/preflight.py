@@ -16,6 +16,7 @@ from paratrain.checkpoint import find_checkpoints
 from paratrain.checkpoint.config_changes import check_resume_config
 from paratrain.checkpoint.manifest import check_checkpoint, is_complete, read_manifest
 from paratrain.checks.experts import check_expert_layout
+from paratrain.checks.objectives import check_objective
 from paratrain.checks.pipeline_settings import check_pipeline
 from paratrain.checks.sequence_settings import check_sequence_layout
 from paratrain.checks.whole_model import check_whole_model_features
@@ -56,6 +57,7 @@ def preflight(config: Config, *, world_size: int, nproc_per_node: int) -> None:
         lambda: _check_expert_layout(config, _dims(config, world_size, nproc_per_node), model_on_meta),
         lambda: _check_final_hf_export(config, model_on_meta),
         lambda: check_whole_model_features(config.debug, config.pipeline, model_on_meta()),
+        lambda: check_objective(config.loss, config.data, config.eval, _dims(config, world_size, nproc_per_node)),
         lambda: _check_lora_layout(config, _dims(config, world_size, nproc_per_node)),
         lambda: check_factory_args(config.loss, key="loss"),
         lambda: check_callback_configs(config.callbacks),

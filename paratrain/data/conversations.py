@@ -25,7 +25,7 @@ def iter_conversations(path: Path) -> Iterator[Conversation]:
     Raises:
         ConfigError: a row without the columns (the columns it has named), or a conversation out of order.
     """
-    for number, row in enumerate(_rows(path), start=1):
+    for number, row in enumerate(rows_of(path), start=1):
         conversation = conversation_of(row, where=f"{path} row {number}")
         check_conversation(conversation, where=f"{path} row {number}")
         yield conversation
@@ -78,7 +78,8 @@ def check_conversation(conversation: Conversation, *, where: str) -> None:
         raise ConfigError(f"data.args.files: {where} has no assistant reply to learn from; fix or drop the row")
 
 
-def _rows(path: Path) -> Iterator[dict[str, Any]]:
+def rows_of(path: Path) -> Iterator[dict[str, Any]]:
+    """The rows of a .jsonl, .parquet or saved dataset, in order."""
     if path.suffix == ".jsonl":
         yield from _jsonl_rows(path)
     elif path.suffix == ".parquet":

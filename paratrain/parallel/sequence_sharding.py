@@ -112,7 +112,8 @@ class SequenceSharding:
         local = self._order(inputs.shape[1], inputs.device)[0]
         inputs, documents, positions = self._documents_and_positions(inputs)
         self.current = CutMicroBatch(positions[:, local], documents, exchange=self.cp > 1)
-        return inputs[:, local], targets[:, local]
+        # Targets that are not one tensor (a preference pair's labels and reference) are whole-sequence values.
+        return inputs[:, local], targets[:, local] if isinstance(targets, torch.Tensor) else targets
 
     def local_targets(self, targets: torch.Tensor) -> torch.Tensor:
         """This rank's tokens of ``targets``, without remembering anything (to count them ahead of the step)."""

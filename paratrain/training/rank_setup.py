@@ -50,6 +50,7 @@ from paratrain.parallel.dims import ParallelDims, micro_batch_size, resolve_para
 from paratrain.parallel.documents import boundaries_of
 from paratrain.parallel.sequence_sharding import build_sequence_sharding
 from paratrain.precision import MixedPrecision, Precision, build_mixed_precision
+from paratrain.training.preference_reference import NoPreferenceReference, PreferenceReference
 
 logger = logging.getLogger("paratrain")
 
@@ -210,6 +211,24 @@ def build_rank_evaluator(
         dims=dims,
         train=train,
         sequence=built.layout.sequence,
+    )
+
+
+def build_preference_reference(
+    dataset: Dataset, built: RankModel, *, dims: ParallelDims, train: TrainConfig
+) -> PreferenceReference | NoPreferenceReference:
+    """DPO's reference log-probabilities (training/preference_reference.py) when the data is preference pairs."""
+    if not getattr(dataset, "is_preference_data", False):
+        return NoPreferenceReference()
+    layout = built.layout
+    return PreferenceReference(
+        dataset,
+        model=layout.runnable,
+        sequence=layout.sequence,
+        autocast=built.precision.autocast,
+        device=layout.engine.device,
+        dims=dims,
+        micro_batch_size=train.micro_batch_size,
     )
 
 

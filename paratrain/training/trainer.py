@@ -18,9 +18,8 @@ from torch import nn
 from torch.utils.data import Dataset
 
 from paratrain.callbacks.base import Callback, CallbackList
+from paratrain.callbacks.built_in import built_in_callbacks
 from paratrain.callbacks.configured import build_callbacks
-from paratrain.callbacks.profiling import maybe_profiler
-from paratrain.callbacks.routing import maybe_router_stats
 from paratrain.checkpoint.state import Progress, RNGState, scaler_state, training_state
 from paratrain.config.factories import call_factory, reported_as_user_code
 from paratrain.config.loading import config_to_yaml
@@ -94,7 +93,6 @@ class Trainer:
         self.ctx = ctx
         self.pipeline_group = self.dims.pp_mesh.get_group() if self.dims.pp_enabled else None  # other stages' ranks
         self.health = NonFiniteWatch(train, before_stopping=lambda: self.checkpointer.wait())  # a save in flight
-        # Chosen now: a changed config is refused before anything is built, and a resume initialises nothing.
         resolved = config.model_dump(mode="json")  # recorded in every checkpoint, compared with a resume's
         self.checkpoints = RunCheckpoints(
             config.checkpoint, output_dir, ctx=ctx, config=resolved, state=self.checkpoint_state, health=self.health
@@ -127,9 +125,9 @@ class Trainer:
         self.tokens_per_sample = self.feed.tokens_per_sample
         self.progress = Progress()
         self.evaluator = rank_setup.build_rank_evaluator(config.eval, eval_dataset, built, dims=self.dims, train=train)
-        profiler = maybe_profiler(config.profile, directory=output_dir / "profile", rank=ctx.rank, device=ctx.device)
-        router_stats = maybe_router_stats(self.bare_model)  # a mixture of experts' routing, in the record
-        self.callbacks = CallbackList([*profiler, *router_stats, *user_callbacks], self)
+        self.reference = rank_setup.build_preference_reference(dataset, built, dims=self.dims, train=train)  # DPO
+        own = built_in_callbacks(config.profile, self.bare_model, built.loss_fn, output_dir=output_dir, ctx=ctx)
+        self.callbacks = CallbackList([*own, *user_callbacks], self)
         self._started, self._stepped = False, False  # _stepped: see _first_step_or_next
         groups = config.parallel.fault_tolerance  # fault-tolerant replica groups, when the run is one of several
         self.replicas = maybe_join_replica_groups(
@@ -238,7 +236,8 @@ class Trainer:
         """Every Stateful that a resume needs, under the names checkpoints store them by."""
         rng, scaler = RNGState(self.ctx.rank, self.devices), self.precision.scaler
         parts = training_state(self.bare_model, self.optimizer, self.lr_scheduler, data=self.feed.position, rng=rng)
-        return parts | {"progress": self.progress} | scaler_state(scaler) | self.replicas.checkpoint_state()
+        extra = self.replicas.checkpoint_state() | self.reference.checkpoint_state()
+        return parts | {"progress": self.progress} | scaler_state(scaler) | extra
 
     def _maybe_evaluate(self, window: LogWindow) -> dict[str, float]:
         """{eval_loss, eval_time_s} on evaluation steps, else {}."""
@@ -283,13 +282,13 @@ class Trainer:
         return path
 
     def _maybe_start(self) -> None:
-        """What a run does once, when training starts: the resume, then its output directory. The resume first:
-        a named checkpoint that proves damaged while loading stops the run with nothing written."""
+        """Once, as training starts: the resume (a damaged one stops the run here), DPO's reference, the output dir."""
         config, step = self.config, self.progress.step
         if not self._started:
             self._started = True
             if self.checkpoints.chosen is not None and not self.replicas.heals_instead_of_resuming():
                 self._resume()
+            self.reference.maybe_compute()
             if self.ctx.is_main:
                 config.run.output_dir.mkdir(parents=True, exist_ok=True)
                 (config.run.output_dir / "config.yaml").write_text(config_to_yaml(config))
