@@ -32,7 +32,7 @@ TEST_WORKERS ?= 2
 $(INSTALLED): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
 	# constraints.txt pins torch==2.13.0 so pip never pulls a newer multi-GB CUDA build.
-	$(BIN)/pip install --quiet -c constraints.txt -e '.[dev]'
+	$(BIN)/pip install --quiet -c constraints.txt -e '.[dev,trl]'
 	touch $@
 
 $(MLFLOW_SERVER): $(INSTALLED)

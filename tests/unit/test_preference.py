@@ -89,3 +89,57 @@ def test_the_dpo_loss_is_log_2_at_the_reference_and_follows_the_sigmoid_formula(
 def test_dpo_arguments_out_of_range_are_refused():
     with pytest.raises(ValueError, match="beta=0"):
         dpo(beta=0)
+
+
+def test_the_dpo_loss_on_a_batch_equals_trls_dpo_trainer_on_the_same_batch(tmp_path, tokenizer_dir):
+    """TRL's DPOTrainer (its own tokenization, batching and loss) against paratrain's pairs, attention within each
+    sequence and DPO loss, for the same rows, policy and reference weights: the same token ids, the same loss."""
+    trl = pytest.importorskip("trl")
+    import transformers
+    from datasets import Dataset
+
+    from paratrain.models.attention_hooks import install_sequence_functions
+    from paratrain.parallel.sequence_sharding import SequenceSharding
+    from tests.chat_fixtures import preference_row
+
+    config = transformers.AutoConfig.for_model(
+        "llama", vocab_size=32, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64,
+    )  # fmt: skip
+    models = []
+    for seed in (0, 1):  # the policy, and a reference that differs from it
+        torch.manual_seed(seed)
+        models.append(transformers.AutoModelForCausalLM.from_config(config))
+    rows = [preference_row(index) for index in range(4)]
+    tokenizer = transformers.AutoTokenizer.from_pretrained(tokenizer_dir)
+    args = trl.DPOConfig(
+        output_dir=str(tmp_path / "trl"), beta=0.5, per_device_train_batch_size=4, report_to=[], use_cpu=True
+    )
+    trainer = trl.DPOTrainer(
+        model=models[0],
+        ref_model=models[1],
+        args=args,
+        train_dataset=Dataset.from_list(rows),
+        processing_class=tokenizer,
+    )
+    batch = trainer.data_collator([trainer.train_dataset[index] for index in range(4)])
+    theirs = trainer.compute_loss(trainer.model, batch).item()
+
+    path = tmp_path / "pref.jsonl"
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    pairs = preference_data(files=str(path), tokenizer=str(tokenizer_dir), seq_len=16, cache_dir=str(tmp_path / "c"))
+    for index, (chosen, rejected) in enumerate(pairs.pairs):  # the very tokens TRL trains on
+        for sample, row in ((chosen, index), (rejected, index + 4)):
+            length = int(batch["attention_mask"][row].sum())
+            assert sample.tokens == batch["input_ids"][row, :length].tolist()
+    inputs = torch.stack([pairs[index][0] for index in range(4)])
+    labels = torch.stack([pairs[index][1]["labels"] for index in range(4)])
+    logits = []
+    for model in models:  # each sequence of a pair computed alone (marked starts), as TRL computes each apart
+        sharding = SequenceSharding(cp=1, cp_rank=0, cp_group=None, documents=MarkedStarts())
+        install_sequence_functions(model, attention=sharding.attention, positions=sharding.positions)
+        logits.append(model(sharding.whole(inputs)).logits)
+        sharding.release()
+    reference = completion_log_probs(logits[1].detach(), labels)
+    ours = dpo(beta=0.5)(logits[0], {"labels": labels, "reference": reference}).item()
+    assert ours == pytest.approx(theirs, rel=1e-5)
