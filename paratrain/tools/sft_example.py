@@ -3,6 +3,8 @@
 ``python -m paratrain.tools.sft_example DIR`` writes
 - ``DIR/chat.jsonl``: small arithmetic conversations ("what is three plus four" -> "seven"), some with a
   system turn and a second exchange;
+- ``DIR/preference.jsonl``: preference rows in TRL's columns for DPO: a sum as the prompt, the right answer
+  chosen and a wrong one rejected;
 - ``DIR/tokenizer``: a word-level tokenizer over their words, with a chat template, saved by transformers;
 - ``DIR/base``: a tiny Llama made from its config (random weights), saved with ``save_pretrained``: the
   stand-in for the pretrained model a user would download.
@@ -48,6 +50,23 @@ def conversations(count: int, *, seed: int = 0) -> list[list[dict[str, str]]]:
     return rows
 
 
+def preferences(count: int, *, seed: int = 1) -> list[dict]:
+    """A sum of two numbers up to eight; the right answer chosen, one off by one or two rejected."""
+    rng = random.Random(seed)
+    rows = []
+    for _ in range(count):
+        a, b = rng.randint(0, 8), rng.randint(0, 8)
+        wrong = rng.choice([n for n in (a + b - 2, a + b - 1, a + b + 1, a + b + 2) if 0 <= n < len(NUMBERS)])
+        rows.append(
+            {
+                "prompt": [{"role": "user", "content": f"what is {NUMBERS[a]} plus {NUMBERS[b]}"}],
+                "chosen": [{"role": "assistant", "content": NUMBERS[a + b]}],
+                "rejected": [{"role": "assistant", "content": NUMBERS[wrong]}],
+            }
+        )
+    return rows
+
+
 def write_tokenizer(directory: Path) -> int:
     """Saves the tokenizer; returns its vocabulary size."""
     # Lazy: the hf and data extras, only for this command.
@@ -81,9 +100,13 @@ def main() -> None:
     args.directory.mkdir(parents=True, exist_ok=True)
     rows = conversations(args.conversations)
     (args.directory / "chat.jsonl").write_text("".join(json.dumps({"messages": turns}) + "\n" for turns in rows))
+    pairs = preferences(args.conversations)
+    (args.directory / "preference.jsonl").write_text("".join(json.dumps(row) + "\n" for row in pairs))
     vocab_size = write_tokenizer(args.directory / "tokenizer")
     write_base_model(args.directory / "base", vocab_size=vocab_size)
-    print(f"wrote {len(rows)} conversations, a tokenizer and a base model to {args.directory}")
+    print(
+        f"wrote {len(rows)} conversations, {len(pairs)} preference rows, a tokenizer and a base model to {args.directory}"
+    )
 
 
 if __name__ == "__main__":

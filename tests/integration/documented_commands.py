@@ -150,6 +150,15 @@ COMMANDS: dict[str, Run | Elsewhere] = {
     'python -c "import peft, transformers; peft.PeftModel.from_pretrained(transformers.AutoModelForCausalLM.'
     "from_pretrained('runs/sft/data/base'), 'out/adapter')\"": Run(recipe="sft"),
     "paratrain export runs/hf_sft_lora --hf out/merged --merge": Run(recipe="sft", output="step-10"),
+    # --- examples/hf_dpo_lora.yaml and docs/fine-tuning.md: preference tuning (DPO) with LoRA ----------------
+    "python -m paratrain.tools.sft_example runs/dpo/data": Run(recipe="dpo"),
+    "paratrain train examples/hf_dpo_lora.yaml --nproc-per-node 2": Run(
+        ("train.max_steps=4", "checkpoint.every_steps=4"),
+        "export needs a checkpoint, not 60 steps of training",
+        "dpo",
+        output="DPO: the reference log-probabilities",
+    ),
+    "paratrain export runs/hf_dpo_lora --hf out/dpo-adapter": Run(recipe="dpo", output="step-4"),
     # --- examples/gpt_moe.yaml: paratrain's GPT with a mixture-of-experts feed-forward, fsdp over 2 ranks ----
     "paratrain train examples/gpt_moe.yaml --nproc-per-node 2 train.max_steps=10": Run(output="layout fsdp"),
     "paratrain train examples/gpt_moe.yaml parallel.ep=2 --nproc-per-node 2 train.max_steps=10": Run(
