@@ -6,9 +6,9 @@ and counts the bytes autograd saves for backward (each tensor's storage once, pa
 the logits: the activations a rank holds at the end of forward. Printed per sequence length and cp, with
 the ratio to cp=1 and the goal 1/cp + 10 %.
 
-Mask cost: one process, the time of a forward and backward with document masking (SDPA with a boolean
-block-causal mask) against plain causal attention (SDPA's is_causal kernel), on the same windows,
-alternating within each round; the median ratio over rounds.
+Document cost: one process, the time of a forward and backward with attention within documents (causal SDPA
+on each document alone: parallel/documents.py) against plain causal attention over the whole window (SDPA's
+is_causal kernel), on the same windows, alternating within each round; the median ratio over rounds.
 
     .venv/bin/python benchmarks/context_parallel.py --seq-lens 2048 4096 8192 --cps 1 2 4
     .venv/bin/python benchmarks/context_parallel.py --mask-cost --seq-lens 1024 2048 --rounds 5

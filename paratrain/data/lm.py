@@ -108,7 +108,7 @@ def packed_text(
             (the same source through ``eval.factory``).
         validation_fraction: Share of the samples held out for validation.
         document_mask: Attention within each document of a window only, positions restarting at each
-            (block-causal attention through an SDPA mask: see docs/data.md for what it costs).
+            (attention runs on each document alone: see docs/data.md for what it costs).
 
     Raises:
         ConfigError: missing files, an empty corpus, a JSON line without the text field, a path that is not a
