@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from paratrain.checks.objectives import PREFERENCE_DATA
 from paratrain.parallel.dims import ParallelDims
 from paratrain.planner.host_memory import HostMemory, NodeHostMemory
 from paratrain.planner.inputs import PlanInputs
@@ -46,10 +47,31 @@ def _header(plan: Plan, facts: ModelFacts, inputs: PlanInputs, activation_source
         f"optimizer {optimizer}; precision {inputs.precision} (weights, gradients, optimizer state fp32)",
         f"batch: global {inputs.train.global_batch_size}, micro {inputs.train.micro_batch_size}; activation "
         f"checkpointing {'on' if inputs.parallel.activation_checkpointing else 'off'}; activations: {activation_source}",
+        *_fine_tuning_lines(facts, inputs),
         _cluster_line(cluster, host_source),
         f"{len(plan.ranked)} layout(s) estimated, {len(plan.fitting)} fit; {len(plan.refused)} refused by "
         f"paratrain's checks",
     ]
+
+
+def _fine_tuning_lines(facts: ModelFacts, inputs: PlanInputs) -> list[str]:
+    """What LoRA saves (frozen weights hold no gradient and no optimizer state) and what DPO's reference costs."""
+    lines = []
+    frozen = sum(param.numel for param in facts.params if not param.trainable)
+    if frozen:
+        trained = facts.num_params - frozen
+        saved = frozen * (4 + 8)  # fp32 gradients and AdamW's two moments (the table counts them so)
+        lines.append(
+            f"LoRA: {trained:,} of {facts.num_params:,} parameters train ({100 * trained / facts.num_params:.2f} %): "
+            f"{format_bytes(saved)} of gradients and optimizer state a full fine-tune would hold, divided by the "
+            f"shards under fsdp, are not held"
+        )
+    if inputs.data.factory == PREFERENCE_DATA:
+        lines.append(
+            "DPO: the reference is the model as it starts, its log-probabilities of each pair computed once before "
+            "training (2 numbers per pair, in every checkpoint): no second copy of the model, one forward pass"
+        )
+    return lines
 
 
 def _cluster_line(cluster: Cluster, host_source: str) -> str:

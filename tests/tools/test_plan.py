@@ -347,3 +347,39 @@ def test_the_planner_offers_expert_parallel_for_a_mixture_of_experts_and_recomme
     assert tp4.repeated_seconds > 0 and by_layout[fsdp].repeated_seconds == by_layout[ep4].repeated_seconds == 0
     dense = load_config(None, ["model.args={n_layer: 2, n_head: 4, n_embd: 64}"])
     assert all(not estimate.dims.ep_enabled for estimate in plan_layouts(dense, gpus=4, gpu_memory="80GB")[0].ranked)
+
+
+def test_plan_says_what_lora_saves_and_what_dpos_reference_costs(tmp_path, capsys):
+    from paratrain.tools.sft_example import preferences, write_base_model, write_tokenizer
+
+    vocab = write_tokenizer(tmp_path / "tokenizer")
+    write_base_model(tmp_path / "base", vocab_size=vocab)
+    (tmp_path / "pref.jsonl").write_text("".join(json.dumps(row) + "\n" for row in preferences(8)))
+    dpo = [
+        "model.factory=paratrain.models.hf:causal_lm",
+        f"model.args={{config_dir: {tmp_path / 'base'}}}",
+        f"model.pretrained={tmp_path / 'base'}",
+        "eval.factory=null",
+        "data.factory=paratrain.data.preference:preference_data",
+        f"data.args={{files: {tmp_path / 'pref.jsonl'}, tokenizer: {tmp_path / 'tokenizer'}, seq_len: 16}}",
+        "loss.factory=paratrain.losses:dpo",
+    ]
+    lora = "model.lora={r: 4, alpha: 8, target_modules: [q_proj, v_proj]}"
+    for overrides in (dpo, [*dpo, lora]):
+        main(
+            [
+                "plan",
+                "examples/quickstart.yaml",
+                *overrides,
+                "--gpus",
+                "2",
+                "--gpu-memory",
+                "80GB",
+                "--host-memory",
+                "64GB",
+            ]
+        )
+        out = capsys.readouterr().out
+        assert "DPO: the reference is the model as it starts" in out and "no second copy of the model" in out
+        assert ("LoRA: " in out) == (lora in overrides)
+    assert "parameters train (" in out and "of gradients and optimizer state a full fine-tune would hold" in out
