@@ -33,6 +33,19 @@ def maybe_apply_lora(model: nn.Module, lora: LoraConfig | None) -> nn.Module:
     return model if lora is None else apply_lora(model, lora)
 
 
+def require_peft():
+    """peft, or a ConfigError naming the extra that installs it (not a ModuleNotFoundError from every rank).
+
+    Raises:
+        ConfigError: peft is not installed.
+    """
+    try:
+        import peft  # Lazy: peft is an optional dependency (the lora extra), imported only by LoRA runs.
+    except ImportError:
+        raise ConfigError("model.lora needs peft, which is not installed: pip install 'paratrain[lora]'") from None
+    return peft
+
+
 def apply_lora(model: nn.Module, lora: LoraConfig) -> nn.Module:
     """Injects LoRA adapters into ``model`` and freezes everything else.
 
@@ -46,9 +59,7 @@ def apply_lora(model: nn.Module, lora: LoraConfig) -> nn.Module:
             f"model from paratrain.models.hf:causal_lm (or model.pretrained), or remove model.lora"
         )
     _check_targets(model, lora.target_modules)
-    # Lazy: peft is an optional dependency (the lora extra), imported only by runs with model.lora.
-    import peft
-
+    peft = require_peft()
     config = peft.LoraConfig(
         r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout, target_modules=lora.target_modules
     )
@@ -57,9 +68,7 @@ def apply_lora(model: nn.Module, lora: LoraConfig) -> nn.Module:
 
 def peft_config(lora: LoraConfig, *, base_model: str | None = None):
     """peft's LoraConfig for the same adapters (what an exported adapter's adapter_config.json holds)."""
-    import peft  # Lazy: the lora extra, only for exports of LoRA runs.
-
-    return peft.LoraConfig(
+    return require_peft().LoraConfig(
         r=lora.r,
         lora_alpha=lora.alpha,
         lora_dropout=lora.dropout,

@@ -9,6 +9,7 @@ output directory holds an earlier run's files; a refused ``train`` must leave th
 from __future__ import annotations
 
 import json
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -39,6 +40,16 @@ TINY_LLAMA = [
     "model.args={model_type: llama, vocab_size: 128, hidden_size: 16, intermediate_size: 32, num_hidden_layers: 1, "
     "num_attention_heads: 2, num_key_value_heads: 2, max_position_embeddings: 16}",
 ]
+PREFERENCE = [
+    *[
+        "model.factory=paratrain.models.hf:causal_lm",
+        "model.args={model_type: llama, vocab_size: 32, hidden_size: 16, intermediate_size: 32, num_hidden_layers: 1, "
+        "num_attention_heads: 2, num_key_value_heads: 2, max_position_embeddings: 32}",
+    ],
+    "data.factory=paratrain.data.preference:preference_data",
+    "loss.factory=paratrain.losses:dpo",
+    "eval.factory=null",
+]
 CHAT = [
     "data.factory=paratrain.data.chat:chat_data",
     "data.args={files: {tmp}/chat.jsonl, tokenizer: {chat_tokenizer}, seq_len: 16}",
@@ -50,14 +61,15 @@ class Case:
     argv: tuple[str, ...]  # formatted with the files of ``files`` ({config}, {tmp}, ...)
     expected: tuple[str, ...]  # each must appear in stderr
     sys_path: str = ""  # a folder put first on sys.path: what a case finds installed ({old_transformers})
+    missing: str = ""  # a module made unimportable, as on a machine without that extra
 
 
-def case(*argv: str, expect: str | tuple[str, ...], sys_path: str = "") -> Case:
-    return Case(argv, (expect,) if isinstance(expect, str) else expect, sys_path)
+def case(*argv: str, expect: str | tuple[str, ...], sys_path: str = "", missing: str = "") -> Case:
+    return Case(argv, (expect,) if isinstance(expect, str) else expect, sys_path, missing)
 
 
-def train(*extra: str, expect: str | tuple[str, ...], sys_path: str = "") -> Case:
-    return case("train", "{config}", *extra, expect=expect, sys_path=sys_path)
+def train(*extra: str, expect: str | tuple[str, ...], sys_path: str = "", missing: str = "") -> Case:
+    return case("train", "{config}", *extra, expect=expect, sys_path=sys_path, missing=missing)
 
 
 CASES: dict[str, Case] = {
@@ -374,6 +386,43 @@ CASES: dict[str, Case] = {
         "model.lora={r: 4}", expect=("model.lora: GPT is not a transformers model", "remove model.lora")
     ),
     "model.lora.r zero": train("model.lora={r: 0}", expect=("model.lora.r", "greater than 0")),
+    # --- fine-tuning objectives: packed samples, preference data and DPO ------------------------------------
+    "packing with a model that cannot keep samples apart": train(
+        *CHAT,
+        "model.factory=paratrain.models.hf:causal_lm",
+        "model.args={model_type: gpt2, vocab_size: 32, n_embd: 16, n_layer: 1, n_head: 2, n_positions: 32}",
+        expect=("data.args.pack=true (packing samples)", "set data.args.pack=false", "Llama, Mistral, Qwen2, Qwen3"),
+    ),
+    "preference row without rejected": train(
+        *PREFERENCE,
+        "data.args={files: {pref_missing}, tokenizer: {chat_tokenizer}, seq_len: 16}",
+        expect=("pref_missing.jsonl row 1 has no 'rejected' column", "prompt, chosen and rejected"),
+    ),
+    "preference row whose chosen is its rejected": train(
+        *PREFERENCE,
+        "data.args={files: {pref_same}, tokenizer: {chat_tokenizer}, seq_len: 16}",
+        expect="'chosen' and 'rejected' are the same completion",
+    ),
+    "preference prompt longer than seq_len": train(
+        *PREFERENCE,
+        "data.args={files: {pref_long}, tokenizer: {chat_tokenizer}, seq_len: 16}",
+        expect=("leaving no completion within data.args.seq_len=16", "raise seq_len"),
+    ),
+    "dpo loss without preference data": train(
+        "loss.factory=paratrain.losses:dpo", expect=("needs preference pairs", "paratrain.data.preference")
+    ),
+    "preference data without the dpo loss": train(
+        *PREFERENCE,
+        "loss.factory=paratrain.losses:cross_entropy",
+        "data.args={files: {pref_same}, tokenizer: {chat_tokenizer}, seq_len: 16}",
+        expect="set loss.factory=paratrain.losses:dpo",
+    ),
+    "model.lora without peft installed": train(
+        *TINY_LLAMA,
+        "model.lora={r: 4}",
+        missing="peft",
+        expect="model.lora needs peft, which is not installed: pip install 'paratrain[lora]'",
+    ),
     "model.lora target matching no module": train(
         *TINY_LLAMA,
         "model.lora={r: 4, target_modules: [qproj]}",
@@ -719,6 +768,9 @@ def files(tmp_path_factory) -> dict[str, str]:
         "chat_columns": {"question": "hi", "text": "hello"},
         "chat_order": {"messages": [{"role": "system", "content": "hi"}, {"role": "assistant", "content": "hi"}]},
         "chat_empty": {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": " "}]},
+        "pref_missing": {"prompt": "hi", "chosen": "one"},
+        "pref_same": {"prompt": "hi", "chosen": "one", "rejected": "one"},
+        "pref_long": {"prompt": " ".join(["one"] * 40), "chosen": " two", "rejected": " three"},
     }
     for name, row in chat_rows.items():
         (tmp / f"{name}.jsonl").write_text(json.dumps(row) + "\n")
@@ -745,6 +797,8 @@ def test_bad_input_exits_2_without_a_traceback_naming_the_key(files, monkeypatch
     as_new_user(monkeypatch, Path(files["tmp"]) / "home")  # no tracker variables, no ~/.netrc
     if CASES[name].sys_path:
         monkeypatch.syspath_prepend(fill(CASES[name].sys_path, files))
+    if CASES[name].missing:  # None in sys.modules: every import of it fails, as where it is not installed
+        monkeypatch.setitem(sys.modules, CASES[name].missing, None)
     argv = [fill(part, files) for part in CASES[name].argv]
     code, stderr = run_cli_in_process(argv)
     assert code == 2, f"exit {code}; stderr:\n{stderr}"
