@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import re
-from pathlib import Path
 
 from tests.unit.test_import_graph import LAYERS, PACKAGE
 

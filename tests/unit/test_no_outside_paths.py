@@ -8,7 +8,9 @@ import re
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-OUTSIDE = re.compile(r"(^|[\s`'\"(=])/(work|home|root|tmp|mnt|scratch|Users)/|\.\./shared|shared/(seeds|REFERENCE|STYLE)")
+OUTSIDE = re.compile(
+    r"(^|[\s`'\"(=])/(work|home|root|tmp|mnt|scratch|Users)/|\.\./shared|shared/(seeds|REFERENCE|STYLE)"
+)
 
 
 def checked_files() -> list[Path]:
