@@ -9,8 +9,9 @@ parser (the torch.load of each item, weights_only as everywhere). The next file 
 while the current one is served: hashlib releases the GIL.
 
 Memory: files are mapped, not copied (see ``map_hashed``): at most ``READ_AHEAD`` per rank at once, their
-pages the page cache's. A file is one writer thread's share of one rank's state at save time
-(``hashing.WRITE_THREADS`` per rank), so about half of a rank's shard.
+pages the page cache's. A file is one writer thread's share of one group of a rank's entries at save time
+(``hashing.WRITE_THREADS`` per group; the model's weights, a LoRA run's adapters, the rest: ``file_groups``),
+so at most about half of a rank's shard.
 """
 
 from __future__ import annotations
