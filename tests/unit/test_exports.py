@@ -22,7 +22,7 @@ from paratrain.checkpoint.tensor_reader import TensorReader
 from paratrain.config.schema import LoraConfig
 from paratrain.models.lora import apply_lora, peft_config
 from paratrain.parallel.collectives import quiet_single_process
-from paratrain.tools.export import export_hf, export_safetensors
+from paratrain.tools.export import export_hf, export_newest_hf, export_safetensors
 
 transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
@@ -209,3 +209,21 @@ def test_a_resume_loads_the_split_checkpoint_exactly(tmp_path):
     for name, tensor in into.state_dict().items():
         assert torch.equal(tensor, model.state_dict()[name]), name
     assert all(len(state) == 3 for state in optimizer.state.values())  # step and both moments
+
+
+def test_save_final_hf_exports_past_a_damaged_optimizer_file_and_falls_back_past_a_damaged_model_file(tmp_path, caplog):
+    model = llama()
+    config = run_config(lora=False)
+    checkpointer = Checkpointer(tmp_path / "checkpoints", keep_last=None, rank=0, world_size=1, config=config)
+    for step in (1, 2):
+        checkpointer.save(step, training_state(model, step))
+    newest = checkpointer.directory / "step-2"
+    flip_a_byte(files_holding_only(newest, "other")[0])
+    assert export_newest_hf(checkpointer.directory, tmp_path / "hf") == (newest, len(model.state_dict()))
+
+    damaged = flip_a_byte(files_holding_only(newest, "model")[0])
+    assert export_newest_hf(checkpointer.directory, tmp_path / "hf") == (
+        checkpointer.directory / "step-1",
+        len(model.state_dict()),
+    )
+    assert f"checkpoint file {damaged} is corrupt" in caplog.text and "falling back" in caplog.text
