@@ -16,6 +16,7 @@ import logging
 import math
 import struct
 from collections.abc import Iterator
+from operator import itemgetter
 from pathlib import Path
 
 import torch
@@ -131,7 +132,8 @@ def _without_prefix(items: dict[str, TensorStorageMetadata]) -> dict[str, Tensor
 
 
 def _tensors_of(reader: TensorReader, items: dict[str, TensorStorageMetadata]) -> Iterator[torch.Tensor]:
-    return (tensor for _, tensor in reader.read(items))
+    # map, not a generator expression: that would keep the last tensor bound while it reads the next
+    return map(itemgetter(1), reader.read(items))
 
 
 def _model_on_meta(model_section: dict):
@@ -176,6 +178,7 @@ def _write_safetensors(
                 tensor = next(tensors)
                 assert tensor.shape == item.size and tensor.dtype == item.properties.dtype, name
                 handle.write(tensor.contiguous().view(-1).view(torch.uint8).numpy())  # the bytes, not a copy
+                del tensor  # let go before the next is read: one tensor in memory, not two
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise

@@ -16,6 +16,7 @@ written, and let go before the next is read.
 from __future__ import annotations
 
 from collections.abc import Iterator
+from operator import itemgetter
 from pathlib import Path
 
 import torch
@@ -64,13 +65,13 @@ def merge_adapter(weight: torch.Tensor, *, down: torch.Tensor, up: torch.Tensor,
 
 def _merged(reader: TensorReader, adapters: dict[str, tuple[str, ...]], *, scaling: float) -> Iterator[torch.Tensor]:
     # One read in the order the merge needs: each base weight, then its module's A and B.
-    tensors = (tensor for _, tensor in reader.read(key for base in adapters for key in (base, *adapters[base])))
+    tensors = map(itemgetter(1), reader.read(key for base in adapters for key in (base, *adapters[base])))
     for base in adapters:
         weight = next(tensors)
         if adapters[base]:
-            down, up = next(tensors), next(tensors)
-            weight = merge_adapter(weight, down=down, up=up, scaling=scaling)
+            weight = merge_adapter(weight, down=next(tensors), up=next(tensors), scaling=scaling)
         yield weight
+        del weight  # let go before the next is read
 
 
 def _adapter_of(key: str, reader: TensorReader) -> tuple[str, ...]:
