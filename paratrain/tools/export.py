@@ -117,6 +117,9 @@ def _write_hf_shards(
     shards of at most ``max_shard_bytes`` and the index transformers reads them by; returns the count."""
     shards = _split_into_shards(entries, max_shard_bytes)
     out_dir.mkdir(parents=True, exist_ok=True)
+    # transformers loads model.safetensors before any index: one left by an earlier unsharded export into this
+    # directory (--merge wrote one) would shadow this export
+    (out_dir / "model.safetensors").unlink(missing_ok=True)
     weight_map = {}
     for number, shard in enumerate(shards, start=1):
         file = f"model-{number:05d}-of-{len(shards):05d}.safetensors"

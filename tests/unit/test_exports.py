@@ -141,6 +141,8 @@ def test_a_merged_export_is_sharded_and_holds_peft_merge_and_unload_values(tmp_p
     expected = reference.merge_and_unload().state_dict()
 
     out = tmp_path / "merged"
+    out.mkdir()
+    safetensors_torch.save_file(llama().state_dict(), out / "model.safetensors")  # an earlier, unsharded export
     export_hf(checkpoint, out, merge=True, max_shard_bytes=16 << 10)
     index = json.loads((out / "model.safetensors.index.json").read_text())
     shards = sorted(out.glob("model-*-of-*.safetensors"))
