@@ -37,7 +37,7 @@ from pathlib import Path
 import torch
 import yaml
 
-from paratrain.tools.export import read_tensor, tensor_names
+from paratrain.checkpoint.tensor_reader import TensorReader
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 TINY_GPT = {
@@ -72,10 +72,8 @@ def cli(config: Path, *args: str) -> list[str]:
 
 def final_weights(output_dir: Path, step: int) -> dict[str, torch.Tensor]:
     checkpoint = output_dir / "checkpoints" / f"step-{step}"
-    return {
-        name: read_tensor(checkpoint, "model." + name, item)
-        for name, item in tensor_names(checkpoint, "model.").items()
-    }
+    with TensorReader(checkpoint, verify=False) as reader:
+        return {key.removeprefix("model."): tensor for key, tensor in reader.read(reader.tensors("model."))}
 
 
 @dataclass

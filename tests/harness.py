@@ -23,7 +23,7 @@ import torch
 import yaml
 from safetensors.torch import load_file
 
-from paratrain.tools.export import read_tensors, tensor_names
+from paratrain.checkpoint.tensor_reader import TensorReader
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
@@ -185,8 +185,8 @@ def losses_by_step(output_dir: Path) -> dict[int, float]:
 def checkpoint_weights(checkpoint_dir: Path, prefix: str = "model.") -> dict[str, torch.Tensor]:
     """The full tensors of a checkpoint under prefix ("model." for weights, "optimizer.state." for
     AdamW's moments), by name."""
-    names = tensor_names(checkpoint_dir, prefix)
-    return read_tensors(checkpoint_dir, {prefix + name: item for name, item in names.items()}, prefix=prefix)
+    with TensorReader(checkpoint_dir, verify=False) as reader:
+        return {key.removeprefix(prefix): tensor for key, tensor in reader.read(reader.tensors(prefix))}
 
 
 def max_relative_difference(a: dict[int, float], b: dict[int, float]) -> float:

@@ -25,8 +25,9 @@ from torch.futures import Future
 
 from paratrain.checkpoint.storage_errors import ErrnoKeepingWriter, raise_if_storage_error
 
-# Two files per rank, written and hashed by two threads: the hash (about 1.2 GB/s on one core) then
-# no longer adds to the write on a machine with a second core (docs/benchmarks.md, checkpoint I/O).
+# Two files per rank and group of entries (file_groups), written and hashed by two threads: the hash (about
+# 1.2 GB/s on one core) then no longer adds to the write on a machine with a second core (docs/benchmarks.md,
+# checkpoint I/O).
 WRITE_THREADS = 2
 
 
@@ -85,7 +86,8 @@ class _HashingFileSystem(FileSystem):
 
 
 class HashingWriter(ErrnoKeepingWriter):
-    """DCP's file writer (storage errors raised as themselves) that hashes what it writes.
+    """DCP's file writer (the model's entries in files of their own, storage errors raised as themselves) that
+    hashes what it writes.
 
     Args:
         path: The checkpoint directory.

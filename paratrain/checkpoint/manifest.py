@@ -93,6 +93,9 @@ def is_complete(directory: Path) -> bool:
 
 
 def read_manifest(directory: Path) -> dict[str, Any]:
+    directory = Path(directory)
+    if not directory.is_dir():
+        raise CheckpointError(f"checkpoint {directory} does not exist; pass an existing step-<N> directory")
     path = directory / MANIFEST_NAME
     if not path.is_file():
         raise CheckpointError(
@@ -173,10 +176,12 @@ def verify_files(directory: Path, listed: dict[str, dict[str, Any]]) -> None:
     entries = list(listed.items())
     # hashlib releases the GIL: files are hashed in parallel, and the first bad one in order is named.
     with ThreadPoolExecutor(max_workers=min(len(entries), os.cpu_count() or 1) or 1) as pool:
-        list(pool.map(lambda entry: _verify_file(directory / entry[0], entry[1]), entries))
+        list(pool.map(lambda entry: verify_file(directory / entry[0], entry[1]), entries))
 
 
-def _verify_file(path: Path, expected: dict[str, Any]) -> None:
+def verify_file(path: Path, expected: dict[str, Any]) -> None:
+    """Raises DamagedCheckpointError when the file is missing or its size or SHA-256 is not ``expected``'s
+    (its manifest entry); a wrong size is found before any byte is read."""
     check_size(path, expected)
     check_sha256(path, _sha256(path), expected)
 

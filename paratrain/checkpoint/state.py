@@ -126,6 +126,10 @@ class RNGState(Stateful):
 OPTIONAL_STATE = ("rng", "grad_scaler", "replica_groups", "preference_reference")
 
 
+MODEL_PREFIX = "model."
+"""What the keys of the model's entries start with (``training_state`` names it ``model``)."""
+
+
 def training_state(
     model: nn.Module, optimizer: torch.optim.Optimizer, lr_scheduler: Stateful, *, data: Stateful, rng: RNGState
 ) -> dict[str, Stateful]:

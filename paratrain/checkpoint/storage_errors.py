@@ -13,8 +13,9 @@ from __future__ import annotations
 import errno
 from typing import Any
 
-from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
+
+from paratrain.checkpoint.file_groups import GroupedFilesWriter
 
 # What a failed save can raise: DCP gathers every rank's exception into a CheckpointException, a BaseException.
 SAVE_FAILURES = (Exception, CheckpointException)
@@ -57,8 +58,8 @@ def storage_fix(number: int) -> str:
     return _FIXES[number]
 
 
-class ErrnoKeepingWriter(FileSystemWriter):
-    """DCP's file writer, raising a storage OSError as itself (errno and file name survive pickling),
+class ErrnoKeepingWriter(GroupedFilesWriter):
+    """DCP's file writer (the model's entries in files of their own), raising a storage OSError as itself (errno and file name survive pickling),
     not as torch's RuntimeError around it."""
 
     def write_data(self, plan, planner):

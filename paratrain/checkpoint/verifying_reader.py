@@ -9,8 +9,9 @@ parser (the torch.load of each item, weights_only as everywhere). The next file 
 while the current one is served: hashlib releases the GIL.
 
 Memory: files are mapped, not copied (see ``map_hashed``): at most ``READ_AHEAD`` per rank at once, their
-pages the page cache's. A file is one writer thread's share of one rank's state at save time
-(``hashing.WRITE_THREADS`` per rank), so about half of a rank's shard.
+pages the page cache's. A file is one writer thread's share of one group of a rank's entries at save time
+(``hashing.WRITE_THREADS`` per group; the model's weights, a LoRA run's adapters, the rest: ``file_groups``),
+so at most about half of a rank's shard.
 """
 
 from __future__ import annotations
@@ -120,13 +121,14 @@ class VerifyingReader(SafeFileSystemReader):
                 _copy_tensor(item, stream, planner)
 
 
-class _ViewStream(io.RawIOBase):
-    """A read-only, seekable file over bytes already in memory, without copying them: torch.load reads a
-    tensor's record straight into its storage through ``readinto`` (io.BytesIO would first copy the item)."""
+class RandomAccessStream(io.RawIOBase):
+    """A read-only, seekable stream of ``size`` bytes that torch.load reads a tensor's record from straight into
+    the tensor's storage (through ``readinto``), with no copy of the whole record first: each read is served by
+    ``_read_at``."""
 
-    def __init__(self, view: memoryview):
+    def __init__(self, size: int):
         super().__init__()
-        self._view = view
+        self._size = size
         self._position = 0
 
     def readable(self) -> bool:
@@ -139,16 +141,29 @@ class _ViewStream(io.RawIOBase):
         return self._position
 
     def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
-        start = {io.SEEK_SET: 0, io.SEEK_CUR: self._position, io.SEEK_END: len(self._view)}[whence]
+        start = {io.SEEK_SET: 0, io.SEEK_CUR: self._position, io.SEEK_END: self._size}[whence]
         self._position = max(0, start + offset)
         return self._position
 
     def readinto(self, buffer: Any) -> int:
-        chunk = self._view[self._position : self._position + len(buffer)]
-        count = len(chunk)
-        memoryview(buffer).cast("B")[:count] = chunk
+        count = max(0, min(len(buffer), self._size - self._position))
+        self._read_at(self._position, memoryview(buffer).cast("B")[:count])
         self._position += count
         return count
+
+    def _read_at(self, position: int, target: memoryview) -> None:
+        raise NotImplementedError
+
+
+class _ViewStream(RandomAccessStream):
+    """Bytes already in memory, read without copying them (io.BytesIO would first copy the item)."""
+
+    def __init__(self, view: memoryview):
+        super().__init__(len(view))
+        self._view = view
+
+    def _read_at(self, position: int, target: memoryview) -> None:
+        target[:] = self._view[position : position + len(target)]
 
 
 def _copy_tensor(item: ReadItem, stream: Any, planner: LoadPlanner) -> None:

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import math
 import os
 import sys
 import tempfile
@@ -31,6 +30,7 @@ from torch.distributed.tensor import DTensor
 
 from paratrain.checkpoint.manifest import read_manifest
 from paratrain.checkpoint.safe_reader import SafeFileSystemReader
+from paratrain.checkpoint.tensor_reader import TensorReader
 from paratrain.config.loading import load_config
 from paratrain.config.schema import Config, ParallelConfig
 from paratrain.errors import EXIT_USER_ERROR, CheckpointError, ConfigError, UserCodeError
@@ -38,12 +38,10 @@ from paratrain.launch.rank_logging import configure_logging
 from paratrain.models.pretrained import local_region
 from paratrain.parallel.collectives import all_reduce_sum
 from paratrain.parallel.dims import resolve_parallel_dims
-from paratrain.tools.export import read_tensors
 from paratrain.training.trainer import Trainer
 
 logger = logging.getLogger("paratrain")
 SHOWN_PARAMETERS = 5
-READ_BATCH_BYTES = 256 << 20  # whole saved tensors read back at once, per rank
 
 
 def check_config(checkpoint: Path, overrides: list[str], scratch: Path) -> Config:
@@ -112,16 +110,17 @@ def require_loaded_equals_saved(checkpoint: Path, trainer: Trainer) -> Compariso
 
 def compare_with_saved(checkpoint: Path, trainer: Trainer) -> Comparison:
     """Every model and optimizer tensor this rank loaded against the checkpoint's values for the region it
-    holds, read back through DCP a batch at a time (at most READ_BATCH_BYTES of whole tensors at once)."""
+    holds, each saved tensor read back whole, one at a time (not checked against the manifest again: the load
+    just did)."""
     state = trainer.checkpoint_state()
     loaded = {
         **_tensors("model", state["model"].state_dict()),
         **_tensors("optimizer", state["optimizer"].state_dict()),
     }
-    saved_items = _saved_tensor_items(checkpoint)
     comparison = Comparison()
-    for batch in _batches({key: saved_items[key] for key in loaded if key in saved_items}):
-        for key, expected in read_tensors(checkpoint, batch).items():
+    with TensorReader(checkpoint, verify=False) as reader:
+        saved = reader.tensors("")
+        for key, expected in reader.read(key for key in loaded if key in saved):
             piece = _piece_of(loaded[key], expected)
             if piece is None:
                 comparison.not_compared += 1
@@ -143,17 +142,6 @@ def _piece_of(loaded: torch.Tensor, saved: torch.Tensor) -> tuple[torch.Tensor, 
         return loaded, saved
     region = local_region(loaded)
     return None if region is None else (loaded.to_local(), saved[region])
-
-
-def _batches(items: dict[str, TensorStorageMetadata]) -> list[dict[str, TensorStorageMetadata]]:
-    batches, current, size = [], {}, 0
-    for key, item in items.items():
-        nbytes = math.prod(item.size) * item.properties.dtype.itemsize
-        if current and size + nbytes > READ_BATCH_BYTES:
-            batches.append(current)
-            current, size = {}, 0
-        current[key], size = item, size + nbytes
-    return [*batches, current] if current else batches
 
 
 def _saved_tensor_items(checkpoint: Path) -> dict[str, TensorStorageMetadata]:

@@ -4,52 +4,85 @@ The adapter directory (``adapter_config.json`` + ``adapter_model.safetensors``) 
 ``PeftModel.from_pretrained(base, DIR)`` loads onto the base model, and what serving stacks (vLLM's
 ``--lora-modules``, TGI) take. peft stores adapter ``default``'s tensors as
 ``base_model.model.<module>.lora_A.weight``: paratrain's checkpoint holds them as
-``<module>.lora_A.default.weight`` (peft's modules, injected as they are).
+``<module>.lora_A.default.weight`` (peft's modules, injected as they are). Only the adapter's tensors are
+read, never a base weight: the checkpoint writer keeps them in files of their own (checkpoint.file_groups).
 
 The merged model is the base with ``W + alpha / r * B @ A`` in place of each adapted weight, under the base
-model's own names: a plain Hugging Face model directory. It is built in memory (a LoRA run's model fits one
-process, or its base would not have been a pretrained download), unlike the full exports' streaming.
+model's own names: a plain Hugging Face model directory. It is streamed as the full export is, one module at
+a time: each merged weight is computed from that module's base weight and its two small adapter tensors,
+written, and let go before the next is read.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from operator import itemgetter
 from pathlib import Path
 
 import torch
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
+from paratrain.checkpoint.state import MODEL_PREFIX
+from paratrain.checkpoint.tensor_reader import TensorReader
 from paratrain.config.schema import LoraConfig
 from paratrain.models.lora import base_name, is_adapter, peft_config
 from paratrain.models.weights import canonical_name
 
 ADAPTER_NAME = "default"
+_ADAPTED_WEIGHT = ".base_layer.weight"  # peft's name for the weight of a module it adapted
 
 
-def export_adapter(tensors: dict[str, torch.Tensor], lora: LoraConfig, out_dir: Path, *, base: str | None) -> int:
-    """Writes the adapter of ``tensors`` (a checkpoint's model tensors by name) as a peft adapter directory."""
+def export_adapter(reader: TensorReader, lora: LoraConfig, out_dir: Path, *, base: str | None) -> int:
+    """Writes the checkpoint's adapter as a peft adapter directory, reading its adapter tensors only."""
     from safetensors.torch import save_file  # Lazy: safetensors only for exports
 
-    adapter = {
-        "base_model.model." + canonical_name(name).replace(f".{ADAPTER_NAME}.", "."): tensor.contiguous()
-        for name, tensor in tensors.items()
-        if is_adapter(name)
-    }
+    keys = [key for key in reader.tensors(MODEL_PREFIX) if is_adapter(key)]
+    adapter = {_peft_name(key): tensor.contiguous() for key, tensor in reader.read(keys)}
     out_dir.mkdir(parents=True, exist_ok=True)
     save_file(adapter, out_dir / "adapter_model.safetensors", metadata={"format": "pt"})
     peft_config(lora, base_model=base).save_pretrained(str(out_dir))  # last: a finished export has its config
     return len(adapter)
 
 
-def merged_tensors(tensors: dict[str, torch.Tensor], lora: LoraConfig) -> dict[str, torch.Tensor]:
-    """The base model's tensors, each adapted weight with its adapter's update added, by the base's names."""
-    merged = {}
-    for name, tensor in tensors.items():
-        name = canonical_name(name)
-        if is_adapter(name):
-            continue
-        if name.endswith(".base_layer.weight"):
-            module = name.removesuffix(".base_layer.weight")
-            down = tensors[f"{module}.lora_A.{ADAPTER_NAME}.weight"].float()
-            up = tensors[f"{module}.lora_B.{ADAPTER_NAME}.weight"].float()
-            tensor = (tensor.float() + (lora.alpha / lora.r) * up @ down).to(tensor.dtype)
-        merged[base_name(name)] = tensor.contiguous()
-    return merged
+def merged_model(
+    reader: TensorReader, lora: LoraConfig
+) -> tuple[dict[str, TensorStorageMetadata], Iterator[torch.Tensor]]:
+    """The base model's tensors by the base's own names, and a stream of them in that order, each adapted
+    weight with its adapter's update added."""
+    base = {key: item for key, item in reader.tensors(MODEL_PREFIX).items() if not is_adapter(key)}
+    entries = {base_name(canonical_name(key.removeprefix(MODEL_PREFIX))): item for key, item in base.items()}
+    adapters = {key: _adapter_of(key, reader) for key in base}
+    return entries, _merged(reader, adapters, scaling=lora.alpha / lora.r)
+
+
+def merge_adapter(weight: torch.Tensor, *, down: torch.Tensor, up: torch.Tensor, scaling: float) -> torch.Tensor:
+    """``weight + scaling * up @ down``, computed in float32, in ``weight``'s dtype (an fp32 weight is updated
+    in place: no second copy of it)."""
+    merged = weight.float()
+    merged.addmm_(up.float(), down.float(), alpha=scaling)
+    return merged.to(weight.dtype)
+
+
+def _merged(reader: TensorReader, adapters: dict[str, tuple[str, ...]], *, scaling: float) -> Iterator[torch.Tensor]:
+    # One read in the order the merge needs: each base weight, then its module's A and B.
+    tensors = map(itemgetter(1), reader.read(key for base in adapters for key in (base, *adapters[base])))
+    for base in adapters:
+        weight = next(tensors)
+        if adapters[base]:
+            weight = merge_adapter(weight, down=next(tensors), up=next(tensors), scaling=scaling)
+        yield weight
+        del weight  # let go before the next is read
+
+
+def _adapter_of(key: str, reader: TensorReader) -> tuple[str, ...]:
+    """The keys of the adapter (A, B) that adapts the weight ``key``; none for a weight not adapted."""
+    if not key.endswith(_ADAPTED_WEIGHT):
+        return ()
+    module = key.removesuffix(_ADAPTED_WEIGHT)
+    down, up = f"{module}.lora_A.{ADAPTER_NAME}.weight", f"{module}.lora_B.{ADAPTER_NAME}.weight"
+    saved = reader.metadata.state_dict_metadata
+    return (down, up) if down in saved and up in saved else ()
+
+
+def _peft_name(key: str) -> str:
+    return "base_model.model." + canonical_name(key.removeprefix(MODEL_PREFIX)).replace(f".{ADAPTER_NAME}.", ".")

@@ -11,10 +11,10 @@ from safetensors.torch import load_file
 from paratrain.data.text import build_char_dataset
 from paratrain.losses import cross_entropy
 from paratrain.models.hf import causal_lm
-from paratrain.tools.export import read_tensor, tensor_names
 from tests.harness import (
     TINY_TEXT,
     LayoutRuns,
+    checkpoint_weights,
     losses_by_step,
     max_relative_difference,
     read_metrics,
@@ -252,7 +252,7 @@ def test_export_hf_loads_in_plain_transformers_with_the_trained_logits(runs, tmp
     section = TINY_GPT2 if model == "gpt2" else TINY_QWEN2_TIED
     trained = causal_lm(**section["args"])
     result = trained.load_state_dict(
-        {name: read_tensor(checkpoint, "model." + name, item) for name, item in tensor_names(checkpoint).items()},
+        checkpoint_weights(checkpoint),
         strict=False,
     )
     assert set(result.missing_keys) <= {"lm_head.weight"} and not result.unexpected_keys  # tied: saved once
@@ -280,7 +280,7 @@ def test_save_final_hf_writes_the_finished_runs_model_for_from_pretrained(tmp_pa
     assert "wrote step-2 as a Hugging Face model to" in stderr
     loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "run/hf")
     checkpoint = tmp_path / "run/checkpoints/step-2"
-    expected = {name: read_tensor(checkpoint, "model." + name, item) for name, item in tensor_names(checkpoint).items()}
+    expected = checkpoint_weights(checkpoint)
     for name, tensor in loaded.state_dict().items():
         if name in expected:
             assert torch.equal(tensor, expected[name]), name

@@ -13,6 +13,7 @@ from paratrain.checkpoint import Checkpointer, find_checkpoints, verify_checkpoi
 from paratrain.checkpoint import writer as writer_module
 from paratrain.checkpoint.hashing import HashingWriter
 from paratrain.checkpoint.manifest import is_complete
+from paratrain.checkpoint.safe_reader import SafeFileSystemReader
 from paratrain.checkpoint.state import ModelState, OptimizerState, Progress, RNGState, cuda_generator_names
 from paratrain.errors import CheckpointError
 
@@ -232,7 +233,25 @@ def test_the_manifest_lists_the_hashes_of_the_files_on_disk_taken_while_writing(
 
     listed = json.loads((path / "paratrain-manifest.json").read_text())["files"]
     data_files = sorted(name for name in listed if name.endswith(".distcp"))
-    assert len(data_files) == 2  # one per writer thread, each hashed as it was written
+    # the model's two tensors over the two writer threads' files, the step in a file of its own (none empty)
+    assert len(data_files) == 3
     for name, entry in listed.items():
         on_disk = (path / name).read_bytes()
         assert entry == {"bytes": len(on_disk), "sha256": hashlib.sha256(on_disk).hexdigest()}
+
+
+def test_the_models_entries_are_written_in_files_of_their_own_apart_from_the_optimizers(tmp_path):
+    """So that an export reads and checks the model's files only."""
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 2))
+    optimizer = torch.optim.AdamW(model.parameters())
+    model(torch.randn(2, 8)).sum().backward()
+    optimizer.step()
+    state = {"model": ModelState(model), "optimizer": OptimizerState(model, optimizer), "progress": Progress(1)}
+    path = make_checkpointer(tmp_path).save(1, state)
+
+    held: dict[str, set[str]] = {}
+    for index, stored in SafeFileSystemReader(path).read_metadata().storage_data.items():
+        held.setdefault(stored.relative_path, set()).add(index.fqn.split(".")[0])
+    # two files each (one per writer thread): the model's, and the optimizer's with the step
+    assert sorted("model" in roots for roots in held.values()) == [False, False, True, True]
+    assert all(roots == {"model"} for roots in held.values() if "model" in roots)
