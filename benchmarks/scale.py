@@ -142,7 +142,7 @@ def summarise(records: list[dict]) -> dict:
         "ratio": worst["init_peak_mib"] / ideal,
         "init_cpu_s": sum(r["init_cpu_s"] for r in records) / len(records),
         "drawn": max(r["drawn_tensors"] for r in records),
-        "launch_s": max(r["launch_to_first_step_s"] for r in records),
+        "launch_s": next(r["launch_to_first_step_s"] for r in records if r["launch_to_first_step_s"] is not None),
     }
 
 

@@ -86,19 +86,17 @@ def main() -> None:
     finally:
         trainer.close()
     launched = float(os.environ["PARATRAIN_SCALE_LAUNCHED"])
-    records = [
-        json.loads(line) for line in (Path(trainer.config.run.output_dir) / "metrics.jsonl").read_text().splitlines()
-    ]
-    # The first step this launch logged (a resumed run's file also holds the steps before it).
-    first_step = min(
-        record["time"] for record in records if record.get("step") is not None and record["time"] > launched
-    )
+    first_step = None
+    if rank == 0:  # rank 0 writes the metrics; a resumed run's file also holds the steps before this launch
+        lines = (Path(trainer.config.run.output_dir) / "metrics.jsonl").read_text().splitlines()
+        steps = [record for record in map(json.loads, lines) if record.get("step") is not None]
+        first_step = min(record["time"] for record in steps if record["time"] > launched)
     usage = resource.getrusage(resource.RUSAGE_SELF)
     record = {
         **measured,
         "rank": rank,
         "drawn_tensors": drawn["tensors"],
-        "launch_to_first_step_s": first_step - launched,
+        "launch_to_first_step_s": None if first_step is None else first_step - launched,
         "cpu_to_end_s": usage.ru_utime + usage.ru_stime,
         "threads": torch.get_num_threads(),
     }
