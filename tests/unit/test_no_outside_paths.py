@@ -1,4 +1,4 @@
-"""The project speaks only of itself: README.md, the docs, the examples and the package name no absolute
+"""The project speaks only of itself: README.md, the docs, the examples, the packaging files and the package name no absolute
 path of a machine (a virtual environment, a worktree, a scratch directory) and no path leaving the
 repository (``../shared``)."""
 
@@ -16,6 +16,9 @@ OUTSIDE = re.compile(
 def checked_files() -> list[Path]:
     return [
         ROOT / "README.md",
+        ROOT / "pyproject.toml",
+        ROOT / "Makefile",
+        *sorted(ROOT.glob("constraints*.txt")),
         *sorted((ROOT / "docs").rglob("*.md")),
         *sorted((ROOT / "examples").rglob("*.yaml")),
         *sorted((ROOT / "paratrain").rglob("*.py")),
