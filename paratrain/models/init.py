@@ -201,16 +201,25 @@ def _with_adapters(base: WeightSource, seed: int) -> WeightSource:
 
 def _replayed_source(model: nn.Module, *, factory: Callable[[], nn.Module], seed: int) -> WeightSource:
     """Source 3: each rank's slice drawn from the model's recorded initialisation (see module docstring)."""
-    # Built only if some parameter needs it (the model's own init left it alone): most models never do.
-    constructed = functools.cache(lambda: _constructor_tensors(factory, keep_parameters=True))
     if declares_init(model):
+        # Built only if some tensor needs it (the model's init left it alone): most such models never do.
+        buffers = functools.cache(lambda: _constructor_tensors(factory, keep_parameters=False))
         whole = lambda name, tensor: _init_by_name(model, name, tensor, seed)  # noqa: E731
         recorded = lambda name, tensor: record_declared_init(model, name, tensor)  # noqa: E731
     else:
-        reference = build_on_meta(factory, seed=seed)
-        records = record_transformers_init(reference)
+        # One build serves the recording (its parameters on meta) and gives the buffers the constructor
+        # computes (rotary frequencies), which the model's init leaves alone.
+        reference = _constructed_model(factory, keep_parameters=False, seed=seed)
+        records, reference_buffers = record_transformers_init(reference), _real_tensors(reference)
+        buffers = lambda: reference_buffers  # noqa: E731
         whole = lambda name, tensor: initialise_whole(reference, name, seed=seed)  # noqa: E731
         recorded = lambda name, tensor: records.get(name)  # noqa: E731
+    # Rarely a parameter the model's init leaves alone: its constructor's value, from a build that keeps the
+    # small parameters (and so draws them).
+    small_parameters = functools.cache(lambda: _constructor_tensors(factory, keep_parameters=True, seed=seed))
+
+    def constructed(name: str) -> torch.Tensor | None:
+        return buffers()[name] if name in buffers() else small_parameters().get(name)
 
     def source(name: str, tensor: torch.Tensor) -> torch.Tensor | LocalPiece | None:
         record, shape = recorded(name, tensor), tuple(tensor.shape)
@@ -218,7 +227,7 @@ def _replayed_source(model: nn.Module, *, factory: Callable[[], nn.Module], seed
             return whole(name, tensor)
         if record is None or not record.starts_whole():
             # Not (wholly) set by the model's init: its constructor's value, where it is small enough to keep.
-            base = constructed().get(name)
+            base = constructed(name)
             return (
                 None
                 if base is None
@@ -256,14 +265,28 @@ def build_whole(factory: Callable[[], nn.Module], *, device: torch.device, seed:
     return (factory() if is_on_meta(model) else model).to(device)
 
 
-def _constructor_tensors(factory: Callable[[], nn.Module], *, keep_parameters: bool) -> dict[str, torch.Tensor]:
+def _constructor_tensors(
+    factory: Callable[[], nn.Module], *, keep_parameters: bool, seed: int | None = None
+) -> dict[str, torch.Tensor]:
     """The buffers the model's constructor computes (rotary frequencies, masks) and, with ``keep_parameters``,
-    its small parameters (up to ``SMALL_PARAMETER`` numbers: norms, biases), from a build whose other
-    parameters go to meta as they are registered (Accelerate's ``init_empty_weights`` does the same). Gives a
-    parameter the model's own init leaves alone its constructor's value, without building the large ones."""
+    its small parameters (up to ``SMALL_PARAMETER`` numbers: norms, biases). Gives a parameter the model's
+    own init leaves alone its constructor's value, without building the large ones."""
+    return _real_tensors(_constructed_model(factory, keep_parameters=keep_parameters, seed=seed))
+
+
+def _constructed_model(factory: Callable[[], nn.Module], *, keep_parameters: bool, seed: int | None) -> nn.Module:
+    """The factory's model built on the CPU with its parameters (all, or those over ``SMALL_PARAMETER``
+    numbers) moved to meta as they are registered, as Accelerate's ``init_empty_weights`` does: real buffers,
+    and no large parameter ever allocated or drawn. ``seed`` makes what the constructor draws the same on
+    every rank."""
     limit = SMALL_PARAMETER if keep_parameters else -1
+    if seed is not None:
+        torch.manual_seed(seed)
     with _parameters_on_meta(larger_than=limit), torch.device("cpu"), skipping_init_of_meta_tensors():
-        model = factory()
+        return factory()
+
+
+def _real_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
     return {name: tensor for name, tensor in [*model.named_parameters(), *model.named_buffers()] if not tensor.is_meta}
 
 
