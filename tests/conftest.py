@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import gc
 
+from tests import suite_budget
+
 
 def pytest_addoption(parser) -> None:
     parser.addoption(
@@ -33,6 +35,10 @@ SLOW_FILES = (
     "tests/parity/test_context_parallel_matches_single.py",  # new with context parallel, with the MoE cases ~5 min
     "tests/integration/test_replica_groups.py",  # ~110 s: a lighthouse, two groups twice, a torchrun restart
 )
+
+
+def pytest_configure(config) -> None:
+    suite_budget.configure(config)
 
 
 def pytest_collection_modifyitems(config, items) -> None:

@@ -1,0 +1,89 @@
+"""The suite's budget: how many Python processes each test file may start.
+
+Most of the suite's time is processes starting (about 2 CPU-s each in torch's imports), so the budget is
+counted in processes, not seconds: a count does not depend on how fast or how loaded the machine is, and a
+feature that adds launches fails here, naming its file, before it slows every later run. Every Python
+process a test starts, however deep (the CLI, torchrun's agent, each worker), counts itself through
+``tests/launch_counter/sitecustomize.py``. A file over its budget fails the session, with the fix: share a
+launch (``tests/harness.LayoutRuns``, ``train_many_in_one_launch``, ``tests/distributed/rank_pool``) or
+raise its entry in ``LAUNCHES`` with the reason. The end of the session prints the slowest files.
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import tempfile
+from pathlib import Path
+
+import pytest
+
+COUNTER = Path(__file__).resolve().parent / "launch_counter"
+LOG_ENV = "PARATRAIN_TEST_LAUNCH_LOG"
+DIRECTORY_ENV = "PARATRAIN_TEST_LAUNCH_DIR"
+# A file left out of LAUNCHES may start this many processes (a CLI run or two).
+DEFAULT_LAUNCHES = 4
+# Python processes per file, as counted in a full `make test` (the session's last lines print them), with
+# about a fifth to spare: restarts after a kill land a process or two either way.
+LAUNCHES: dict[str, int] = {}
+
+
+def configure(config: pytest.Config) -> None:
+    """Called from tests/conftest.py's ``pytest_configure``."""
+    if not hasattr(config, "workerinput"):  # the controller (or a run without workers) sets up for all
+        os.environ[DIRECTORY_ENV] = tempfile.mkdtemp(prefix="paratrain-launches-")
+        os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(COUNTER), os.environ.get("PYTHONPATH")]))
+    config.pluginmanager.register(SuiteBudget(), "paratrain-suite-budget")
+
+
+class SuiteBudget:
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = collections.defaultdict(float)
+
+    @pytest.hookimpl(tryfirst=True)
+    def pytest_runtest_setup(self, item: pytest.Item) -> None:
+        # Before any fixture: a module-scoped launch counts for the file that needs it.
+        os.environ[LOG_ENV] = str(_log_of(item.nodeid.split("::")[0]))
+
+    def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
+        self.seconds[report.nodeid.split("::")[0]] += report.duration
+
+    @pytest.hookimpl(trylast=True)
+    def pytest_sessionfinish(self, session: pytest.Session) -> None:
+        if hasattr(session.config, "workerinput"):
+            return
+        over = over_budget(launches_by_file())
+        if over:
+            session.exitstatus = pytest.ExitCode.TESTS_FAILED
+            session.config._paratrain_over_budget = over  # noqa: SLF001 - read back by the summary below
+
+    def pytest_terminal_summary(self, terminalreporter, config: pytest.Config) -> None:
+        if hasattr(config, "workerinput") or not self.seconds:
+            return
+        launches = launches_by_file()
+        terminalreporter.section("slowest files (seconds of setup, call and teardown; Python processes started)")
+        for path, seconds in sorted(self.seconds.items(), key=lambda item: -item[1])[:15]:
+            terminalreporter.write_line(f"{seconds:8.1f} s {launches.get(path, 0):5d}  {path}")
+        terminalreporter.write_line(f"{sum(self.seconds.values()):8.1f} s {sum(launches.values()):5d}  in all")
+        for line in getattr(config, "_paratrain_over_budget", []):
+            terminalreporter.write_line(line, red=True)
+
+
+def _log_of(path: str) -> Path:
+    return Path(os.environ[DIRECTORY_ENV]) / (path.replace("/", "__") + ".log")
+
+
+def launches_by_file() -> dict[str, int]:
+    directory = Path(os.environ[DIRECTORY_ENV])
+    return {log.stem.replace("__", "/"): len(log.read_text().splitlines()) for log in directory.glob("*.log")}
+
+
+def over_budget(launches: dict[str, int]) -> list[str]:
+    """One line per file that started more processes than its budget, naming the file and the fix."""
+    return [
+        f"suite budget: {path} started {count} Python processes, over its budget of "
+        f"{LAUNCHES.get(path, DEFAULT_LAUNCHES)}: share a launch (tests/harness.LayoutRuns, "
+        f"train_many_in_one_launch, tests/distributed/rank_pool) or raise its entry in tests/suite_budget.py"
+        for path, count in sorted(launches.items())
+        if count > LAUNCHES.get(path, DEFAULT_LAUNCHES)
+    ]
