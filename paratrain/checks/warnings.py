@@ -23,6 +23,7 @@ def ineffective_options(config: Config, dims: ParallelDims) -> list[str]:
         keys = ", ".join(f"parallel.ddp.{name}" for name in sorted(config.parallel.ddp.model_fields_set))
         warnings.append(f"{keys} has no effect with the {dims.describe_layout()} layout (ddp only)")
     warnings += _sharding_warnings(config, dims)
+    warnings += _checkpointing_warnings(config)
     warnings += _pipeline_warnings(config, dims)
     optim = config.optim
     if optim.name == "adamw" and "momentum" in optim.model_fields_set:
@@ -47,6 +48,13 @@ def _eval_and_profile_warnings(config: Config) -> list[str]:
         keys = ", ".join(f"profile.{name}" for name in sorted(profile_keys))
         warnings.append(f"{keys} has no effect without profile.enabled=true")
     return warnings
+
+
+def _checkpointing_warnings(config: Config) -> list[str]:
+    parallel = config.parallel
+    if parallel.activation_checkpointing == "none" and "activation_checkpointing_every" in parallel.model_fields_set:
+        return ["parallel.activation_checkpointing_every has no effect with parallel.activation_checkpointing=none"]
+    return []
 
 
 def _sharding_warnings(config: Config, dims: ParallelDims) -> list[str]:

@@ -237,8 +237,17 @@ class ParallelConfig(Section):
     collective_timeout_s: float = Field(600.0, gt=0)
     """Timeout of the process group's collectives (init_process_group's timeout): a collective that
     waits longer fails the run with torch's error instead of waiting for ever."""
-    activation_checkpointing: bool = False
-    """Recompute each block's activations in backward instead of storing them."""
+    activation_checkpointing: Literal["none", "full", "selective"] = "none"
+    """What each block keeps for backward. none: every activation its backward reads. full: only the
+    block's input; backward recomputes the whole block's forward first (least memory, about one more
+    forward of compute). selective: the outputs of its matrix multiplications and attention, whose
+    recomputation costs the most; the norms, activation functions and residual adds between them are
+    recomputed (memory between none and full, little compute: torch's selective checkpointing). true and
+    false, from older configs, mean full and none."""
+    activation_checkpointing_every: int = Field(1, gt=0)
+    """With activation_checkpointing full or selective: checkpoint one block in every k, the k-th, 2k-th,
+    ... of the blocks a rank holds (of a pipeline stage's, under pp); the others keep every activation.
+    1: every block. A second dial between none and full (torchtitan's selective layer option)."""
     compile: bool = False
     """torch.compile each block (opt-in: compiling takes time up front)."""
     compile_backend: Literal["inductor", "aot_eager", "eager"] = "inductor"
@@ -256,6 +265,12 @@ class ParallelConfig(Section):
 
     def degrees(self) -> dict[str, int | None]:
         return {name: getattr(self, name) for name in DEGREES}
+
+    @field_validator("activation_checkpointing", mode="before")
+    @classmethod
+    def _booleans_mean_full_and_none(cls, value: Any) -> Any:
+        # Before selective existed the key was a bool; old configs and checkpoints' manifests still say so.
+        return {True: "full", False: "none"}.get(value, value) if isinstance(value, bool) else value
 
 
 class PipelineConfig(Section):

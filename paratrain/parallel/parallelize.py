@@ -71,10 +71,12 @@ def parallelize(
         apply_tensor_parallel(model, dims.tp_mesh, plan=plan, sequence_parallel=options.sequence_parallel)
     if dims.ep_enabled:
         apply_expert_parallel(model, dims.ep_mesh, plan=plan)
-    if options.activation_checkpointing:
-        apply_activation_checkpointing(model, plan=plan)
+    if options.activation_checkpointing != "none":
+        apply_activation_checkpointing(
+            model, plan=plan, mode=options.activation_checkpointing, every=options.activation_checkpointing_every
+        )
     if options.compile:
-        apply_compile(model, plan=plan, backend=options.compile_backend)
+        apply_compile(model, plan=plan, backend=options.compile_backend, checkpointing=options.activation_checkpointing)
     modules = roots(model) if roots is not None else [model]
     if dims.fsdp_enabled and dims.ep_enabled:
         experts = expert_modules(model, plan)

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from paratrain.config.schema import FSDPConfig, OptimConfig
 from paratrain.parallel.dims import ParallelDims, micro_batch_size
-from paratrain.planner.activations import ActivationShape, head_bytes, layer_bytes, recompute_bytes
+from paratrain.planner.activations import ActivationShape, head_bytes, layers_bytes, recompute_bytes
 from paratrain.planner.inputs import PlanInputs
 from paratrain.planner.model_facts import ModelFacts, ParamFacts
 
@@ -128,6 +128,7 @@ def activation_shape(inputs: PlanInputs, dims: ParallelDims) -> ActivationShape:
         sequence_parallel=inputs.parallel.sequence_parallel and dims.tp > 1,
         checkpointing=inputs.parallel.activation_checkpointing,
         cp=dims.cp,
+        checkpoint_every=inputs.parallel.activation_checkpointing_every,
     )
 
 
@@ -140,7 +141,7 @@ def activation_bytes(
     in_flight = micro_batches_in_flight(inputs, dims)
     sizes = facts.transformer
     if sizes is not None:
-        held = share.layers * layer_bytes(sizes, shape) * in_flight
+        held = layers_bytes(sizes, shape, num_layers=share.layers) * in_flight
         return int(held + recompute_bytes(sizes, shape) + (head_bytes(sizes, shape) if share.has_head else 0))
     if measured_per_sample is None:
         return 0

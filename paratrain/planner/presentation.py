@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from paratrain.config.schema import ParallelConfig
 from paratrain.parallel.dims import ParallelDims
 from paratrain.planner.inputs import PlanInputs
 from paratrain.planner.layouts import Cluster, describe_layout, layout_overrides
@@ -35,6 +36,18 @@ def _refused(plan: Plan, shown: int = 3) -> list[str]:
     return lines
 
 
+def _checkpointing(parallel: ParallelConfig) -> str:
+    """How the header says it: off, full, selective, or e.g. "selective on every 2nd block"."""
+    mode, every = parallel.activation_checkpointing, parallel.activation_checkpointing_every
+    if mode == "none":
+        return "off"
+    return mode if every == 1 else f"{mode} on every {every}{_ordinal_suffix(every)} block"
+
+
+def _ordinal_suffix(number: int) -> str:
+    return "th" if 10 <= number % 100 <= 20 else {1: "st", 2: "nd", 3: "rd"}.get(number % 10, "th")
+
+
 def _header(plan: Plan, facts: ModelFacts, inputs: PlanInputs, activation_source: str) -> list[str]:
     cluster = plan.cluster
     optimizer = inputs.optim.name + (f" (momentum {inputs.optim.momentum})" if inputs.optim.name == "sgd" else "")
@@ -42,7 +55,7 @@ def _header(plan: Plan, facts: ModelFacts, inputs: PlanInputs, activation_source
         f"model: {inputs.model.factory}, {facts.num_params:,} parameters ({len(facts.params)} tensors); "
         f"optimizer {optimizer}; precision {inputs.precision} (weights, gradients, optimizer state fp32)",
         f"batch: global {inputs.train.global_batch_size}, micro {inputs.train.micro_batch_size}; activation "
-        f"checkpointing {'on' if inputs.parallel.activation_checkpointing else 'off'}; activations: {activation_source}",
+        f"checkpointing {_checkpointing(inputs.parallel)}; activations: {activation_source}",
         f"cluster: {cluster.gpus} GPU(s) on {cluster.nodes} node(s), {format_bytes(cluster.gpu_memory)} each "
         f"({USABLE_FRACTION:.0%} usable: {format_bytes(USABLE_FRACTION * cluster.gpu_memory)})",
         f"{len(plan.ranked)} layout(s) estimated, {len(plan.fitting)} fit; {len(plan.refused)} refused by "
@@ -101,7 +114,7 @@ def _verdict(plan: Plan, config_path: str) -> list[str]:
         )
         return [
             f"no layout fits in {format_bytes(USABLE_FRACTION * plan.cluster.gpu_memory)} per GPU;{hint}. Try "
-            f"parallel.activation_checkpointing=true, a smaller train.micro_batch_size, or more GPUs."
+            f"parallel.activation_checkpointing=selective (or full), a smaller train.micro_batch_size, or more GPUs."
         ]
     command = run_command(config_path, plan.cluster, best.dims)
     degrees = best.dims.describe()

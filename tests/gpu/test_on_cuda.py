@@ -117,6 +117,16 @@ MIXED_PRECISION = {
     "fsdp fp16": (["parallel.strategy=fsdp", "precision=fp16"], 2),
     "fsdp bf16 compile": (["parallel.strategy=fsdp", "precision=bf16", "parallel.compile=true"], 2),
     "fsdp activation checkpointing": (["parallel.strategy=fsdp", "parallel.activation_checkpointing=true"], 2),
+    # Compiled selective checkpointing: inductor's partitioner keeps what the policy saves (parallel/activation.py).
+    "fsdp bf16 compile selective checkpointing": (
+        [
+            "parallel.strategy=fsdp",
+            "precision=bf16",
+            "parallel.compile=true",
+            "parallel.activation_checkpointing=selective",
+        ],
+        2,
+    ),
 }
 
 

@@ -247,6 +247,15 @@ CASES: dict[str, Case] = {
     "parallel.fsdp.prefetch_blocks negative": train(
         "parallel.fsdp.prefetch_blocks=-1", expect="parallel.fsdp.prefetch_blocks"
     ),
+    "parallel.activation_checkpointing unknown": train(
+        "parallel.activation_checkpointing=partial",
+        expect=("parallel.activation_checkpointing", "'none', 'full' or 'selective'"),
+    ),
+    "parallel.activation_checkpointing_every zero": train(
+        "parallel.activation_checkpointing=selective",
+        "parallel.activation_checkpointing_every=0",
+        expect=("parallel.activation_checkpointing_every", "greater than 0"),
+    ),
     # --- pipeline -------------------------------------------------------------------------------
     "pipeline.schedule unknown": train("pipeline.schedule=Zigzag", expect="pipeline.schedule"),
     "pipeline.balance unknown": train("pipeline.balance=flops", expect="pipeline.balance"),

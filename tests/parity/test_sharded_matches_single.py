@@ -27,6 +27,17 @@ LAYOUTS = {
     "tp x2 sequence parallel": (["parallel.strategy=tp", "parallel.sequence_parallel=true"], 2),
     "fsdp x2 activation checkpointing": (["parallel.strategy=fsdp", "parallel.activation_checkpointing=true"], 2),
     "fsdp x2 every_micro_batch": (["parallel.strategy=fsdp", "parallel.fsdp.grad_sync=every_micro_batch"], 2),
+    "fsdp x2 selective checkpointing": (["parallel.strategy=fsdp", "parallel.activation_checkpointing=selective"], 2),
+    "tp x2 selective checkpointing": (["parallel.strategy=tp", "parallel.activation_checkpointing=selective"], 2),
+    "fsdp+tp 2x2 selective checkpointing of every 2nd block": (
+        [
+            "parallel.dp_shard=2",
+            "parallel.tp=2",
+            "parallel.activation_checkpointing=selective",
+            "parallel.activation_checkpointing_every=2",
+        ],
+        4,
+    ),
     "fsdp x2 fp16": (["parallel.strategy=fsdp", "precision=fp16"], 2),
     # Checkpoints moving between layouts: each resumes a layout above at step 10 and trains on to 20.
     "tp x2 to fsdp x2": (["parallel.strategy=fsdp", "checkpoint.resume={run:tp x2}/checkpoints/step-10"], 2),
@@ -66,6 +77,9 @@ def relative_differences(a: dict[int, float], b: dict[int, float]) -> dict[int, 
         "fsdp+tp 2x2",
         "tp x2 sequence parallel",
         "fsdp x2 activation checkpointing",
+        "fsdp x2 selective checkpointing",
+        "tp x2 selective checkpointing",
+        "fsdp+tp 2x2 selective checkpointing of every 2nd block",
     ],
 )
 def test_sharded_layout_matches_single_process_losses_and_first_gradients(runs, layout):
@@ -147,3 +161,12 @@ def test_fp16_with_the_gradient_scaler_on_sharded_gradients_matches_single_proce
     reference = runs.get("single", "precision=fp16", name="single fp16")
     sharded = runs.get("fsdp x2 fp16")
     assert max(relative_differences(losses_by_step(sharded), losses_by_step(reference)).values()) <= LOSS_RTOL
+
+
+def test_selective_checkpointing_trains_exactly_as_full_checkpointing_does(runs):
+    # Both recompute in backward what the plain run kept, by the same operators: only what is stored differs.
+    full, selective = runs.get("fsdp x2 activation checkpointing"), runs.get("fsdp x2 selective checkpointing")
+    assert losses_by_step(selective) == losses_by_step(full)
+    expected = load_file(str(full / "gradients/step-1.safetensors"))
+    actual = load_file(str(selective / "gradients/step-1.safetensors"))
+    assert all(torch.equal(actual[name], expected[name]) for name in expected)

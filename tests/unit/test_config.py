@@ -81,6 +81,20 @@ def test_pipeline_options_outside_a_pipeline_are_flagged():
     assert warnings_at(2, "parallel.pp=2", "pipeline.schedule=GPipe") == []
 
 
+def test_checkpointing_options_without_effect_are_flagged():
+    assert warnings_at(1, "parallel.activation_checkpointing_every=2") == [
+        "parallel.activation_checkpointing_every has no effect with parallel.activation_checkpointing=none"
+    ]
+
+
+def test_activation_checkpointing_of_older_configs_reads_true_as_full_and_false_as_none(tmp_path):
+    assert load_config(None, ["parallel.activation_checkpointing=true"]).parallel.activation_checkpointing == "full"
+    assert load_config(None, ["parallel.activation_checkpointing=false"]).parallel.activation_checkpointing == "none"
+    path = tmp_path / "old.yaml"
+    path.write_text("parallel:\n  activation_checkpointing: true\n")
+    assert load_config(path).parallel.activation_checkpointing == "full"
+
+
 def test_progress_bar_on_and_off_survive_yaml_reading_them_as_booleans():
     assert load_config(None, ["log.progress_bar=off"]).log.progress_bar == "off"
     assert load_config(None, ["log.progress_bar=on"]).log.progress_bar == "on"
