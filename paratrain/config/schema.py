@@ -193,6 +193,32 @@ class FaultToleranceConfig(Section):
         return self.replica_groups > 1 or self.replica_group is not None
 
 
+class Float8Config(Section):
+    """float8 training through torchao (pip install 'paratrain[float8]'; see docs/gpus.md)."""
+
+    enabled: bool = False
+    """Compute the matrix multiplications of the Linear layers inside the model's blocks (attention and
+    MLP projections whose in and out features are multiples of 16) in float8, through torchao's
+    convert_to_float8_training: each matmul casts its input, weight and output gradient to float8 with
+    scales computed from the tensors themselves. Weights keep their fp32 master copy, and everything
+    else (embedding, norms, attention, output head) computes in `precision`'s dtype. Needs a CUDA GPU of
+    compute capability 8.9 or newer (H100, H200, L4, L40S, RTX 4090) and torchao; faster than bf16 only
+    with parallel.compile, which fuses the casts."""
+    scaling: Literal["tensorwise", "rowwise"] = "tensorwise"
+    """How the float8 scales are chosen. tensorwise: one scale per tensor (the fastest; under FSDP its
+    weights can be gathered in float8, fsdp_float8_all_gather). rowwise: one per row of each operand,
+    which follows outliers more closely (a loss nearer bf16's, a little slower); its matmul writes bf16,
+    so it needs precision=bf16 or parallel.fsdp.param_dtype=bf16."""
+    fsdp_float8_all_gather: bool = True
+    """With scaling=tensorwise under FSDP (fsdp, hsdp): gather the converted layers' weights already
+    cast to float8, 1 byte per element instead of param_dtype's 2 (bf16) or 4: half the all-gather
+    traffic and gathered memory of bf16. No effect with rowwise, without FSDP, or beside tensor parallel
+    (whose shards torchao would scale one by one, changing the numbers with the tp degree)."""
+    emulate: bool = False
+    """Cast and scale exactly as on a GPU, but multiply in the compute dtype (torchao's emulation): the
+    same numerics at no speed-up, for checking a float8 layout on the CPU or on an older GPU (tests)."""
+
+
 class ParallelConfig(Section):
     strategy: Literal["auto", Strategy] | None = None
     """Optional shorthand; the degrees below decide the layout and this only fills those left unset
@@ -262,6 +288,8 @@ class ParallelConfig(Section):
     """fully_shard options (layouts that resolve to fsdp or hsdp)."""
     fault_tolerance: FaultToleranceConfig = FaultToleranceConfig()
     """Fault-tolerant replica groups on torchft (see docs/layouts.md)."""
+    float8: Float8Config = Float8Config()
+    """float8 matmuls in the model's blocks through torchao, on top of precision's dtype (see docs/gpus.md)."""
 
     def degrees(self) -> dict[str, int | None]:
         return {name: getattr(self, name) for name in DEGREES}

@@ -44,6 +44,10 @@ def _checkpointing(parallel: ParallelConfig) -> str:
     return mode if every == 1 else f"{mode} on every {every}{_ordinal_suffix(every)} block"
 
 
+def _float8(parallel: ParallelConfig) -> str:
+    return f", float8 {parallel.float8.scaling} matmuls in the blocks" if parallel.float8.enabled else ""
+
+
 def _ordinal_suffix(number: int) -> str:
     return "th" if 10 <= number % 100 <= 20 else {1: "st", 2: "nd", 3: "rd"}.get(number % 10, "th")
 
@@ -53,7 +57,8 @@ def _header(plan: Plan, facts: ModelFacts, inputs: PlanInputs, activation_source
     optimizer = inputs.optim.name + (f" (momentum {inputs.optim.momentum})" if inputs.optim.name == "sgd" else "")
     return [
         f"model: {inputs.model.factory}, {facts.num_params:,} parameters ({len(facts.params)} tensors); "
-        f"optimizer {optimizer}; precision {inputs.precision} (weights, gradients, optimizer state fp32)",
+        f"optimizer {optimizer}; precision {inputs.precision}{_float8(inputs.parallel)} (weights, gradients, "
+        f"optimizer state fp32)",
         f"batch: global {inputs.train.global_batch_size}, micro {inputs.train.micro_batch_size}; activation "
         f"checkpointing {_checkpointing(inputs.parallel)}; activations: {activation_source}",
         f"cluster: {cluster.gpus} GPU(s) on {cluster.nodes} node(s), {format_bytes(cluster.gpu_memory)} each "

@@ -9,6 +9,7 @@ output directory holds an earlier run's files; a refused ``train`` must leave th
 from __future__ import annotations
 
 import json
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -50,14 +51,15 @@ class Case:
     argv: tuple[str, ...]  # formatted with the files of ``files`` ({config}, {tmp}, ...)
     expected: tuple[str, ...]  # each must appear in stderr
     sys_path: str = ""  # a folder put first on sys.path: what a case finds installed ({old_transformers})
+    missing: tuple[str, ...] = ()  # packages the case finds not installed (None in sys.modules: import fails)
 
 
-def case(*argv: str, expect: str | tuple[str, ...], sys_path: str = "") -> Case:
-    return Case(argv, (expect,) if isinstance(expect, str) else expect, sys_path)
+def case(*argv: str, expect: str | tuple[str, ...], sys_path: str = "", missing: tuple[str, ...] = ()) -> Case:
+    return Case(argv, (expect,) if isinstance(expect, str) else expect, sys_path, missing)
 
 
-def train(*extra: str, expect: str | tuple[str, ...], sys_path: str = "") -> Case:
-    return case("train", "{config}", *extra, expect=expect, sys_path=sys_path)
+def train(*extra: str, expect: str | tuple[str, ...], sys_path: str = "", missing: tuple[str, ...] = ()) -> Case:
+    return case("train", "{config}", *extra, expect=expect, sys_path=sys_path, missing=missing)
 
 
 CASES: dict[str, Case] = {
@@ -255,6 +257,45 @@ CASES: dict[str, Case] = {
         "parallel.activation_checkpointing=selective",
         "parallel.activation_checkpointing_every=0",
         expect=("parallel.activation_checkpointing_every", "greater than 0"),
+    ),
+    # float8 (parallel/float8.py, checks/float8_settings.py)
+    "float8 on the CPU": train(
+        "parallel.float8.enabled=true",
+        expect=(
+            "parallel.float8.enabled=true needs a CUDA GPU of compute capability 8.9 or newer",
+            "this run trains on the CPU",
+            "parallel.float8.emulate=true",
+        ),
+    ),
+    "float8 without torchao": train(
+        "parallel.float8.enabled=true",
+        "parallel.float8.emulate=true",
+        missing=("torchao",),
+        expect=("trains through torchao, which is not installed", "pip install 'paratrain[float8]'"),
+    ),
+    "float8 with a torchao release out of range": train(
+        "parallel.float8.enabled=true",
+        "parallel.float8.emulate=true",
+        sys_path="{old_torchao}",
+        expect=("torchao 0.9.0 is installed, but paratrain supports torchao>=", "pip install 'paratrain[float8]'"),
+    ),
+    "float8 rowwise without bf16 compute": train(
+        "parallel.float8.enabled=true",
+        "parallel.float8.scaling=rowwise",
+        expect=("parallel.float8.scaling=rowwise needs bf16 compute", "computes in fp32", "set precision=bf16"),
+    ),
+    "float8 with LoRA adapters": train(
+        *TINY_LLAMA,
+        "model.lora={r: 4}",
+        "parallel.float8.enabled=true",
+        "parallel.float8.emulate=true",
+        expect=("parallel.float8.enabled=true with model.lora is not supported", "parallel.float8.enabled=false"),
+    ),
+    "parallel.float8.scaling unknown": train(
+        "parallel.float8.scaling=blockwise", expect=("parallel.float8.scaling", "'tensorwise' or 'rowwise'")
+    ),
+    "parallel.float8 unknown key": train(
+        "parallel.float8.recipe=rowwise", expect=("parallel.float8.recipe", "unknown key")
     ),
     # --- pipeline -------------------------------------------------------------------------------
     "pipeline.schedule unknown": train("pipeline.schedule=Zigzag", expect="pipeline.schedule"),
@@ -703,6 +744,9 @@ def files(tmp_path_factory) -> dict[str, str]:
     old_transformers = tmp / "old-transformers/transformers-4.40.0.dist-info"
     old_transformers.mkdir(parents=True)
     (old_transformers / "METADATA").write_text("Metadata-Version: 2.1\nName: transformers\nVersion: 4.40.0\n")
+    old_torchao = tmp / "old-torchao/torchao-0.9.0.dist-info"
+    old_torchao.mkdir(parents=True)
+    (old_torchao / "METADATA").write_text("Metadata-Version: 2.1\nName: torchao\nVersion: 0.9.0\n")
     write_chat_tokenizer(tmp / "chat_tokenizer")
     write_chat_tokenizer(tmp / "bare_tokenizer", template=None)
     write_chat_jsonl(tmp / "chat.jsonl", 2)
@@ -726,6 +770,7 @@ def files(tmp_path_factory) -> dict[str, str]:
         "cut_model": str(cut_model),
         "locked": str(tmp / "locked"),
         "old_transformers": str(old_transformers.parent),
+        "old_torchao": str(old_torchao.parent),
         **{name: str(tmp / f"{name}.yaml") for name in ("latin1", "twice", "sections", "not_yaml", "a_list")},
     }
 
@@ -736,6 +781,8 @@ def test_bad_input_exits_2_without_a_traceback_naming_the_key(files, monkeypatch
     as_new_user(monkeypatch, Path(files["tmp"]) / "home")  # no tracker variables, no ~/.netrc
     if CASES[name].sys_path:
         monkeypatch.syspath_prepend(fill(CASES[name].sys_path, files))
+    for package in CASES[name].missing:
+        monkeypatch.setitem(sys.modules, package, None)
     argv = [fill(part, files) for part in CASES[name].argv]
     code, stderr = run_cli_in_process(argv)
     assert code == 2, f"exit {code}; stderr:\n{stderr}"

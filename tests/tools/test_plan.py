@@ -17,7 +17,7 @@ from paratrain.errors import ConfigError
 from paratrain.models.gpt import build_gpt
 from paratrain.parallel.activation import saved_operators
 from paratrain.parallel.dims import ParallelDims, resolve_parallel_dims
-from paratrain.planner.accounting import model_state_bytes, stage_shares, working_bytes
+from paratrain.planner.accounting import gathered_bytes, model_state_bytes, stage_shares, working_bytes
 from paratrain.planner.activations import (
     ActivationShape,
     head_bytes,
@@ -27,7 +27,7 @@ from paratrain.planner.activations import (
     recompute_bytes,
 )
 from paratrain.planner.command import plan_layouts
-from paratrain.planner.communication import expert_traffic, fsdp_units
+from paratrain.planner.communication import expert_traffic, fsdp_units, step_traffic
 from paratrain.planner.inputs import plan_inputs
 from paratrain.planner.layouts import describe_layout
 from paratrain.planner.model_facts import ParamFacts, read_model_facts, transformer_sizes
@@ -99,6 +99,10 @@ def test_activation_formula_is_within_ten_percent_of_the_tensors_autograd_saves(
     assert head_bytes(sizes, ActivationShape(4, 4, cp=2)) == head_bytes(sizes, shape) / 2
 
 
+# The Linear layers of a GPT block that float8 training converts (parallel/float8.py).
+FLOAT8_PROJECTIONS = ("attn.q_proj", "attn.k_proj", "attn.v_proj", "attn.out_proj", "mlp.up_proj", "mlp.down_proj")
+
+
 def saved_by_selective_checkpointing(block: torch.nn.Module, hidden: torch.Tensor) -> int:
     """Bytes selective checkpointing keeps of one forward of ``block``: its input, and the output of every
     operator its policy saves (parallel/activation.py), recorded as the block runs (on meta: no memory)."""
@@ -138,6 +142,33 @@ def test_selective_checkpointing_is_counted_as_what_its_policy_keeps_between_non
     # Every 2nd of 3 layers checkpointed: one selective layer, two that keep everything.
     every_2nd = ActivationShape(4, 4, checkpointing="selective", checkpoint_every=2)
     assert layers_bytes(sizes, every_2nd, num_layers=3) == (11 + 2 * 18) * tensor
+
+
+def test_float8_all_gather_halves_the_gathered_weights_of_bf16_and_counts_nothing_else():
+    overrides = ["model.args={n_layer: 2, n_head: 4, n_embd: 64}", "parallel.fsdp.param_dtype=bf16"]
+    config = load_config(None, overrides)
+    facts, dims = read_model_facts(config.model), ParallelDims("fsdp", dp_shard=4)
+    float8 = [param.name for param in facts.params if param.float8]
+    assert float8 == [f"blocks.{i}.{layer}.weight" for i in range(2) for layer in FLOAT8_PROJECTIONS]
+
+    def working(*extra: str) -> int:
+        inputs = plan_inputs(load_config(None, [*overrides, *extra]))
+        return working_bytes(facts, stage_shares(facts, inputs, dims)[0], inputs, dims)
+
+    # Two blocks gathered at once, each with 4 x 64 x 64 attention and 2 x 64 x 256 MLP weights: 1 byte each
+    # instead of bf16's 2. Model state is untouched: torchao keeps the fp32 master weights.
+    block_weights = 4 * 64 * 64 + 2 * 64 * 256
+    assert working() - working("parallel.float8.enabled=true") == 2 * block_weights * (2 - 1)
+    assert working("parallel.float8.enabled=true", "parallel.float8.scaling=rowwise") == working()
+    assert working("parallel.float8.enabled=true", "parallel.float8.fsdp_float8_all_gather=false") == working()
+    inputs = plan_inputs(load_config(None, [*overrides, "parallel.float8.enabled=true"]))
+    share = stage_shares(facts, inputs, dims)[0]
+    converted = [param for param in facts.params if param.float8]
+    assert 2 * gathered_bytes(converted, dims, inputs.parallel.fsdp, float8=True) == gathered_bytes(
+        converted, dims, inputs.parallel.fsdp, float8=False
+    )
+    bf16_traffic = step_traffic(facts, share, plan_inputs(config), dims, gpus_per_node=8)
+    assert step_traffic(facts, share, inputs, dims, gpus_per_node=8).total < bf16_traffic.total
 
 
 def test_ddp_is_recommended_when_it_fits_and_sharding_when_it_does_not():
