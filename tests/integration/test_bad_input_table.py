@@ -267,15 +267,20 @@ CASES: dict[str, Case] = {
             "parallel.float8.emulate=true",
         ),
     ),
+    # Two processes: refused before torchrun starts them, not by each worker's conversion.
     "float8 without torchao": train(
         "parallel.float8.enabled=true",
         "parallel.float8.emulate=true",
+        "parallel.strategy=fsdp",
+        *TWO,
         missing=("torchao",),
         expect=("trains through torchao, which is not installed", "pip install 'paratrain[float8]'"),
     ),
     "float8 with a torchao release out of range": train(
         "parallel.float8.enabled=true",
         "parallel.float8.emulate=true",
+        "parallel.strategy=fsdp",
+        *TWO,
         sys_path="{old_torchao}",
         expect=("torchao 0.9.0 is installed, but paratrain supports torchao>=", "pip install 'paratrain[float8]'"),
     ),
