@@ -12,6 +12,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from paratrain.models.weights import canonical_name
+from paratrain.tensors import plain_tensor
 
 if TYPE_CHECKING:
     from paratrain.config.schema import DebugConfig
@@ -54,6 +55,7 @@ def dump_weights(
     tensor by tensor."""
     weights = {}
     for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
+        tensor = plain_tensor(tensor)  # float8's wrapped weights: their plain values (safetensors writes no subclass)
         full = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor  # every rank: one at a time
         if is_main or pipeline_group is not None:
             weights[name] = full.detach().cpu()  # only rank 0 (and the stages' ranks, to send theirs) keeps them

@@ -38,3 +38,32 @@ def local_part(tensor: torch.Tensor) -> torch.Tensor:
     """
     dtensor = sys.modules.get("torch.distributed.tensor")
     return tensor.to_local() if dtensor is not None and isinstance(tensor, dtensor.DTensor) else tensor
+
+
+def plain_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` out of a wrapper subclass that holds one plain tensor of its own shape and dtype, aliasing
+    its storage; a DTensor keeps its mesh and placements around the unwrapped local part; any other tensor
+    as it is.
+
+    torchao's float8 training keeps each FSDP-sharded weight it gathers in float8 in such a wrapper
+    (``WeightWithDynamicFloat8CastTensor``). Saved as it is, a checkpoint pickles the wrapper's class, and
+    torch.load's weights_only unpickler then refuses to read it wherever torchao is not imported (a bf16
+    run resuming it, ``paratrain export``).
+    """
+    dtensor = sys.modules.get("torch.distributed.tensor")
+    if dtensor is not None and isinstance(tensor, dtensor.DTensor):
+        local = tensor._local_tensor
+        inner = plain_tensor(local)
+        if inner is local:
+            return tensor
+        spec = tensor._spec
+        return dtensor.DTensor.from_local(
+            inner, spec.mesh, spec.placements, run_check=False, shape=tensor.shape, stride=tensor.stride()
+        )
+    if type(tensor) in (torch.Tensor, torch.nn.Parameter) or not hasattr(tensor, "__tensor_flatten__"):
+        return tensor
+    names, _ = tensor.__tensor_flatten__()
+    inner = getattr(tensor, names[0]) if len(names) == 1 else None
+    if inner is None or inner.shape != tensor.shape or inner.dtype != tensor.dtype:
+        return tensor
+    return plain_tensor(inner)

@@ -22,13 +22,17 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.checkpoint.stateful import Stateful
 
+from paratrain.tensors import plain_tensor
+
 
 @dataclass
 class ModelState(Stateful):
     model: nn.Module
 
     def state_dict(self) -> dict[str, Any]:
-        return get_model_state_dict(self.model)
+        # Plain tensors (aliasing the weights, so a load into them still lands in the model): float8's
+        # wrapped weights would otherwise be pickled with their class (tensors.plain_tensor).
+        return {name: plain_tensor(value) for name, value in get_model_state_dict(self.model).items()}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         set_model_state_dict(self.model, state_dict)

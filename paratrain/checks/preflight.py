@@ -16,6 +16,7 @@ from paratrain.checkpoint import find_checkpoints
 from paratrain.checkpoint.config_changes import check_resume_config
 from paratrain.checkpoint.manifest import check_checkpoint, is_complete, read_manifest
 from paratrain.checks.experts import check_expert_layout
+from paratrain.checks.float8_settings import check_float8
 from paratrain.checks.objectives import check_objective
 from paratrain.checks.pipeline_settings import check_pipeline
 from paratrain.checks.sequence_settings import check_sequence_layout
@@ -45,6 +46,7 @@ def preflight(config: Config, *, world_size: int, nproc_per_node: int) -> None:
     checks: list[Callable[[], None]] = [
         lambda: _check_layout(config, world_size, nproc_per_node, model_on_meta),
         lambda: _check_precision(config, _dims(config, world_size, nproc_per_node)),
+        lambda: check_float8(config, _dims(config, world_size, nproc_per_node)),
         lambda: _check_fused_optimizer(config, _dims(config, world_size, nproc_per_node)),
         lambda: check_compile(config, _dims(config, world_size, nproc_per_node)),
         lambda: check_pipeline(config, _dims(config, world_size, nproc_per_node)),

@@ -23,6 +23,8 @@ def ineffective_options(config: Config, dims: ParallelDims) -> list[str]:
         keys = ", ".join(f"parallel.ddp.{name}" for name in sorted(config.parallel.ddp.model_fields_set))
         warnings.append(f"{keys} has no effect with the {dims.describe_layout()} layout (ddp only)")
     warnings += _sharding_warnings(config, dims)
+    warnings += _checkpointing_warnings(config)
+    warnings += _float8_warnings(config, dims)
     warnings += _pipeline_warnings(config, dims)
     optim = config.optim
     if optim.name == "adamw" and "momentum" in optim.model_fields_set:
@@ -46,6 +48,35 @@ def _eval_and_profile_warnings(config: Config) -> list[str]:
     if not config.profile.enabled and profile_keys:
         keys = ", ".join(f"profile.{name}" for name in sorted(profile_keys))
         warnings.append(f"{keys} has no effect without profile.enabled=true")
+    return warnings
+
+
+def _checkpointing_warnings(config: Config) -> list[str]:
+    parallel = config.parallel
+    if parallel.activation_checkpointing == "none" and "activation_checkpointing_every" in parallel.model_fields_set:
+        return ["parallel.activation_checkpointing_every has no effect with parallel.activation_checkpointing=none"]
+    return []
+
+
+def _float8_warnings(config: Config, dims: ParallelDims) -> list[str]:
+    float8 = config.parallel.float8
+    if not float8.enabled:
+        if float8.model_fields_set:
+            keys = ", ".join(f"parallel.float8.{name}" for name in sorted(float8.model_fields_set))
+            return [f"{keys} has no effect without parallel.float8.enabled=true"]
+        return []
+    warnings = []
+    gather_set = "fsdp_float8_all_gather" in float8.model_fields_set and float8.fsdp_float8_all_gather
+    if gather_set and (float8.scaling != "tensorwise" or not dims.fsdp_enabled or dims.tp_enabled):
+        warnings.append(
+            f"parallel.float8.fsdp_float8_all_gather has no effect with scaling={float8.scaling} and the "
+            f"{dims.describe_layout()} layout (tensorwise scaling under fsdp or hsdp, without tp, only)"
+        )
+    if not (config.parallel.compile or float8.emulate):
+        warnings.append(
+            "parallel.float8 without parallel.compile: each float8 cast and scale runs as kernels of its own, "
+            "which usually leaves float8 slower than bf16; set parallel.compile=true"
+        )
     return warnings
 
 

@@ -202,6 +202,32 @@ class FaultToleranceConfig(Section):
         return self.replica_groups > 1 or self.replica_group is not None
 
 
+class Float8Config(Section):
+    """float8 training through torchao (pip install 'paratrain[float8]'; see docs/gpus.md)."""
+
+    enabled: bool = False
+    """Compute the matrix multiplications of the Linear layers inside the model's blocks (attention and
+    MLP projections whose in and out features are multiples of 16) in float8, through torchao's
+    convert_to_float8_training: each matmul casts its input, weight and output gradient to float8 with
+    scales computed from the tensors themselves. Weights keep their fp32 master copy, and everything
+    else (embedding, norms, attention, output head) computes in `precision`'s dtype. Needs a CUDA GPU of
+    compute capability 8.9 or newer (H100, H200, L4, L40S, RTX 4090) and torchao; faster than bf16 only
+    with parallel.compile, which fuses the casts."""
+    scaling: Literal["tensorwise", "rowwise"] = "tensorwise"
+    """How the float8 scales are chosen. tensorwise: one scale per tensor (the fastest; under FSDP its
+    weights can be gathered in float8, fsdp_float8_all_gather). rowwise: one per row of each operand,
+    which follows outliers more closely (a loss nearer bf16's, a little slower); its matmul writes bf16,
+    so it needs precision=bf16 or parallel.fsdp.param_dtype=bf16."""
+    fsdp_float8_all_gather: bool = True
+    """With scaling=tensorwise under FSDP (fsdp, hsdp): gather the converted layers' weights already
+    cast to float8, 1 byte per element instead of param_dtype's 2 (bf16) or 4: half the all-gather
+    traffic and gathered memory of bf16. No effect with rowwise, without FSDP, or beside tensor parallel
+    (whose shards torchao would scale one by one, changing the numbers with the tp degree)."""
+    emulate: bool = False
+    """Cast and scale exactly as on a GPU, but multiply in the compute dtype (torchao's emulation): the
+    same numerics at no speed-up, for checking a float8 layout on the CPU or on an older GPU (tests)."""
+
+
 class ParallelConfig(Section):
     strategy: Literal["auto", Strategy] | None = None
     """Optional shorthand; the degrees below decide the layout and this only fills those left unset
@@ -246,8 +272,17 @@ class ParallelConfig(Section):
     collective_timeout_s: float = Field(600.0, gt=0)
     """Timeout of the process group's collectives (init_process_group's timeout): a collective that
     waits longer fails the run with torch's error instead of waiting for ever."""
-    activation_checkpointing: bool = False
-    """Recompute each block's activations in backward instead of storing them."""
+    activation_checkpointing: Literal["none", "full", "selective"] = "none"
+    """What each block keeps for backward. none: every activation its backward reads. full: only the
+    block's input; backward recomputes the whole block's forward first (least memory, about one more
+    forward of compute). selective: the outputs of its matrix multiplications and attention, whose
+    recomputation costs the most; the norms, activation functions and residual adds between them are
+    recomputed (memory between none and full, little compute: torch's selective checkpointing). true and
+    false, from older configs, mean full and none."""
+    activation_checkpointing_every: int = Field(1, gt=0)
+    """With activation_checkpointing full or selective: checkpoint one block in every k, the k-th, 2k-th,
+    ... of the blocks a rank holds (of a pipeline stage's, under pp); the others keep every activation.
+    1: every block. A second dial between none and full (torchtitan's selective layer option)."""
     compile: bool = False
     """torch.compile each block (opt-in: compiling takes time up front)."""
     compile_backend: Literal["inductor", "aot_eager", "eager"] = "inductor"
@@ -262,9 +297,17 @@ class ParallelConfig(Section):
     """fully_shard options (layouts that resolve to fsdp or hsdp)."""
     fault_tolerance: FaultToleranceConfig = FaultToleranceConfig()
     """Fault-tolerant replica groups on torchft (see docs/layouts.md)."""
+    float8: Float8Config = Float8Config()
+    """float8 matmuls in the model's blocks through torchao, on top of precision's dtype (see docs/gpus.md)."""
 
     def degrees(self) -> dict[str, int | None]:
         return {name: getattr(self, name) for name in DEGREES}
+
+    @field_validator("activation_checkpointing", mode="before")
+    @classmethod
+    def _booleans_mean_full_and_none(cls, value: Any) -> Any:
+        # Before selective existed the key was a bool; old configs and checkpoints' manifests still say so.
+        return {True: "full", False: "none"}.get(value, value) if isinstance(value, bool) else value
 
 
 class PipelineConfig(Section):

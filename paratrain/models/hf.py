@@ -54,30 +54,36 @@ def check_transformers_version(installed: str, *, supported: str) -> None:
 
 def supported_range(package: str) -> str:
     """The version specifier paratrain's own requirements give ``package`` (e.g. ``!=5.0.*,<6,>=4.56``),
-    read from paratrain's installed metadata, or from the pyproject.toml of a source tree run without
-    installing; "" when neither says (nothing to hold it to)."""
-    # Lazy: packaging comes with transformers (see check_transformers_version), not with paratrain.
+    read from the pyproject.toml of the source tree paratrain runs from, else from its installed metadata;
+    "" when neither says (nothing to hold it to). The source tree comes first: an editable install's
+    metadata is written once, at install, and goes stale when pyproject.toml changes after it."""
+    # Lazy: packaging comes with transformers and with tensorboard (a dependency of paratrain's own).
     from packaging.requirements import Requirement
 
-    try:
-        lines = importlib.metadata.requires("paratrain") or []
-    except importlib.metadata.PackageNotFoundError:
-        lines = _source_requirements()
+    lines = _source_requirements()
+    if not lines:
+        try:
+            lines = importlib.metadata.requires("paratrain") or []
+        except importlib.metadata.PackageNotFoundError:
+            lines = []
     specifiers = [requirement.specifier for requirement in map(Requirement, lines) if requirement.name == package]
     # packaging orders them by text; a reader expects the lower bound first: >=4.56,!=5.0.*,<6
     return ",".join(sorted(map(str, specifiers[0]), key=lambda part: ">~=!<".find(part[0]))) if specifiers else ""
 
 
 def _source_requirements() -> list[str]:
-    """The requirements, optional ones included, in the pyproject.toml beside a source checkout."""
+    """The requirements, optional ones included, in the pyproject.toml beside a source checkout (none when
+    paratrain runs from an installed wheel, which has no pyproject.toml beside it)."""
     pyproject = Path(__file__).resolve().parents[2] / "pyproject.toml"
     try:
-        import tomllib  # lazy: only a source tree run without installing reads it; Python 3.11+ (3.10: unchecked)
+        import tomllib  # lazy: read only when a range is asked for; Python 3.11+ (3.10: the metadata's)
     except ImportError:
         return []
     if not pyproject.is_file():
         return []
     project = tomllib.loads(pyproject.read_text(encoding="utf-8")).get("project", {})
+    if project.get("name") != "paratrain":
+        return []
     optional = project.get("optional-dependencies", {}).values()
     return [*project.get("dependencies", []), *(line for extra in optional for line in extra)]
 

@@ -1,7 +1,7 @@
 """The one place the layout's transforms are applied, in one fixed order.
 
-``parallelize`` runs on a model that may still be on the meta device: tensor parallel, then activation
-checkpointing, then compile, then FSDP. Whole-replica wrappers (DDP, DataParallel) need real
+``parallelize`` runs on a model that may still be on the meta device: float8, then tensor parallel, then
+activation checkpointing, then compile, then FSDP. Whole-replica wrappers (DDP, DataParallel) need real
 parameters, so ``maybe_wrap_replicas`` applies them after materialising. The flat layout
 (``layout.flat.build_model``), every pipeline stage (``pipeline.assembly.lay_out_stages``) and the dry run
 call these two functions and nothing else, so a new transform, or a new model family's plan, is added
@@ -25,6 +25,7 @@ from paratrain.parallel.data_parallel import apply_data_parallel
 from paratrain.parallel.ddp import apply_ddp
 from paratrain.parallel.dims import ParallelDims
 from paratrain.parallel.expert import apply_expert_parallel, expert_modules
+from paratrain.parallel.float8 import apply_float8_training
 from paratrain.parallel.fsdp import apply_fsdp, apply_fsdp_to_experts
 from paratrain.parallel.sequence_sharding import SequenceSharding
 from paratrain.parallel.tensor import apply_tensor_parallel, check_tensor_parallel_plan
@@ -43,7 +44,8 @@ def parallelize(
 ) -> list[nn.Module]:
     """Applies this rank's layout to ``model`` in place and returns it.
 
-    Order: the sequence functions (context parallel, document masking) -> tensor parallel (over
+    Order: float8 (the blocks' Linear layers become torchao's Float8Linear, which every later step then
+    wraps) -> the sequence functions (context parallel, document masking) -> tensor parallel (over
     ``dims.tp_mesh``) -> expert parallel (over ``dims.ep_mesh``) -> activation checkpointing -> compile ->
     FSDP (the experts over ``dims.expert_fsdp_mesh``, then the rest over ``dims.fsdp_mesh``). Each step
     does nothing where the layout does not use it.
@@ -53,8 +55,8 @@ def parallelize(
         dims: The resolved degrees, with their mesh built (``ParallelDims.with_mesh``).
         plan: The model's parallel plan (blocks, tensor-parallel styles); a pipeline stage passes the
             plan of the blocks it kept.
-        options: The ``parallel`` config section (sequence_parallel, activation_checkpointing, compile,
-            fsdp options).
+        options: The ``parallel`` config section (float8, sequence_parallel, activation_checkpointing,
+            compile, fsdp options).
         roots: Called after the block transforms (which may replace blocks by wrappers) and before
             FSDP; returns the modules to shard as roots after the blocks (a pipeline rank's stage
             modules, built over the wrapped blocks). None: the model itself.
@@ -64,6 +66,10 @@ def parallelize(
     Returns:
         The roots: what runs forward (``[model]`` unless ``roots`` was given).
     """
+    if options.float8.enabled:
+        apply_float8_training(
+            model, plan=plan, options=options.float8, fsdp=dims.fsdp_enabled, tp=dims.tp, compile=options.compile
+        )
     if sequence is not None:
         install_sequence_functions(model, attention=sequence.attention, positions=sequence.positions)
     if dims.tp_enabled:
@@ -71,10 +77,12 @@ def parallelize(
         apply_tensor_parallel(model, dims.tp_mesh, plan=plan, sequence_parallel=options.sequence_parallel)
     if dims.ep_enabled:
         apply_expert_parallel(model, dims.ep_mesh, plan=plan)
-    if options.activation_checkpointing:
-        apply_activation_checkpointing(model, plan=plan)
+    if options.activation_checkpointing != "none":
+        apply_activation_checkpointing(
+            model, plan=plan, mode=options.activation_checkpointing, every=options.activation_checkpointing_every
+        )
     if options.compile:
-        apply_compile(model, plan=plan, backend=options.compile_backend)
+        apply_compile(model, plan=plan, backend=options.compile_backend, checkpointing=options.activation_checkpointing)
     modules = roots(model) if roots is not None else [model]
     if dims.fsdp_enabled and dims.ep_enabled:
         experts = expert_modules(model, plan)

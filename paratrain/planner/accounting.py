@@ -5,6 +5,8 @@ gathers. Formulas: docs/planner.md.
 paratrain keeps parameters, gradients and optimizer state in fp32 under every ``precision``
 (autocast lowers only the compute; FSDP's ``param_dtype`` only the gathered copies), so model state
 is 4 + 4 + optimizer bytes per parameter a rank holds: 16Ψ for AdamW under DDP, 16Ψ/N under FSDP.
+float8 training (``parallel.float8``) changes none of it either: torchao's Float8Linear keeps the fp32
+master weight and casts a copy for each matmul. What it changes is the gathered working set (below).
 """
 
 from __future__ import annotations
@@ -13,11 +15,13 @@ from dataclasses import dataclass
 
 from paratrain.config.schema import FSDPConfig, OptimConfig
 from paratrain.parallel.dims import ParallelDims, micro_batch_size
-from paratrain.planner.activations import ActivationShape, head_bytes, layer_bytes, recompute_bytes
+from paratrain.parallel.float8 import gathers_in_float8
+from paratrain.planner.activations import ActivationShape, head_bytes, layers_bytes, recompute_bytes
 from paratrain.planner.inputs import PlanInputs
 from paratrain.planner.model_facts import ModelFacts, ParamFacts
 
 FP32 = 4
+FLOAT8 = 1
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 
 
@@ -128,6 +132,7 @@ def activation_shape(inputs: PlanInputs, dims: ParallelDims) -> ActivationShape:
         sequence_parallel=inputs.parallel.sequence_parallel and dims.tp > 1,
         checkpointing=inputs.parallel.activation_checkpointing,
         cp=dims.cp,
+        checkpoint_every=inputs.parallel.activation_checkpointing_every,
     )
 
 
@@ -140,7 +145,7 @@ def activation_bytes(
     in_flight = micro_batches_in_flight(inputs, dims)
     sizes = facts.transformer
     if sizes is not None:
-        held = share.layers * layer_bytes(sizes, shape) * in_flight
+        held = layers_bytes(sizes, shape, num_layers=share.layers) * in_flight
         return int(held + recompute_bytes(sizes, shape) + (head_bytes(sizes, shape) if share.has_head else 0))
     if measured_per_sample is None:
         return 0
@@ -158,36 +163,50 @@ def working_bytes(facts: ModelFacts, share: StageShare, inputs: PlanInputs, dims
         return FP32 * sum(param.numel for param in share.params)
     if not dims.fsdp_enabled:
         return 0
-    return _fsdp_working_bytes(facts, share, parallel.fsdp, dims=dims, accumulating=_accumulates(inputs, dims))
+    float8 = gathers_in_float8(parallel.float8, fsdp=True, tp=dims.tp)
+    return _fsdp_working_bytes(
+        facts, share, parallel.fsdp, dims=dims, accumulating=_accumulates(inputs, dims), float8=float8
+    )
 
 
 def _fsdp_working_bytes(
-    facts: ModelFacts, share: StageShare, fsdp: FSDPConfig, *, dims: ParallelDims, accumulating: bool
+    facts: ModelFacts, share: StageShare, fsdp: FSDPConfig, *, dims: ParallelDims, accumulating: bool, float8: bool
 ) -> int:
-    gathered = DTYPE_BYTES[fsdp.param_dtype] if fsdp.param_dtype else FP32
     reduced = DTYPE_BYTES[fsdp.resolved_reduce_dtype() or "fp32"]
 
-    def size(paths) -> int:
-        return gathered_numel(facts.params_in(list(paths)), dims)
+    def size(params) -> int:
+        return gathered_bytes(params, dims, fsdp, float8=float8)
 
     # Units gathered in turn: the blocks, and the outer groups but the last (the embedding); the last outer
     # group (final norm and head) stays gathered from forward into backward, as the root does.
-    outer = [size(group) for group in facts.plan.outer_units if all(share.holds(path) for path in group)]
-    streamed = sorted(
-        [*(size([block]) for block in facts.plan.blocks if share.holds(block)), *outer[:-1]], reverse=True
-    )
+    outer = [facts.params_in(group) for group in facts.plan.outer_units if all(share.holds(path) for path in group)]
+    units = [*(facts.params_in([block]) for block in facts.plan.blocks if share.holds(block)), *outer[:-1]]
+    streamed = sorted(units, key=size, reverse=True)
+    kept = size(share.params) - sum(map(size, streamed))  # the root's parameters and the last outer group
     everything = gathered_numel(share.params, dims)
-    kept = everything - sum(streamed)  # the root's parameters and the last outer group
     if not streamed:  # the model is one unit: gathered whole
-        return (gathered + reduced) * everything
-    held_gradients = everything if accumulating and fsdp.grad_sync == "last_micro_batch" else streamed[0]
-    return gathered * (kept + sum(streamed[:2])) + reduced * held_gradients
+        return size(share.params) + reduced * everything
+    # Gradients are never float8: a unit's unsharded gradient has its elements at reduce_dtype's size.
+    largest_gradient = max(gathered_numel(unit, dims) for unit in streamed)
+    held_gradients = everything if accumulating and fsdp.grad_sync == "last_micro_batch" else largest_gradient
+    return kept + sum(map(size, streamed[:2])) + reduced * held_gradients
 
 
 def gathered_numel(params, dims: ParallelDims) -> int:
     """Elements a rank computes with once FSDP has gathered them: its tensor-parallel piece, and of expert
     tensors its ep share."""
     return sum(param.local_numel(tp=dims.tp, ep=dims.ep) for param in params)
+
+
+def gathered_bytes(params, dims: ParallelDims, fsdp: FSDPConfig, *, float8: bool) -> int:
+    """Bytes FSDP all-gathers of these parameters (``gathered_numel``'s elements): param_dtype's size each
+    (fp32 when unset), except the weights float8 training converts when they are gathered in float8
+    (``float8``: tensorwise scaling with fsdp_float8_all_gather), 1 byte each: half of bf16's. Their scales
+    (one fp32 per tensor) are left out."""
+    element = DTYPE_BYTES[fsdp.param_dtype] if fsdp.param_dtype else FP32
+    return sum(
+        param.local_numel(tp=dims.tp, ep=dims.ep) * (FLOAT8 if float8 and param.float8 else element) for param in params
+    )
 
 
 def _accumulates(inputs: PlanInputs, dims: ParallelDims) -> bool:

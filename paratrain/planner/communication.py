@@ -14,7 +14,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from paratrain.parallel.dims import ParallelDims, micro_batch_size
-from paratrain.planner.accounting import DTYPE_BYTES, FP32, StageShare, activation_shape
+from paratrain.parallel.float8 import gathers_in_float8
+from paratrain.planner.accounting import DTYPE_BYTES, FP32, StageShare, activation_shape, gathered_bytes
 from paratrain.planner.inputs import PlanInputs
 from paratrain.planner.model_facts import ModelFacts
 
@@ -92,9 +93,11 @@ def step_traffic(
     # ranks. Approximate: counted at dp_shard's ring factor ((n-1)/n of a smaller group is slightly less), and
     # hsdp's replica all-reduce of it as of a dp_shard shard (an efsdp one is ep times larger).
     numel = sum(param.local_numel(tp=dims.tp, ep=dims.ep) for param in share.params)
+    float8 = gathers_in_float8(inputs.parallel.float8, fsdp=dims.fsdp_enabled, tp=dims.tp)
+    gathered = gathered_bytes(share.params, dims, inputs.parallel.fsdp, float8=float8)
     units = fsdp_units(facts, share)
     traffic = _data_parallel_traffic(
-        numel, inputs, dims, micro_batches=micro_batches, units=units, gpus_per_node=gpus_per_node
+        numel, inputs, dims, gathered=gathered, micro_batches=micro_batches, units=units, gpus_per_node=gpus_per_node
     )
     return (
         traffic
@@ -134,11 +137,19 @@ def fsdp_units(facts: ModelFacts, share: StageShare) -> int:
 
 
 def _data_parallel_traffic(
-    numel: int, inputs: PlanInputs, dims: ParallelDims, *, micro_batches: int, units: int, gpus_per_node: int
+    numel: int,
+    inputs: PlanInputs,
+    dims: ParallelDims,
+    *,
+    gathered: int,
+    micro_batches: int,
+    units: int,
+    gpus_per_node: int,
 ) -> Traffic:
-    """DDP all-reduces fp32 gradients once per step. FSDP all-gathers parameters for every micro-batch's
-    forward (and again for backward when it reshards after forward) and reduce-scatters gradients (every
-    micro-batch, or once); HSDP then all-reduces its shard across replicas."""
+    """DDP all-reduces fp32 gradients once per step. FSDP all-gathers parameters (``gathered`` bytes, whose
+    float8 weights count 1 byte each: accounting.gathered_bytes) for every micro-batch's forward (and again
+    for backward when it reshards after forward) and reduce-scatters gradients (every micro-batch, or once);
+    HSDP then all-reduces its shard across replicas."""
     if dims.ddp_enabled:
         buckets = -(-FP32 * numel // DDP_BUCKET_BYTES)
         return _sent(
@@ -151,14 +162,13 @@ def _data_parallel_traffic(
     if not dims.fsdp_enabled:
         return Traffic()
     fsdp = inputs.parallel.fsdp
-    gathered = DTYPE_BYTES[fsdp.param_dtype] if fsdp.param_dtype else FP32
     reduced = DTYPE_BYTES[fsdp.resolved_reduce_dtype() or "fp32"]
     accumulation = micro_batches if dims.pp == 1 else 1  # a pipeline's stages gather once per step
     gathers = accumulation * (2 if fsdp.reshard_after_forward else 1)
     reductions = accumulation if fsdp.grad_sync == "every_micro_batch" else 1
-    shard = ring_factor(dims.fsdp_size, all_reduce=False) * numel
+    ring = ring_factor(dims.fsdp_size, all_reduce=False)
     traffic = _sent(
-        (gathers * gathered + reductions * reduced) * shard,
+        ring * (gathers * gathered + reductions * reduced * numel),
         dims,
         "dp_shard_cp",
         gpus_per_node=gpus_per_node,

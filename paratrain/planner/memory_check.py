@@ -175,7 +175,7 @@ def _recommendation(
             )
     return (
         f"No layout fits on up to {_LARGEST_NODE_COUNT} nodes of {per_node} process(es) with this memory; try "
-        f"parallel.activation_checkpointing=true, a smaller train.micro_batch_size or a smaller model "
+        f"parallel.activation_checkpointing=selective (or full), a smaller train.micro_batch_size or a smaller model "
         f"(see `paratrain plan {path} --gpus N --gpu-memory SIZE`)."
     )
 

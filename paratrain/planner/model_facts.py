@@ -17,6 +17,7 @@ from paratrain.errors import ConfigError
 from paratrain.models.lora import maybe_apply_lora
 from paratrain.models.meta import on_meta
 from paratrain.models.plan_derivation import ParallelPlan, TensorParallelStyle, plan_of
+from paratrain.parallel.float8 import float8_linear_paths
 
 
 @dataclass(frozen=True)
@@ -28,6 +29,7 @@ class ParamFacts:
     tp_style: TensorParallelStyle | None = None
     expert: bool = False  # stacked experts along dim 0 (ParallelPlan.block_experts): expert parallel divides it
     trainable: bool = True  # False: frozen (a LoRA run's base), so no gradient or optimizer state
+    float8: bool = False  # the weight of a Linear layer parallel.float8 converts (parallel/float8.py)
 
     @property
     def numel(self) -> int:
@@ -195,9 +197,12 @@ def _param_facts(model: nn.Module, plan: ParallelPlan) -> Iterable[ParamFacts]:
         for kind in ("weight", "bias")
     }
     experts = tuple(f"{block}.{path}." for block in plan.blocks for path in plan.block_experts)
+    float8_weights = {f"{path}.weight" for path in float8_linear_paths(model, plan)}
     for name, param in model.named_parameters():
         style = styles.get(name)
         if style == "rowwise" and name.endswith(".bias"):
             style = None  # a rowwise layer adds its bias once, after the reduction: kept whole
         expert = bool(experts) and name.startswith(experts)
-        yield ParamFacts(name, tuple(param.shape), style, expert=expert, trainable=param.requires_grad)
+        yield ParamFacts(
+            name, tuple(param.shape), style, expert=expert, trainable=param.requires_grad, float8=name in float8_weights
+        )

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from paratrain.checks.objectives import PREFERENCE_DATA
+from paratrain.config.schema import ParallelConfig
 from paratrain.parallel.dims import ParallelDims
 from paratrain.planner.host_memory import HostMemory, NodeHostMemory
 from paratrain.planner.inputs import PlanInputs
@@ -23,7 +24,7 @@ def format_plan(
         *_table(plan),
         *_refused(plan),
         "",
-        *_verdict(plan, config_path, checkpointing=inputs.parallel.activation_checkpointing),
+        *_verdict(plan, config_path, checkpointing=inputs.parallel.activation_checkpointing != "none"),
     ]
     return "\n".join(lines)
 
@@ -39,14 +40,31 @@ def _refused(plan: Plan, shown: int = 3) -> list[str]:
     return lines
 
 
+def _checkpointing(parallel: ParallelConfig) -> str:
+    """How the header says it: off, full, selective, or e.g. "selective on every 2nd block"."""
+    mode, every = parallel.activation_checkpointing, parallel.activation_checkpointing_every
+    if mode == "none":
+        return "off"
+    return mode if every == 1 else f"{mode} on every {every}{_ordinal_suffix(every)} block"
+
+
+def _float8(parallel: ParallelConfig) -> str:
+    return f", float8 {parallel.float8.scaling} matmuls in the blocks" if parallel.float8.enabled else ""
+
+
+def _ordinal_suffix(number: int) -> str:
+    return "th" if 10 <= number % 100 <= 20 else {1: "st", 2: "nd", 3: "rd"}.get(number % 10, "th")
+
+
 def _header(plan: Plan, facts: ModelFacts, inputs: PlanInputs, activation_source: str, host_source: str) -> list[str]:
     cluster = plan.cluster
     optimizer = inputs.optim.name + (f" (momentum {inputs.optim.momentum})" if inputs.optim.name == "sgd" else "")
     return [
         f"model: {inputs.model.factory}, {facts.num_params:,} parameters ({len(facts.params)} tensors); "
-        f"optimizer {optimizer}; precision {inputs.precision} (weights, gradients, optimizer state fp32)",
+        f"optimizer {optimizer}; precision {inputs.precision}{_float8(inputs.parallel)} (weights, gradients, "
+        f"optimizer state fp32)",
         f"batch: global {inputs.train.global_batch_size}, micro {inputs.train.micro_batch_size}; activation "
-        f"checkpointing {'on' if inputs.parallel.activation_checkpointing else 'off'}; activations: {activation_source}",
+        f"checkpointing {_checkpointing(inputs.parallel)}; activations: {activation_source}",
         *_fine_tuning_lines(facts, inputs),
         _cluster_line(cluster, host_source),
         f"{len(plan.ranked)} layout(s) estimated, {len(plan.fitting)} fit; {len(plan.refused)} refused by "
@@ -161,7 +179,7 @@ def _nothing_fits(plan: Plan, *, checkpointing: bool) -> list[str]:
             host_verdict(least, cluster),
         ]
     smallest = min(plan.ranked, key=lambda estimate: estimate.peak.total)
-    tries = "" if checkpointing else "parallel.activation_checkpointing=true, "
+    tries = "" if checkpointing else "parallel.activation_checkpointing=selective (or full), "
     return [
         f"no layout fits in {usable} per GPU; the least memory is {describe_layout(smallest.dims)} at "
         f"{format_bytes(smallest.peak.total)} per rank. Try {tries}a smaller train.micro_batch_size, or more GPUs.",

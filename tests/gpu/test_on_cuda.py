@@ -46,13 +46,21 @@ PARITY_LAYOUTS = {
     "cp x2": (["parallel.cp=2"], 2),
     "cp x dp_shard 2x2": (["parallel.cp=2", "parallel.dp_shard=2"], 4),
 }
+
+
+def reference_of(layout: str) -> str:
+    """The one-process run a layout must match: fp16 against fp16, whose gradient scaler leaves the dumped
+    gradients scaled; emulated float8 against the same float8 on one GPU."""
+    for kind in ("fp16", "float8 rowwise", "float8"):
+        if kind in layout:
+            return f"single {kind}"
+    return "single"
+
+
 # Each multi-process layout of the CPU tables (the moves between layouts excepted: they test
-# checkpoints, not devices), with the one-process run it must match: fp16 against fp16, whose
-# gradient scaler leaves the dumped gradients scaled.
+# checkpoints, not devices), with the one-process run it must match.
 REFERENCE_OF = {
-    name: "single fp16" if "fp16" in name else "single"
-    for name, (_, nproc) in PARITY_LAYOUTS.items()
-    if nproc > 1 and " to " not in name
+    name: reference_of(name) for name, (_, nproc) in PARITY_LAYOUTS.items() if nproc > 1 and " to " not in name
 }
 
 
@@ -117,6 +125,16 @@ MIXED_PRECISION = {
     "fsdp fp16": (["parallel.strategy=fsdp", "precision=fp16"], 2),
     "fsdp bf16 compile": (["parallel.strategy=fsdp", "precision=bf16", "parallel.compile=true"], 2),
     "fsdp activation checkpointing": (["parallel.strategy=fsdp", "parallel.activation_checkpointing=true"], 2),
+    # Compiled selective checkpointing: inductor's partitioner keeps what the policy saves (parallel/activation.py).
+    "fsdp bf16 compile selective checkpointing": (
+        [
+            "parallel.strategy=fsdp",
+            "precision=bf16",
+            "parallel.compile=true",
+            "parallel.activation_checkpointing=selective",
+        ],
+        2,
+    ),
 }
 
 
@@ -125,6 +143,48 @@ def test_mixed_precision_compile_and_recompute_train_with_finite_losses(tmp_path
     overrides, nproc = MIXED_PRECISION[name]
     output_dir, _ = run_tiny(tmp_path, device, name.replace(" ", "-"), *overrides, nproc=nproc)
     assert_every_loss_finite(output_dir)
+
+
+def float8_overrides(device: str) -> list[str]:
+    """What a float8 run adds on this device: torchao's emulation on the CPU (which checks the test itself),
+    nothing on a GPU of compute capability 8.9 or newer, a skip saying so on an older one."""
+    if device == "cpu":
+        return ["parallel.float8.emulate=true"]
+    processes(device, 1)
+    major, minor = torch.cuda.get_device_capability()
+    if (major, minor) < (8, 9):
+        name = torch.cuda.get_device_name()
+        pytest.skip(f"float8 matmuls need a CUDA GPU of compute capability 8.9 or newer; {name} has {major}.{minor}")
+    return []
+
+
+FLOAT8_RUNS = {
+    "tensorwise": ["parallel.float8.scaling=tensorwise"],
+    "rowwise": ["parallel.float8.scaling=rowwise"],
+    # FSDP on one GPU still all-gathers (over one rank): the float8 all-gather's own path.
+    "tensorwise fsdp": [
+        "parallel.float8.scaling=tensorwise",
+        "parallel.strategy=fsdp",
+        "parallel.fsdp.param_dtype=bf16",
+    ],
+}
+# A first guess until a GPU run measures the spread: float8's e4m3 casts move a tiny model's loss by well under
+# 1%; a wrong scale (or float8 applied to the head) moves it by far more, or diverges.
+FLOAT8_LOSS_RTOL = 0.02
+
+
+@pytest.mark.parametrize("name", FLOAT8_RUNS)
+def test_a_float8_runs_losses_stay_close_to_bf16s(tmp_path, device, name):
+    extra = float8_overrides(device)
+    bf16, _ = run_tiny(tmp_path, device, "bf16", "precision=bf16")
+    float8, run = run_tiny(
+        tmp_path, device, "float8", "precision=bf16", "parallel.float8.enabled=true", *FLOAT8_RUNS[name], *extra
+    )
+    assert "float8 (" in run.stderr and " on 12 Linear layers of 2 blocks" in run.stderr  # the log of the conversion
+    reference, losses = losses_by_step(bf16), losses_by_step(float8)
+    assert losses.keys() == reference.keys() and losses != reference
+    assert max(abs(losses[s] - reference[s]) / reference[s] for s in reference) <= FLOAT8_LOSS_RTOL
+    assert losses[STEPS] < losses[1], "the float8 run did not train"
 
 
 def test_fsdp_cpu_offload_trains_with_finite_losses(tmp_path, device):

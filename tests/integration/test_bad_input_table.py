@@ -61,14 +61,14 @@ class Case:
     argv: tuple[str, ...]  # formatted with the files of ``files`` ({config}, {tmp}, ...)
     expected: tuple[str, ...]  # each must appear in stderr
     sys_path: str = ""  # a folder put first on sys.path: what a case finds installed ({old_transformers})
-    missing: str = ""  # a module made unimportable, as on a machine without that extra
+    missing: tuple[str, ...] = ()  # packages the case finds not installed (None in sys.modules: import fails)
 
 
-def case(*argv: str, expect: str | tuple[str, ...], sys_path: str = "", missing: str = "") -> Case:
+def case(*argv: str, expect: str | tuple[str, ...], sys_path: str = "", missing: tuple[str, ...] = ()) -> Case:
     return Case(argv, (expect,) if isinstance(expect, str) else expect, sys_path, missing)
 
 
-def train(*extra: str, expect: str | tuple[str, ...], sys_path: str = "", missing: str = "") -> Case:
+def train(*extra: str, expect: str | tuple[str, ...], sys_path: str = "", missing: tuple[str, ...] = ()) -> Case:
     return case("train", "{config}", *extra, expect=expect, sys_path=sys_path, missing=missing)
 
 
@@ -266,6 +266,59 @@ CASES: dict[str, Case] = {
     "parallel.fsdp.prefetch_blocks negative": train(
         "parallel.fsdp.prefetch_blocks=-1", expect="parallel.fsdp.prefetch_blocks"
     ),
+    "parallel.activation_checkpointing unknown": train(
+        "parallel.activation_checkpointing=partial",
+        expect=("parallel.activation_checkpointing", "'none', 'full' or 'selective'"),
+    ),
+    "parallel.activation_checkpointing_every zero": train(
+        "parallel.activation_checkpointing=selective",
+        "parallel.activation_checkpointing_every=0",
+        expect=("parallel.activation_checkpointing_every", "greater than 0"),
+    ),
+    # float8 (parallel/float8.py, checks/float8_settings.py)
+    "float8 on the CPU": train(
+        "parallel.float8.enabled=true",
+        expect=(
+            "parallel.float8.enabled=true needs a CUDA GPU of compute capability 8.9 or newer",
+            "this run trains on the CPU",
+            "parallel.float8.emulate=true",
+        ),
+    ),
+    # Two processes: refused before torchrun starts them, not by each worker's conversion.
+    "float8 without torchao": train(
+        "parallel.float8.enabled=true",
+        "parallel.float8.emulate=true",
+        "parallel.strategy=fsdp",
+        *TWO,
+        missing=("torchao",),
+        expect=("trains through torchao, which is not installed", "pip install 'paratrain[float8]'"),
+    ),
+    "float8 with a torchao release out of range": train(
+        "parallel.float8.enabled=true",
+        "parallel.float8.emulate=true",
+        "parallel.strategy=fsdp",
+        *TWO,
+        sys_path="{old_torchao}",
+        expect=("torchao 0.9.0 is installed, but paratrain supports torchao>=", "pip install 'paratrain[float8]'"),
+    ),
+    "float8 rowwise without bf16 compute": train(
+        "parallel.float8.enabled=true",
+        "parallel.float8.scaling=rowwise",
+        expect=("parallel.float8.scaling=rowwise needs bf16 compute", "computes in fp32", "set precision=bf16"),
+    ),
+    "float8 with LoRA adapters": train(
+        *TINY_LLAMA,
+        "model.lora={r: 4}",
+        "parallel.float8.enabled=true",
+        "parallel.float8.emulate=true",
+        expect=("parallel.float8.enabled=true with model.lora is not supported", "parallel.float8.enabled=false"),
+    ),
+    "parallel.float8.scaling unknown": train(
+        "parallel.float8.scaling=blockwise", expect=("parallel.float8.scaling", "'tensorwise' or 'rowwise'")
+    ),
+    "parallel.float8 unknown key": train(
+        "parallel.float8.recipe=rowwise", expect=("parallel.float8.recipe", "unknown key")
+    ),
     # --- pipeline -------------------------------------------------------------------------------
     "pipeline.schedule unknown": train("pipeline.schedule=Zigzag", expect="pipeline.schedule"),
     "pipeline.balance unknown": train("pipeline.balance=flops", expect="pipeline.balance"),
@@ -420,7 +473,7 @@ CASES: dict[str, Case] = {
     "model.lora without peft installed": train(
         *TINY_LLAMA,
         "model.lora={r: 4}",
-        missing="peft",
+        missing=("peft",),
         expect="model.lora needs peft, which is not installed: pip install 'paratrain[lora]'",
     ),
     "model.lora target matching no module": train(
@@ -761,6 +814,9 @@ def files(tmp_path_factory) -> dict[str, str]:
     old_transformers = tmp / "old-transformers/transformers-4.40.0.dist-info"
     old_transformers.mkdir(parents=True)
     (old_transformers / "METADATA").write_text("Metadata-Version: 2.1\nName: transformers\nVersion: 4.40.0\n")
+    old_torchao = tmp / "old-torchao/torchao-0.9.0.dist-info"
+    old_torchao.mkdir(parents=True)
+    (old_torchao / "METADATA").write_text("Metadata-Version: 2.1\nName: torchao\nVersion: 0.9.0\n")
     write_chat_tokenizer(tmp / "chat_tokenizer")
     write_chat_tokenizer(tmp / "bare_tokenizer", template=None)
     write_chat_jsonl(tmp / "chat.jsonl", 2)
@@ -787,6 +843,7 @@ def files(tmp_path_factory) -> dict[str, str]:
         "cut_model": str(cut_model),
         "locked": str(tmp / "locked"),
         "old_transformers": str(old_transformers.parent),
+        "old_torchao": str(old_torchao.parent),
         **{name: str(tmp / f"{name}.yaml") for name in ("latin1", "twice", "sections", "not_yaml", "a_list")},
     }
 
@@ -797,8 +854,8 @@ def test_bad_input_exits_2_without_a_traceback_naming_the_key(files, monkeypatch
     as_new_user(monkeypatch, Path(files["tmp"]) / "home")  # no tracker variables, no ~/.netrc
     if CASES[name].sys_path:
         monkeypatch.syspath_prepend(fill(CASES[name].sys_path, files))
-    if CASES[name].missing:  # None in sys.modules: every import of it fails, as where it is not installed
-        monkeypatch.setitem(sys.modules, CASES[name].missing, None)
+    for package in CASES[name].missing:
+        monkeypatch.setitem(sys.modules, package, None)
     argv = [fill(part, files) for part in CASES[name].argv]
     code, stderr = run_cli_in_process(argv)
     assert code == 2, f"exit {code}; stderr:\n{stderr}"

@@ -15,6 +15,8 @@ STEPS = 20
 FIRST_STEP_RTOL = 1e-6
 LOSS_RTOL = 1e-5
 STATE_ATOL = 1e-5
+FLOAT8 = ["parallel.float8.enabled=true", "parallel.float8.emulate=true"]
+FLOAT8_TO_BF16 = "fsdp x2 float8 to fsdp x2"
 
 LAYOUTS = {
     "single": ([], 1),
@@ -26,6 +28,28 @@ LAYOUTS = {
     "fsdp+tp 2x2": (["parallel.dp_shard=2", "parallel.tp=2"], 4),
     "tp x2 sequence parallel": (["parallel.strategy=tp", "parallel.sequence_parallel=true"], 2),
     "fsdp x2 activation checkpointing": (["parallel.strategy=fsdp", "parallel.activation_checkpointing=true"], 2),
+    "fsdp x2 selective checkpointing": (["parallel.strategy=fsdp", "parallel.activation_checkpointing=selective"], 2),
+    "tp x2 selective checkpointing": (["parallel.strategy=tp", "parallel.activation_checkpointing=selective"], 2),
+    "fsdp+tp 2x2 selective checkpointing of every 2nd block": (
+        [
+            "parallel.dp_shard=2",
+            "parallel.tp=2",
+            "parallel.activation_checkpointing=selective",
+            "parallel.activation_checkpointing_every=2",
+        ],
+        4,
+    ),
+    # float8 in torchao's emulation: the casts and scales of a GPU run, each matmul in fp32 (parallel.float8.emulate).
+    "single float8": (FLOAT8, 1),
+    "single float8 rowwise": ([*FLOAT8, "parallel.float8.scaling=rowwise"], 1),
+    "fsdp x2 float8": (["parallel.strategy=fsdp", *FLOAT8], 2),  # its weights all-gathered in float8
+    "tp x2 float8 rowwise": (["parallel.strategy=tp", *FLOAT8, "parallel.float8.scaling=rowwise"], 2),
+    "fsdp+tp 2x2 float8": (["parallel.dp_shard=2", "parallel.tp=2", *FLOAT8], 4),
+    # A float8 run's checkpoint resumed without float8 (its weights saved as plain tensors: tensors.plain_tensor).
+    FLOAT8_TO_BF16: (
+        ["parallel.strategy=fsdp", "checkpoint.resume={run:fsdp x2 float8}/checkpoints/step-10"],
+        2,
+    ),
     "fsdp x2 every_micro_batch": (["parallel.strategy=fsdp", "parallel.fsdp.grad_sync=every_micro_batch"], 2),
     "fsdp x2 fp16": (["parallel.strategy=fsdp", "precision=fp16"], 2),
     # Checkpoints moving between layouts: each resumes a layout above at step 10 and trains on to 20.
@@ -40,7 +64,12 @@ LAYOUTS = {
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> LayoutRuns:
-    together = tuple(name for name, (_, nproc) in LAYOUTS.items() if nproc > 1)
+    # The one-process float8 references start once for both, as the multi-process layouts do. A bf16 run
+    # resuming float8's checkpoint starts on its own: a process that has imported torchao (as every one of
+    # a shared launch has) reads torchao's tensor subclass, and it must not need to.
+    together = tuple(
+        name for name, (_, nproc) in LAYOUTS.items() if (nproc > 1 or "float8" in name) and name != FLOAT8_TO_BF16
+    )
     return LayoutRuns(
         tmp_path_factory.mktemp("sharded"),
         LAYOUTS,
@@ -66,6 +95,9 @@ def relative_differences(a: dict[int, float], b: dict[int, float]) -> dict[int, 
         "fsdp+tp 2x2",
         "tp x2 sequence parallel",
         "fsdp x2 activation checkpointing",
+        "fsdp x2 selective checkpointing",
+        "tp x2 selective checkpointing",
+        "fsdp+tp 2x2 selective checkpointing of every 2nd block",
     ],
 )
 def test_sharded_layout_matches_single_process_losses_and_first_gradients(runs, layout):
@@ -147,3 +179,41 @@ def test_fp16_with_the_gradient_scaler_on_sharded_gradients_matches_single_proce
     reference = runs.get("single", "precision=fp16", name="single fp16")
     sharded = runs.get("fsdp x2 fp16")
     assert max(relative_differences(losses_by_step(sharded), losses_by_step(reference)).values()) <= LOSS_RTOL
+
+
+def test_selective_checkpointing_trains_exactly_as_full_checkpointing_does(runs):
+    # Both recompute in backward what the plain run kept, by the same operators: only what is stored differs.
+    full, selective = runs.get("fsdp x2 activation checkpointing"), runs.get("fsdp x2 selective checkpointing")
+    assert losses_by_step(selective) == losses_by_step(full)
+    expected = load_file(str(full / "gradients/step-1.safetensors"))
+    actual = load_file(str(selective / "gradients/step-1.safetensors"))
+    assert all(torch.equal(actual[name], expected[name]) for name in expected)
+
+
+@pytest.mark.parametrize(
+    "layout, reference",
+    [
+        ("fsdp x2 float8", "single float8"),
+        ("tp x2 float8 rowwise", "single float8 rowwise"),
+        ("fsdp+tp 2x2 float8", "single float8"),
+    ],
+)
+def test_float8_layouts_match_one_process_in_float8(runs, layout, reference):
+    # Every rank casts with the scale one process would (tensorwise: over the whole weight, fsdp's float8
+    # all-gather included; rowwise: each row whole), so only the reduction order differs, as without float8.
+    differences = relative_differences(losses_by_step(runs.get(layout)), losses_by_step(runs.get(reference)))
+    assert max(differences.values()) <= LOSS_RTOL
+    expected = load_file(str(runs.get(reference) / "gradients/step-1.safetensors"))
+    actual = load_file(str(runs.get(layout) / "gradients/step-1.safetensors"))
+    for name in expected:
+        torch.testing.assert_close(actual[name], expected[name], rtol=1e-5, atol=1e-7, msg=name)
+    # float8 changes the numbers, not the training: the plain single run's losses stay near.
+    plain = relative_differences(losses_by_step(runs.get(reference)), losses_by_step(runs.get("single")))
+    assert 0 < max(plain.values()) <= 1e-2
+
+
+def test_a_float8_checkpoint_resumes_without_float8_from_the_weights_it_saved(runs):
+    float8, resumed = losses_by_step(runs.get("fsdp x2 float8")), losses_by_step(runs.get(FLOAT8_TO_BF16))
+    assert sorted(resumed) == list(range(11, STEPS + 1))
+    # The float8 run's weights at step 11, computed without float8's casts: near (as float8 is to fp32), not equal.
+    assert 0 < abs(resumed[11] - float8[11]) / float8[11] <= 1e-3

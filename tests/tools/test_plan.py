@@ -8,17 +8,27 @@ import resource
 
 import pytest
 import torch
+import torch.utils._pytree as pytree
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from paratrain.cli import main
 from paratrain.config.loading import load_config
 from paratrain.config.schema import OptimConfig
 from paratrain.errors import ConfigError
 from paratrain.models.gpt import build_gpt
+from paratrain.parallel.activation import saved_operators
 from paratrain.parallel.dims import ParallelDims, resolve_parallel_dims
-from paratrain.planner.accounting import model_state_bytes, stage_shares, working_bytes
-from paratrain.planner.activations import ActivationShape, head_bytes, layer_bytes, measure_saved_bytes
+from paratrain.planner.accounting import gathered_bytes, model_state_bytes, stage_shares, working_bytes
+from paratrain.planner.activations import (
+    ActivationShape,
+    head_bytes,
+    layer_bytes,
+    layers_bytes,
+    measure_saved_bytes,
+    recompute_bytes,
+)
 from paratrain.planner.command import plan_layouts
-from paratrain.planner.communication import expert_traffic, fsdp_units
+from paratrain.planner.communication import expert_traffic, fsdp_units, step_traffic
 from paratrain.planner.inputs import plan_inputs
 from paratrain.planner.layouts import describe_layout
 from paratrain.planner.model_facts import ParamFacts, read_model_facts, transformer_sizes
@@ -84,12 +94,84 @@ def test_activation_formula_is_within_ten_percent_of_the_tensors_autograd_saves(
     sizes, shape = transformer_sizes(model), ActivationShape(micro_batch=4, element_bytes=4)
     formula = 3 * layer_bytes(sizes, shape) + head_bytes(sizes, shape) - 4 * 16 * 512 * 4  # the loss's log-softmax
     assert measure_saved_bytes(model, tokens) == pytest.approx(formula, rel=0.1)
-    checkpointed = ActivationShape(micro_batch=4, element_bytes=4, checkpointing=True)
+    checkpointed = ActivationShape(micro_batch=4, element_bytes=4, checkpointing="full")
     assert layer_bytes(sizes, checkpointed) == 16 * 4 * 256 * 4  # the layer input alone
     assert layer_bytes(sizes, ActivationShape(4, 4, tp=2)) == (4 + 14 / 2) * 16 * 4 * 256 * 4
     # Context parallel: each rank holds 16 / 2 tokens of a sample (benchmarks/context_parallel.py measures 0.527).
     assert layer_bytes(sizes, ActivationShape(4, 4, cp=2)) == layer_bytes(sizes, shape) / 2
     assert head_bytes(sizes, ActivationShape(4, 4, cp=2)) == head_bytes(sizes, shape) / 2
+
+
+# The Linear layers of a GPT block that float8 training converts (parallel/float8.py).
+FLOAT8_PROJECTIONS = ("attn.q_proj", "attn.k_proj", "attn.v_proj", "attn.out_proj", "mlp.up_proj", "mlp.down_proj")
+
+
+def saved_by_selective_checkpointing(block: torch.nn.Module, hidden: torch.Tensor) -> int:
+    """Bytes selective checkpointing keeps of one forward of ``block``: its input, and the output of every
+    operator its policy saves (parallel/activation.py), recorded as the block runs (on meta: no memory)."""
+
+    class Record(TorchDispatchMode):
+        kept = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            output = func(*args, **(kwargs or {}))
+            if func in saved_operators():
+                Record.kept += sum(t.numel() * t.element_size() for t in pytree.tree_leaves(output))
+            return output
+
+    with Record():
+        block(hidden)
+    return Record.kept + hidden.numel() * hidden.element_size()
+
+
+def test_selective_checkpointing_is_counted_as_what_its_policy_keeps_between_none_and_full():
+    with torch.device("meta"):
+        model = build_gpt(n_layer=3, n_head=4, n_embd=256, block_size=16, vocab_size=512)
+        hidden = torch.zeros(4, 16, 256)
+    sizes, tensor = transformer_sizes(model), 16 * 4 * 256 * 4
+    none, full, selective = (ActivationShape(4, 4, checkpointing=mode) for mode in ("none", "full", "selective"))
+    # The operators' outputs as the policy sees them: the meta device's math attention adds its s x s scores
+    # (bmm), a quarter of one s x b x h tensor here, to the 11 the formula counts.
+    assert saved_by_selective_checkpointing(model.blocks[0], hidden) == pytest.approx(
+        layer_bytes(sizes, selective), rel=0.1
+    )
+    assert layer_bytes(sizes, selective) == 11 * tensor
+    assert layer_bytes(sizes, full) < layer_bytes(sizes, selective) < layer_bytes(sizes, none)
+    assert recompute_bytes(sizes, selective) == (18 - 11) * tensor  # what backward rebuilds beside what was kept
+    # Tensor parallel: 8 inside the pair split, the 2 row-parallel outputs whole plus their all-reduced copies.
+    assert layer_bytes(sizes, ActivationShape(4, 4, tp=2, checkpointing="selective")) == (1 + 8 / 2 + 2 * 2) * tensor
+    sequence_parallel = ActivationShape(4, 4, tp=2, sequence_parallel=True, checkpointing="selective")
+    assert layer_bytes(sizes, sequence_parallel) == (1 / 2 + 8 / 2 + 2 * 1.5) * tensor
+    # Every 2nd of 3 layers checkpointed: one selective layer, two that keep everything.
+    every_2nd = ActivationShape(4, 4, checkpointing="selective", checkpoint_every=2)
+    assert layers_bytes(sizes, every_2nd, num_layers=3) == (11 + 2 * 18) * tensor
+
+
+def test_float8_all_gather_halves_the_gathered_weights_of_bf16_and_counts_nothing_else():
+    overrides = ["model.args={n_layer: 2, n_head: 4, n_embd: 64}", "parallel.fsdp.param_dtype=bf16"]
+    config = load_config(None, overrides)
+    facts, dims = read_model_facts(config.model), ParallelDims("fsdp", dp_shard=4)
+    float8 = [param.name for param in facts.params if param.float8]
+    assert float8 == [f"blocks.{i}.{layer}.weight" for i in range(2) for layer in FLOAT8_PROJECTIONS]
+
+    def working(*extra: str) -> int:
+        inputs = plan_inputs(load_config(None, [*overrides, *extra]))
+        return working_bytes(facts, stage_shares(facts, inputs, dims)[0], inputs, dims)
+
+    # Two blocks gathered at once, each with 4 x 64 x 64 attention and 2 x 64 x 256 MLP weights: 1 byte each
+    # instead of bf16's 2. Model state is untouched: torchao keeps the fp32 master weights.
+    block_weights = 4 * 64 * 64 + 2 * 64 * 256
+    assert working() - working("parallel.float8.enabled=true") == 2 * block_weights * (2 - 1)
+    assert working("parallel.float8.enabled=true", "parallel.float8.scaling=rowwise") == working()
+    assert working("parallel.float8.enabled=true", "parallel.float8.fsdp_float8_all_gather=false") == working()
+    inputs = plan_inputs(load_config(None, [*overrides, "parallel.float8.enabled=true"]))
+    share = stage_shares(facts, inputs, dims)[0]
+    converted = [param for param in facts.params if param.float8]
+    assert 2 * gathered_bytes(converted, dims, inputs.parallel.fsdp, float8=True) == gathered_bytes(
+        converted, dims, inputs.parallel.fsdp, float8=False
+    )
+    bf16_traffic = step_traffic(facts, share, plan_inputs(config), dims, gpus_per_node=8)
+    assert step_traffic(facts, share, inputs, dims, gpus_per_node=8).total < bf16_traffic.total
 
 
 def test_ddp_is_recommended_when_it_fits_and_sharding_when_it_does_not():

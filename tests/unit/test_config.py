@@ -81,6 +81,33 @@ def test_pipeline_options_outside_a_pipeline_are_flagged():
     assert warnings_at(2, "parallel.pp=2", "pipeline.schedule=GPipe") == []
 
 
+def test_checkpointing_and_float8_options_without_effect_are_flagged():
+    assert warnings_at(1, "parallel.activation_checkpointing_every=2") == [
+        "parallel.activation_checkpointing_every has no effect with parallel.activation_checkpointing=none"
+    ]
+    assert warnings_at(1, "parallel.float8.scaling=rowwise") == [
+        "parallel.float8.scaling has no effect without parallel.float8.enabled=true"
+    ]
+    float8 = ["parallel.float8.enabled=true", "parallel.compile=true", "parallel.float8.fsdp_float8_all_gather=true"]
+    assert warnings_at(2, "parallel.strategy=fsdp", *float8) == []
+    assert warnings_at(2, "parallel.dp_shard=1", "parallel.tp=2", *float8) == [
+        "parallel.float8.fsdp_float8_all_gather has no effect with scaling=tensorwise and the tp: tp=2 layout "
+        "(tensorwise scaling under fsdp or hsdp, without tp, only)"
+    ]
+    assert warnings_at(1, "parallel.float8.enabled=true") == [
+        "parallel.float8 without parallel.compile: each float8 cast and scale runs as kernels of its own, which "
+        "usually leaves float8 slower than bf16; set parallel.compile=true"
+    ]
+
+
+def test_activation_checkpointing_of_older_configs_reads_true_as_full_and_false_as_none(tmp_path):
+    assert load_config(None, ["parallel.activation_checkpointing=true"]).parallel.activation_checkpointing == "full"
+    assert load_config(None, ["parallel.activation_checkpointing=false"]).parallel.activation_checkpointing == "none"
+    path = tmp_path / "old.yaml"
+    path.write_text("parallel:\n  activation_checkpointing: true\n")
+    assert load_config(path).parallel.activation_checkpointing == "full"
+
+
 def test_progress_bar_on_and_off_survive_yaml_reading_them_as_booleans():
     assert load_config(None, ["log.progress_bar=off"]).log.progress_bar == "off"
     assert load_config(None, ["log.progress_bar=on"]).log.progress_bar == "on"
