@@ -18,10 +18,16 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 
+# Where initialisers live: torch's, and transformers' own wrappers of them (transformers 5 dispatches its
+# ``transformers.initialization.normal_`` and friends through torch functions too; under this mode torch's
+# inside them would no longer be seen, and each draw on a meta tensor costs a millisecond of meta kernel).
+INIT_MODULES = frozenset({"torch.nn.init", "transformers.initialization"})
+
+
 class _SkipInitOfMetaTensors(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if getattr(func, "__module__", None) == "torch.nn.init":
+        if getattr(func, "__module__", None) in INIT_MODULES:
             tensor = args[0] if args else kwargs.get("tensor")
             if isinstance(tensor, torch.Tensor) and tensor.is_meta:
                 return tensor
