@@ -40,8 +40,7 @@ PREFLIGHT_DONE_ENV = "PARATRAIN_PREFLIGHT_DONE"
 
 def preflight(config: Config, *, world_size: int, nproc_per_node: int) -> None:
     """Raises one ConfigError listing every problem with running ``config`` on this many processes."""
-    # Several checks read the model: it is built on meta once (a factory that fails is retried, and
-    # reported by check_factory_args).
+    # Several checks read the model, built on meta once (a failing factory is reported by check_factory_args).
     model_on_meta = functools.cache(lambda: _model_on_meta(config))
     checks: list[Callable[[], None]] = [
         lambda: _check_layout(config, world_size, nproc_per_node, model_on_meta),
@@ -82,8 +81,8 @@ def preflight(config: Config, *, world_size: int, nproc_per_node: int) -> None:
 
 def _check_pretrained(pretrained: str | None) -> None:
     if pretrained:
-        # lazy: loaded only for the runs that use it (safetensors, DTensor) to keep the launcher's checks fast
-        from paratrain.models.pretrained import check_pretrained_dir  # safetensors: only when used
+        # lazy: safetensors and DTensor only for the runs that use them, to keep the launcher's checks fast
+        from paratrain.models.pretrained import check_pretrained_dir
 
         check_pretrained_dir(Path(pretrained))
 
@@ -283,8 +282,7 @@ def _check_resume(config: Config) -> None:
 def _check_resume_config(config: Config) -> None:
     """Refuses to resume a checkpoint trained with a config that changes what is trained.
 
-    For ``auto`` it reads the newest complete checkpoint's manifest without verifying its files; the
-    trainer checks again against the one it verifies and loads.
+    For ``auto``: the newest complete checkpoint's manifest, unverified; the trainer checks the one it loads.
     """
     resume = config.checkpoint.resume
     if resume == "auto":

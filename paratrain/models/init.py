@@ -5,11 +5,10 @@ each parameter and buffer is allocated as this rank's shard and filled from one 
 every layout starts from the same weights as ``single``, and no rank holds more than its shard plus one
 full tensor:
 
-1. A resume: nothing is drawn or read. Parameters are left empty for the checkpoint's load to fill
-   (``resuming``); buffers the checkpoint does not hold (rotary frequencies) come from the constructor.
-2. ``model.pretrained`` (a directory of safetensors files): each tensor read by name, this rank's slice
-   alone where the placement allows. Buffers the files do not hold come from a build of the model whose
-   parameters stay on meta, so its constructor computes them as usual.
+1. A resume: nothing is drawn or read. Parameters are left for the checkpoint's load to fill; buffers it
+   does not hold (rotary frequencies) come from the constructor.
+2. ``model.pretrained`` (safetensors files): each tensor read by name, this rank's slice alone where the
+   placement allows; buffers the files lack, from a build whose parameters stay on meta.
 3. A model whose own initialisation paratrain can divide: one that declares
    ``init_parameter(name, tensor, generator)`` (``contract.InitialisesParameters``; paratrain's own models
    do), or a transformers model (its ``_init_weights``). The initialisation is recorded as the operations
@@ -24,9 +23,8 @@ full tensor:
 
 A parameter or buffer that no source fills is an error naming it, never uninitialised memory.
 
-A factory that returns real weights itself (for example one calling ``from_pretrained``, which
-transformers 5 refuses under a meta-device context) is detected by ``build_on_meta``: its model is laid
-out as it is and nothing here runs.
+A factory that returns real weights itself (one calling ``from_pretrained``, which transformers 5 refuses
+on meta) is detected by ``build_on_meta``: its model is laid out as it is and nothing here runs.
 """
 
 from __future__ import annotations
@@ -48,15 +46,13 @@ from paratrain.models.hf import is_transformers_model
 from paratrain.models.init_recording import initialise_whole, record_declared_init, record_transformers_init
 from paratrain.models.init_replay import Box, box_of, replay
 from paratrain.models.lora import init_adapter, is_adapter
-from paratrain.models.meta import on_meta, skipping_init_of_meta_tensors
+from paratrain.models.meta import build_with_parameters_on_meta, on_meta, real_tensors
 from paratrain.models.seed_checkpoint import seed_checkpoint
 from paratrain.models.weights import LocalPiece, WeightSource, canonical_name
 
 logger = logging.getLogger("paratrain")
 
-# What a source returns when there is nothing to copy into the tensor: it filled the tensor itself, or a
-# resume's load will.
-NOTHING_TO_COPY = object()
+NOTHING_TO_COPY = object()  # a source's answer when it filled the tensor itself, or a resume's load will
 # Parameters up to this many numbers keep their constructor's value when the model's own init leaves them alone.
 SMALL_PARAMETER = 1 << 20
 
@@ -210,7 +206,7 @@ def _replayed_source(model: nn.Module, *, factory: Callable[[], nn.Module], seed
         # One build serves the recording (its parameters on meta) and gives the buffers the constructor
         # computes (rotary frequencies), which the model's init leaves alone.
         reference = _constructed_model(factory, keep_parameters=False, seed=seed)
-        records, reference_buffers = record_transformers_init(reference), _real_tensors(reference)
+        records, reference_buffers = record_transformers_init(reference), real_tensors(reference)
         buffers = lambda: reference_buffers  # noqa: E731
         whole = lambda name, tensor: initialise_whole(reference, name, seed=seed)  # noqa: E731
         recorded = lambda name, tensor: records.get(name)  # noqa: E731
@@ -271,41 +267,13 @@ def _constructor_tensors(
     """The buffers the model's constructor computes (rotary frequencies, masks) and, with ``keep_parameters``,
     its small parameters (up to ``SMALL_PARAMETER`` numbers: norms, biases). Gives a parameter the model's
     own init leaves alone its constructor's value, without building the large ones."""
-    return _real_tensors(_constructed_model(factory, keep_parameters=keep_parameters, seed=seed))
+    return real_tensors(_constructed_model(factory, keep_parameters=keep_parameters, seed=seed))
 
 
 def _constructed_model(factory: Callable[[], nn.Module], *, keep_parameters: bool, seed: int | None) -> nn.Module:
-    """The factory's model built on the CPU with its parameters (all, or those over ``SMALL_PARAMETER``
-    numbers) moved to meta as they are registered, as Accelerate's ``init_empty_weights`` does: real buffers,
-    and no large parameter ever allocated or drawn. ``seed`` makes what the constructor draws the same on
-    every rank."""
-    limit = SMALL_PARAMETER if keep_parameters else -1
-    if seed is not None:
+    if seed is not None:  # what the constructor draws (a kept parameter) is then the same on every rank
         torch.manual_seed(seed)
-    with _parameters_on_meta(larger_than=limit), torch.device("cpu"), skipping_init_of_meta_tensors():
-        return factory()
-
-
-def _real_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
-    return {name: tensor for name, tensor in [*model.named_parameters(), *model.named_buffers()] if not tensor.is_meta}
-
-
-@contextlib.contextmanager
-def _parameters_on_meta(*, larger_than: int = -1) -> Iterator[None]:
-    register = nn.Module.register_parameter
-
-    def register_on_meta(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
-        register(module, name, param)
-        if param is not None and param.numel() > larger_than:
-            kind, kwargs = type(param), param.__dict__
-            module._parameters[name] = kind(param.to("meta"), requires_grad=param.requires_grad)
-            module._parameters[name].__dict__.update(kwargs)
-
-    nn.Module.register_parameter = register_on_meta
-    try:
-        yield
-    finally:
-        nn.Module.register_parameter = register
+    return build_with_parameters_on_meta(factory, larger_than=SMALL_PARAMETER if keep_parameters else -1)
 
 
 def _copy_my_slice(tensor: torch.Tensor, full: torch.Tensor | LocalPiece) -> None:

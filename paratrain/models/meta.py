@@ -17,7 +17,6 @@ import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-
 # Where initialisers live: torch's, and transformers' own wrappers of them (transformers 5 dispatches its
 # ``transformers.initialization.normal_`` and friends through torch functions too; under this mode torch's
 # inside them would no longer be seen, and each draw on a meta tensor costs a millisecond of meta kernel).
@@ -55,3 +54,34 @@ def maybe_build_on_meta(factory: Callable[[], nn.Module]) -> nn.Module | None:
             return factory()
     except Exception:  # noqa: BLE001 - a user factory may fail in any way on meta tensors
         return None
+
+
+def build_with_parameters_on_meta(factory: Callable[[], nn.Module], *, larger_than: int = -1) -> nn.Module:
+    """The factory's model built on the CPU with its parameters larger than ``larger_than`` numbers (all, by
+    default) moved to meta as they are registered, as Accelerate's ``init_empty_weights`` does: real
+    buffers (rotary frequencies), and no large parameter ever allocated or drawn."""
+    with _parameters_on_meta(larger_than=larger_than), torch.device("cpu"), skipping_init_of_meta_tensors():
+        return factory()
+
+
+def real_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The model's parameters and buffers that hold values (not on meta), by name."""
+    return {name: tensor for name, tensor in [*model.named_parameters(), *model.named_buffers()] if not tensor.is_meta}
+
+
+@contextlib.contextmanager
+def _parameters_on_meta(*, larger_than: int) -> Iterator[None]:
+    register = nn.Module.register_parameter
+
+    def register_on_meta(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
+        register(module, name, param)
+        if param is not None and param.numel() > larger_than:
+            kind, kwargs = type(param), param.__dict__
+            module._parameters[name] = kind(param.to("meta"), requires_grad=param.requires_grad)
+            module._parameters[name].__dict__.update(kwargs)
+
+    nn.Module.register_parameter = register_on_meta
+    try:
+        yield
+    finally:
+        nn.Module.register_parameter = register
