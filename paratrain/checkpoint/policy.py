@@ -58,7 +58,7 @@ def choose_resume(
 ) -> Path | None:
     """The checkpoint ``checkpoint.resume`` names (``never``, ``auto``: the newest that passes the checks made
     before loading, or a path), agreed by every rank, once its config is checked against ``config``. Its
-    files' SHA-256 are checked by the load itself (``load_resume``).
+    files' checksums are checked by the load itself (``load_resume``).
 
     Raises:
         CheckpointError: the named checkpoint fails those checks, or none of the run's passes.
