@@ -3,6 +3,7 @@ bit-identical."""
 
 from __future__ import annotations
 
+import json
 import re
 import shutil
 from pathlib import Path
@@ -206,3 +207,18 @@ def test_a_checkpoint_in_the_old_format_resumes_and_the_run_saves_in_the_new_one
     assert verify_checkpoint(final)["format"] == 2
     before, after = checkpoint_weights(OLD_FORMAT / "step-4"), checkpoint_weights(final)
     assert before.keys() == after.keys() and any(not torch.equal(before[k], after[k]) for k in before)
+
+
+def test_auto_interval_measures_a_save_after_the_first_step_and_learns_from_a_killed_attempt(tmp_path):
+    config = config_for(tmp_path, "auto", "single")
+    auto = ["checkpoint.every_steps=auto", "checkpoint.mtbf_hours=0.01", "checkpoint.keep_last=null"]
+    killed = train(config, *auto, env={"PARATRAIN_FAULT": "after_step:8:0"}, check=False)
+    assert killed.returncode != 0
+    assert "pooled with 0 failure(s)" in killed.stderr and "checkpoint interval: every" in killed.stderr
+    assert (tmp_path / "auto/checkpoints/step-1/paratrain-manifest.json").is_file()  # the measuring save
+
+    resumed = train(config, *auto)
+    assert "pooled with 1 failure(s)" in resumed.stderr and "resumed from" in resumed.stderr
+    attempts = [json.loads(line) for line in (tmp_path / "auto/attempts.jsonl").read_text().splitlines()]
+    assert [event["event"] for event in attempts] == ["start", "start", "end"]  # the killed one left no end
+    assert attempts[-1]["outcome"] == "success" and attempts[-1]["step"] == STEPS
