@@ -44,6 +44,11 @@ class _ChecksummedFile(io.BufferedWriter):
         self._bytes += written
         return written
 
+    def tell(self) -> int:
+        # Written in order from the start, never seeked: the position is the count, with no lseek per item (a
+        # tenth of a second per 2,000 items on a busy machine).
+        return self._bytes
+
     def entry(self) -> dict[str, Any]:
         """The manifest's entry for the file."""
         return entry_for(self._bytes, self._digest)

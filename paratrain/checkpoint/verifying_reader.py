@@ -61,6 +61,7 @@ class VerifyingReader(SafeFileSystemReader):
         self.listed = listed
         self.verified: set[str] = set()
         self._layout: RawLayout | None = None
+        self._metadata: dict[Any, Metadata] = {}
 
     def _read_metadata_bytes(self, path: Any) -> bytes:
         data = super()._read_metadata_bytes(path)
@@ -69,6 +70,14 @@ class VerifyingReader(SafeFileSystemReader):
         check_bytes(Path(path), memoryview(data), expected)
         self.verified.add(Path(path).name)
         return data
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        """The checked ``.metadata``, read and unpickled once however often it is asked for (the caller's look
+        before the load, then DCP's own): a tenth of a second of CPU a time for 2,000 entries."""
+        rank = kwargs.get("rank")
+        if rank not in self._metadata:
+            self._metadata[rank] = super().read_metadata(*args, **kwargs)
+        return self._metadata[rank]
 
     def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         super().set_up_storage_reader(metadata, is_coordinator, *args, **kwargs)
@@ -95,7 +104,7 @@ class VerifyingReader(SafeFileSystemReader):
 
     def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
         super().reset(checkpoint_id)
-        self.verified = set()
+        self.verified, self._metadata = set(), {}
 
     def _expected(self, path: Path) -> dict[str, Any]:
         expected = self.listed.get(path.name)
