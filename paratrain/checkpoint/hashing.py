@@ -25,8 +25,9 @@ from paratrain.checkpoint.checksums import entry_for, new_digest
 from paratrain.checkpoint.raw_tensors import write_items
 from paratrain.checkpoint.storage_errors import ErrnoKeepingWriter, raise_if_storage_error
 
-# Threads, and so files, per rank and group of entries (file_groups). Measured on the benchmark's disk
-# (docs/benchmarks.md, checkpoint I/O): see WRITE_THREADS_MEASURED there.
+# Threads, and so files, per rank and group of entries (file_groups). With checksums nearly free, a thread is
+# the write itself: on the benchmark's virtual disk (2 cores) 2 threads saved faster than 1 and no slower than 4
+# (benchmarks/checkpoint_io.py --compare-threads 1,4; docs/benchmarks.md, checkpoint I/O).
 WRITE_THREADS = 2
 
 

@@ -1,9 +1,10 @@
 """Plain tensors are written as raw bytes and read back without torch.load: every dtype and shape a state holds
 comes back exact, through a resume's load and an export's reader alike, and torch's own reader refuses such
-an item instead of misreading it."""
+an item instead of misreading it. Equal non-tensor values are serialized once, into the bytes torch.save writes."""
 
 from __future__ import annotations
 
+import io
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -91,3 +92,16 @@ def test_torchs_own_reader_refuses_a_raw_tensor_instead_of_misreading_it(tmp_pat
     path = save(tmp_path, {"weight": torch.randn(4, 4)})
     with pytest.raises(BaseException, match="Unknown extension.*paratrain.raw_tensor"), quiet_single_process():
         dcp.load({"own": Tensors({"weight": torch.zeros(4, 4)})}, checkpoint_id=path, no_dist=True)
+
+
+def test_equal_values_are_serialized_once_and_written_as_torch_save_writes_each(tmp_path):
+    values = {"lr": 1e-3, "again_lr": 1e-3, "other_lr": 2e-3, "name": "adamw", "amsgrad": False}
+    path = save(tmp_path, values)
+    for index, info in SafeFileSystemReader(path).read_metadata().storage_data.items():
+        written = (path / info.relative_path).read_bytes()[info.offset : info.offset + info.length]
+        expected = io.BytesIO()
+        torch.save(values[index.fqn.removeprefix("own.")], expected)
+        assert written == expected.getvalue(), index.fqn
+    into = Tensors(dict.fromkeys(values, 0))
+    Checkpointer(tmp_path / "checkpoints", keep_last=None, rank=0, world_size=1, config={}).load(path, {"own": into})
+    assert_same(into.values, values)
