@@ -6,7 +6,7 @@ parameters + both moments (about 3x the parameter bytes). Each round saves once 
 once asynchronously, the order flipping every round (S A, A S, ...) on a machine shared with others.
 
 - *blocked*: from the save call to its return, i.e. until training may go on. Synchronous: the whole
-  save (DCP write with fsync, manifest with each file's SHA-256). Asynchronous: the copy of the state
+  save (DCP write with fsync, manifest with each file's checksum). Asynchronous: the copy of the state
   into CPU memory and starting the background thread.
 - *background*: asynchronous only, from the call until the checkpoint is complete (manifest written).
   Training steps run meanwhile, as they would in a run, and their median time is printed beside the

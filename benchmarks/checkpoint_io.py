@@ -5,12 +5,14 @@ One run measures, side by side on the same disk:
 - *disk*: a plain sequential write of a file the size of the checkpoint (64 MiB writes, then one
   fsync), and a cold read of it: its pages are dropped from the page cache first, through
   ``/proc/sys/vm/drop_caches`` when running as root, else ``posix_fadvise(DONTNEED)`` on the file
-  (the header line says which).
+  (the header line says which). The same with ``dd`` (``bs=64M conv=fsync``, then a cold read into
+  /dev/null), as a check on the Python probe.
 - *paratrain*: ``Checkpointer.save`` synchronous (DCP write with fsync, then the manifest with each
-  file's SHA-256), asynchronous (*blocked*: until the call returns; *background*: until the
+  file's checksum), asynchronous (*blocked*: until the call returns; *background*: until the
   checkpoint is complete), and a cold load as a resume does it: ``check_checkpoint`` on rank 0 (the
   manifest, every file's size, ``.metadata``) then ``Checkpointer.load``, which checks each file's
-  SHA-256 as it reads it.
+  checksum as it reads it. ``--compare-threads 1,4`` adds synchronous saves with that many writer
+  threads per rank (the default is ``hashing.WRITE_THREADS``).
 - *plain DCP*: ``torch.distributed.checkpoint.save``/``load`` of the same state with
   ``FileSystemWriter`` defaults (fsync on, one thread), no checksum; cold load.
 
@@ -29,6 +31,7 @@ It prints, it never asserts; results belong in docs/benchmarks.md.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import shutil
@@ -45,6 +48,8 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
 from paratrain.checkpoint import Checkpointer
+from paratrain.checkpoint import writer as writer_module
+from paratrain.checkpoint.hashing import WRITE_THREADS, HashingWriter
 from paratrain.checkpoint.manifest import check_checkpoint
 from paratrain.checkpoint.state import ModelState, OptimizerState, Progress
 from paratrain.models.gpt import build_gpt
@@ -147,8 +152,9 @@ def summed_over_ranks(value: float) -> float:
 class Bench:
     """The operations of one round, on one process or on every rank of a group."""
 
-    def __init__(self, state: dict, scratch: Path, *, rank: int, world_size: int):
+    def __init__(self, state: dict, scratch: Path, *, rank: int, world_size: int, compare_threads: list[int]):
         self.state = state
+        self.compare_threads = compare_threads
         self.scratch = scratch
         self.rank = rank
         distributed = dist.is_initialized()
@@ -158,9 +164,13 @@ class Bench:
         self.step = 0
         self.no_dist = not distributed
 
-    def _save_sync(self) -> tuple[float, float]:
+    def _save_sync(self, threads: int = WRITE_THREADS) -> tuple[float, float]:
         self.step += 1
-        timing = in_sync(lambda: self.checkpointer.save(self.step, self.state, blocking=True))
+        writer_module.HashingWriter = functools.partial(HashingWriter, thread_count=threads)  # type: ignore[misc]
+        try:
+            timing = in_sync(lambda: self.checkpointer.save(self.step, self.state, blocking=True))
+        finally:
+            writer_module.HashingWriter = HashingWriter  # type: ignore[misc]
         self._let_rotation_finish()
         return timing
 
@@ -189,7 +199,7 @@ class Bench:
                 check_checkpoint(path)  # rank 0 checks what needs no data reading, as choosing a resume does
             if dist.is_initialized():
                 dist.barrier()
-            self.checkpointer.load(path, self.state)  # every file's SHA-256 checked as it is read
+            self.checkpointer.load(path, self.state)  # every file's checksum checked as it is read
 
         return in_sync(resume)
 
@@ -224,6 +234,8 @@ class Bench:
         times: dict[str, tuple[float, float]] = {}
 
         def paratrain() -> None:
+            for threads in self.compare_threads:
+                times[f"paratrain sync save, {threads} writer threads"] = self._save_sync(threads)
             times["paratrain sync save"] = self._save_sync()
             times["paratrain load"] = self._load_paratrain()
             blocked, background = self._save_async()
@@ -245,12 +257,12 @@ class Bench:
         )
 
 
-def measure(state_gb: float, rounds: int, scratch: Path, *, fsdp: bool) -> dict:
+def measure(state_gb: float, rounds: int, scratch: Path, *, fsdp: bool, compare_threads: list[int]) -> dict:
     """Medians of every operation, on this process or (under torchrun) every rank together."""
     rank = dist.get_rank() if dist.is_initialized() else 0
     world_size = dist.get_world_size() if dist.is_initialized() else 1
     state = build_state(state_gb, fsdp=fsdp)
-    bench = Bench(state, scratch, rank=rank, world_size=world_size)
+    bench = Bench(state, scratch, rank=rank, world_size=world_size, compare_threads=compare_threads)
     results = [bench.run_round(index) for index in range(rounds)]
     bench.checkpointer.close()
     paratrain_bytes, dcp_bytes = bench.bytes_on_disk()
@@ -265,15 +277,35 @@ def measure(state_gb: float, rounds: int, scratch: Path, *, fsdp: bool) -> dict:
     }
 
 
+def dd_write(path: Path, size: int) -> float:
+    count = str(max(1, size // CHUNK))
+    started = time.perf_counter()
+    subprocess.run(
+        ["dd", "if=/dev/zero", f"of={path}", "bs=64M", f"count={count}", "conv=fsync", "status=none"], check=True
+    )
+    return time.perf_counter() - started
+
+
+def dd_read(path: Path) -> float:
+    drop_from_cache([path])
+    started = time.perf_counter()
+    subprocess.run(["dd", f"if={path}", "of=/dev/null", "bs=64M", "status=none"], check=True)
+    return time.perf_counter() - started
+
+
 def measure_disk(scratch: Path, size: int, rounds: int) -> dict[str, float]:
     path = scratch / "disk-probe"
-    writes, reads = [], []
+    times: dict[str, list[float]] = {"write": [], "read": [], "dd write": [], "dd read": []}
     for _ in range(rounds):
-        writes.append(disk_write(path, size))
-        reads.append(disk_read(path))
+        times["write"].append(disk_write(path, size))
+        times["read"].append(disk_read(path))
+        path.unlink()
+        # dd writes zeros: on a compressing or deduplicating filesystem faster than the disk, not on ext4 or xfs.
+        times["dd write"].append(dd_write(path, size))
+        times["dd read"].append(dd_read(path))
     written = path.stat().st_size
     path.unlink()
-    return {"write": written / statistics.median(writes), "read": written / statistics.median(reads)}
+    return {name: written / statistics.median(values) for name, values in times.items()}
 
 
 def print_table(title: str, result: dict, disk: dict[str, float]) -> None:
@@ -282,16 +314,20 @@ def print_table(title: str, result: dict, disk: dict[str, float]) -> None:
         f"\n{title}: {result['paratrain_bytes'] / 1e9:.2f} GB per paratrain checkpoint "
         f"({result['dcp_bytes'] / 1e9:.2f} GB plain DCP), {result['ranks']} process(es)"
     )
-    print("| operation | median s | GB/s | x disk | CPU s |")
-    print("|---|---|---|---|---|")
-    print(f"| disk: sequential write + fsync | | {disk['write'] / 1e9:.2f} | 1.00 | |")
-    print(f"| disk: cold sequential read | | {disk['read'] / 1e9:.2f} | 1.00 | |")
+    print("| operation | median s | GB/s | x disk | x plain DCP | CPU s |")
+    print("|---|---|---|---|---|---|")
+    print(f"| disk: sequential write + fsync | | {disk['write'] / 1e9:.2f} | 1.00 | | |")
+    print(f"| disk: cold sequential read | | {disk['read'] / 1e9:.2f} | 1.00 | | |")
+    print(f"| dd: write + fsync | | {disk['dd write'] / 1e9:.2f} | | | |")
+    print(f"| dd: cold read | | {disk['dd read'] / 1e9:.2f} | | | |")
     for name, seconds in medians.items():
         size = result["dcp_bytes"] if name.startswith("dcp") else result["paratrain_bytes"]
         reference = disk["read"] if "load" in name else disk["write"]
+        plain = medians["dcp load"] if "load" in name else medians["dcp save"]
         rate = size / seconds
+        versus_dcp = "" if "blocked" in name else f"{rate / (result['dcp_bytes'] / plain):.2f}"
         cpu = result["cpu_medians"][name]
-        print(f"| {name} | {seconds:.2f} | {rate / 1e9:.2f} | {rate / reference:.2f} | {cpu:.2f} |")
+        print(f"| {name} | {seconds:.2f} | {rate / 1e9:.2f} | {rate / reference:.2f} | {versus_dcp} | {cpu:.2f} |")
 
 
 def run_fsdp(args: argparse.Namespace, scratch: Path) -> dict:
@@ -300,6 +336,7 @@ def run_fsdp(args: argparse.Namespace, scratch: Path) -> dict:
     argv = [
         sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={args.fsdp_ranks}",
         __file__, "--worker", str(result_path), "--state-gb", str(args.state_gb), "--rounds", str(args.rounds),
+        "--compare-threads", ",".join(map(str, args.compare_threads)),
     ]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO_ROOT)}
     subprocess.run(argv, check=True, env=env, cwd=scratch)
@@ -309,7 +346,9 @@ def run_fsdp(args: argparse.Namespace, scratch: Path) -> dict:
 def worker(args: argparse.Namespace) -> None:
     dist.init_process_group("gloo")
     result_path = Path(args.worker)
-    result = measure(args.state_gb, args.rounds, result_path.parent / "fsdp", fsdp=True)
+    result = measure(
+        args.state_gb, args.rounds, result_path.parent / "fsdp", fsdp=True, compare_threads=args.compare_threads
+    )
     if dist.get_rank() == 0:
         result_path.write_text(json.dumps(result))
     dist.destroy_process_group()
@@ -320,6 +359,12 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--state-gb", type=float, default=1.0, help="weights + AdamW moments, GB")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--fsdp-ranks", type=int, default=2, help="processes of the sharded case; 0 skips it")
+    parser.add_argument(
+        "--compare-threads",
+        type=lambda text: [int(n) for n in text.split(",") if n],
+        default=[],
+        help="also time synchronous saves with these writer-thread counts, e.g. 1,4",
+    )
     parser.add_argument("--dir", type=Path, default=None, help="where to write (default: a temporary directory)")
     parser.add_argument("--worker", help=argparse.SUPPRESS)  # internal: a torchrun rank's result file
     return parser.parse_args()
@@ -333,7 +378,9 @@ def main() -> None:
         return
     with tempfile.TemporaryDirectory(dir=args.dir, prefix="checkpoint_io-") as name:
         scratch = Path(name)
-        single = measure(args.state_gb, args.rounds, scratch / "single", fsdp=False)
+        single = measure(
+            args.state_gb, args.rounds, scratch / "single", fsdp=False, compare_threads=args.compare_threads
+        )
         disk = measure_disk(scratch, single["paratrain_bytes"], args.rounds)
         sharded = run_fsdp(args, scratch) if args.fsdp_ranks else None
     print(f"torch {torch.__version__}, 1 thread per process, {os.cpu_count()} CPUs; {cache_method()}")

@@ -1,114 +1,87 @@
-"""SHA-256 of checkpoint files taken from the bytes as DCP writes them.
+"""DCP's file writer, for paratrain's checkpoints: each file checksummed from the very bytes written to it,
+plain tensors written raw (``raw_tensors``), over ``WRITE_THREADS`` threads per rank.
 
-The manifest lists every file's SHA-256. Reading each file back after the write to hash it cost a
-third of a synchronous save (docs/benchmarks.md, checkpoint I/O): the hash now runs over the very
-bytes handed to the file, in DCP's writer threads, where hashlib releases the GIL. It is as strong a
-check as the read-back was: that read came from the page cache, not from the disk, too. What the
-manifest then adds is that the file on disk still has the size that was hashed (checked against its
-stat), and a later ``verify_checkpoint`` re-reads everything.
+Reading each file back after the write to hash it cost a third of a synchronous save (docs/benchmarks.md,
+checkpoint I/O): the hash runs over the bytes handed to the file instead, in the writer threads. It is as
+strong a check as the read-back was: that read came from the page cache, not from the disk, too. What the
+manifest then adds is that the file on disk still has the size that was hashed (checked against its stat), and
+a later ``verify_checkpoint`` re-reads everything.
 """
 
 from __future__ import annotations
 
-import hashlib
 import io
 import os
-from collections.abc import Generator
-from contextlib import contextmanager
+import queue
+import threading
 from pathlib import Path
 from typing import Any
 
-from torch.distributed.checkpoint.filesystem import FileSystem
-from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
+from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItem
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
+from paratrain.checkpoint.checksums import entry_for, new_digest
+from paratrain.checkpoint.raw_tensors import write_items
 from paratrain.checkpoint.storage_errors import ErrnoKeepingWriter, raise_if_storage_error
 
-# Two files per rank and group of entries (file_groups), written and hashed by two threads: the hash (about
-# 1.2 GB/s on one core) then no longer adds to the write on a machine with a second core (docs/benchmarks.md,
-# checkpoint I/O).
+# Threads, and so files, per rank and group of entries (file_groups). With checksums nearly free, a thread is
+# the write itself: on the benchmark's virtual disk (2 cores) 2 threads saved faster than 1 and no slower than 4
+# (benchmarks/checkpoint_io.py --compare-threads 1,4; docs/benchmarks.md, checkpoint I/O).
 WRITE_THREADS = 2
 
 
-class _HashingFile(io.BufferedWriter):
-    """A file opened for writing that hashes every byte written to it, in order."""
+class _ChecksummedFile(io.BufferedWriter):
+    """A file opened for writing that checksums every byte written to it, in order."""
 
     def __init__(self, path: Path):
-        super().__init__(io.FileIO(path, "wb"))
-        self._sha256: Any = hashlib.sha256()
+        super().__init__(io.FileIO(path, "wb"), buffer_size=1 << 20)
+        self._digest: Any = new_digest()
         self._bytes = 0
 
     def write(self, data) -> int:
-        if self._sha256 is not None:
-            self._sha256.update(data)
+        self._digest.update(data)
         written = super().write(data)
         self._bytes += written
         return written
 
-    def seek(self, *args: Any) -> int:
-        self._sha256 = None  # bytes may be overwritten: the file is hashed from the disk instead
-        return super().seek(*args)
+    def tell(self) -> int:
+        # Written in order from the start, never seeked: the position is the count, with no lseek per item (a
+        # tenth of a second per 2,000 items on a busy machine).
+        return self._bytes
 
-    def describe(self) -> dict[str, Any] | None:
-        """The manifest's entry for the file, or None when the writes were not sequential."""
-        if self._sha256 is None:
-            return None
-        return {"bytes": self._bytes, "sha256": self._sha256.hexdigest()}
-
-
-class _HashingFileSystem(FileSystem):
-    """DCP's local file system, recording name -> {bytes, sha256} of each file it wrote."""
-
-    def __init__(self) -> None:
-        self.written: dict[str, dict[str, Any]] = {}
-        self.failures: list[BaseException] = []
-
-    @contextmanager
-    def create_stream(self, path: str | os.PathLike, mode: str) -> Generator[io.IOBase, None, None]:
-        if mode != "wb":
-            with super().create_stream(path, mode) as stream:
-                yield stream
-            return
-        path = Path(path)
-        try:
-            with _HashingFile(path) as stream:
-                yield stream
-        except Exception as error:
-            # Kept for write_data to raise once every writer thread is done: DCP's extra threads would
-            # only print it (a traceback, and the save carrying on), and the calling thread's raise
-            # would leave the others writing.
-            self.failures.append(error)
-            return
-        described = stream.describe()  # recorded only once the write ended without error
-        if described is not None:
-            self.written[path.name] = described
+    def entry(self) -> dict[str, Any]:
+        """The manifest's entry for the file."""
+        return entry_for(self._bytes, self._digest)
 
 
 class HashingWriter(ErrnoKeepingWriter):
     """DCP's file writer (the model's entries in files of their own, storage errors raised as themselves) that
-    hashes what it writes.
+    writes plain tensors raw and checksums what it writes.
 
     Args:
         path: The checkpoint directory.
+        thread_count: Writer threads, each writing whole files, so also the files per group of entries.
 
-    After the save, ``written`` maps each file this rank wrote to its size and SHA-256.
+    After the save, ``written`` maps each file this rank wrote to its manifest entry (size and checksum).
     """
 
-    def __init__(self, path: Path):
-        super().__init__(path, thread_count=WRITE_THREADS)
-        self.fs = _HashingFileSystem()
+    def __init__(self, path: Path, *, thread_count: int = WRITE_THREADS):
+        super().__init__(path, thread_count=thread_count)
+        self.written: dict[str, dict[str, Any]] = {}
+        self._failures: list[BaseException] = []
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         """DCP's write, failing when any writer thread failed or any planned item went unwritten.
 
-        With more than one thread, torch 2.13's ``FileSystemWriter`` returns normally when a thread other
-        than the calling one fails (the disk fills up): the error is printed and that thread's items are
-        missing from the results. Such a save must fail, not be marked complete.
+        Each thread's failure is kept for this to raise once every thread is done: raised in the calling thread
+        alone it would leave the others writing, and torch 2.13's own writer prints an extra thread's failure
+        and returns normally, that thread's items missing (the disk fills up): such a save must fail, not be
+        marked complete.
         """
         written = super().write_data(plan, planner)
-        if self.fs.failures:
-            error = self.fs.failures[0]
+        if self._failures:
+            error = self._failures[0]
             raise_if_storage_error(error)
             raise RuntimeError(f"a checkpoint writer thread failed: {error!r}") from error
         results = written.wait()
@@ -116,6 +89,38 @@ class HashingWriter(ErrnoKeepingWriter):
             raise RuntimeError(f"the checkpoint writer wrote {len(results)} of {len(plan.items)} planned items")
         return written
 
-    @property
-    def written(self) -> dict[str, dict[str, Any]]:
-        return self.fs.written
+    def _write_data(self, planner: SavePlanner, file_queue: queue.Queue) -> Future[list[WriteResult]]:
+        """Replaces FileSystemWriter's threads (torch 2.13) with ones that write through ``raw_tensors``."""
+        results: queue.Queue = queue.Queue()
+        threads = [
+            threading.Thread(target=self._write_files, args=(file_queue, results, planner), name=f"paratrain-write-{n}")
+            for n in range(1, self.thread_count)
+        ]
+        for thread in threads:
+            thread.start()
+        self._write_files(file_queue, results, planner)
+        for thread in threads:
+            thread.join()
+        done: Future[list[WriteResult]] = Future()
+        done.set_result([result for _ in range(results.qsize()) for result in results.get_nowait()])
+        return done
+
+    def _write_files(self, file_queue: queue.Queue, results: queue.Queue, planner: SavePlanner) -> None:
+        """One thread's work: whole files off the queue until it is empty or a write fails."""
+        try:
+            while not file_queue.empty():
+                path, name, items = file_queue.get_nowait()
+                results.put(self._write_file(Path(path), name, items, planner))
+        except queue.Empty:
+            pass
+        except Exception as error:
+            self._failures.append(error)
+
+    def _write_file(self, path: Path, name: str, items: list[WriteItem], planner: SavePlanner) -> list[WriteResult]:
+        with _ChecksummedFile(path) as stream:
+            written = write_items(stream, items, planner, key=name)
+            stream.flush()
+            if self.sync_files:
+                os.fsync(stream.fileno())
+        self.written[name] = stream.entry()  # recorded only once the file is written and synced
+        return written

@@ -3,12 +3,14 @@
 DCP writes ``.metadata`` once every rank's data is written, but a directory can still hold a
 ``.metadata`` from an earlier attempt, or files damaged since. So rank 0 writes
 ``paratrain-manifest.json`` last, atomically, after every rank finished: it lists every file with its
-size and SHA-256, and carries the resolved config. No manifest, no checkpoint.
+size and checksum (``checksums``), and carries the resolved config. No manifest, no checkpoint.
+
+Format 2 lists xxh3-128 checksums, and its data files may hold plain tensors as raw bytes (``raw_tensors``);
+format 1, each file's SHA-256 and every tensor a ``torch.save`` record, is still read and verified.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import re
@@ -16,15 +18,16 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+from paratrain.checkpoint.checksums import WRITTEN, algorithm_of, checksum_of_file, checksum_of_view
 from paratrain.errors import CheckpointError
 
 MANIFEST_NAME = "paratrain-manifest.json"
 METADATA_NAME = ".metadata"  # DCP's own index of the checkpoint
-_FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # what this version writes; it reads every format up to it
 
 
 class DamagedCheckpointError(CheckpointError):
-    """A file of a complete checkpoint is missing, or its size or SHA-256 is not the manifest's: the
+    """A file of a complete checkpoint is missing, or its size or checksum is not the manifest's: the
     checkpoint must not be loaded, and ``resume: auto`` falls back to an earlier one."""
 
 
@@ -71,13 +74,13 @@ def write_manifest(
         world_size: Recorded.
         weights_finite: Whether the saved weights were checked finite on every rank (None: not
             checked, as by tools that copy checkpoints).
-        hashed: File name -> ``{"bytes", "sha256"}`` taken as the files were written
+        hashed: File name -> manifest entry (``checksums.entry_for``) taken as the files were written
             (``HashingWriter``); a file not in it, or whose size on disk differs, is hashed from disk.
     """
     hashed = hashed or {}
     names = sorted(path.name for path in directory.iterdir() if path.name != MANIFEST_NAME)
     files = {name: _known_or_described(directory / name, hashed.get(name)) for name in names}
-    manifest = {"format": _FORMAT_VERSION, "step": step, "world_size": world_size, "files": files, "config": config}
+    manifest = {"format": FORMAT_VERSION, "step": step, "world_size": world_size, "files": files, "config": config}
     if weights_finite is not None:
         manifest["weights_finite"] = weights_finite
     tmp = directory / (MANIFEST_NAME + ".tmp")
@@ -102,9 +105,15 @@ def read_manifest(directory: Path) -> dict[str, Any]:
             f"{directory} is not a complete checkpoint: {MANIFEST_NAME} is missing (the save did not finish)"
         )
     try:
-        return json.loads(path.read_text())
+        manifest = json.loads(path.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as error:
         raise CheckpointError(f"checkpoint file {path} is corrupt ({error}); use an earlier checkpoint") from None
+    if manifest.get("format", 1) > FORMAT_VERSION:
+        raise CheckpointError(
+            f"checkpoint {directory} was written by a newer paratrain (manifest format {manifest['format']}; this one "
+            f"reads up to {FORMAT_VERSION}): upgrade paratrain to load it"
+        )
+    return manifest
 
 
 def verify_checkpoint(directory: Path) -> dict[str, Any]:
@@ -123,7 +132,7 @@ def check_checkpoint(directory: Path) -> dict[str, Any]:
     """What can be checked without reading the data: the manifest, every listed file's presence and size,
     and DCP's ``.metadata`` (small: hashed, then read by the restricted unpickler); returns the manifest.
 
-    A resume checks this much up front and leaves the data files' SHA-256 to the load, which checks each
+    A resume checks this much up front and leaves the data files' checksums to the load, which checks each
     file as it reads it (``VerifyingReader``): one pass over the bytes instead of two.
 
     Raises:
@@ -143,7 +152,7 @@ def check_checkpoint(directory: Path) -> dict[str, Any]:
         raise DamagedCheckpointError(f"checkpoint file {metadata_path} is missing; use an earlier checkpoint")
     data = metadata_path.read_bytes()
     if METADATA_NAME in manifest["files"]:
-        check_sha256(metadata_path, hashlib.sha256(data).hexdigest(), manifest["files"][METADATA_NAME])
+        check_bytes(metadata_path, memoryview(data), manifest["files"][METADATA_NAME])
     # Lazy: it loads torch.distributed.checkpoint, a second at every CLI start otherwise.
     from paratrain.checkpoint.safe_reader import load_metadata_safely
 
@@ -163,27 +172,42 @@ def check_size(path: Path, expected: dict[str, Any], *, size: int | None = None)
         )
 
 
-def check_sha256(path: Path, sha256: str, expected: dict[str, Any]) -> None:
-    """Raises DamagedCheckpointError when ``sha256``, taken of the file's bytes, is not the manifest's."""
-    if sha256 != expected["sha256"]:
+def check_bytes(path: Path, data: memoryview, expected: dict[str, Any]) -> None:
+    """Raises DamagedCheckpointError when ``data``, the file's bytes, do not have the manifest entry's checksum."""
+    _check_checksum(path, checksum_of_view(data, _algorithm(path, expected)), expected)
+
+
+def _check_checksum(path: Path, checksum: str, expected: dict[str, Any]) -> None:
+    algorithm = _algorithm(path, expected)
+    if checksum != expected[algorithm]:
         raise DamagedCheckpointError(
-            f"checkpoint file {path} is corrupt: its SHA-256 does not match the manifest; use an earlier checkpoint"
+            f"checkpoint file {path} is corrupt: its {algorithm} checksum does not match the manifest; use an earlier checkpoint"
         )
 
 
+def _algorithm(path: Path, expected: dict[str, Any]) -> Any:
+    algorithm = algorithm_of(expected)
+    if algorithm is None:
+        raise DamagedCheckpointError(
+            f"checkpoint file {path} is listed with no checksum this paratrain knows ({sorted(expected)}); "
+            "use an earlier checkpoint, or upgrade paratrain if a newer one wrote it"
+        )
+    return algorithm
+
+
 def verify_files(directory: Path, listed: dict[str, dict[str, Any]]) -> None:
-    """Checks the size and SHA-256 of each of ``listed`` (names in ``directory`` -> manifest entries)."""
+    """Checks the size and checksum of each of ``listed`` (names in ``directory`` -> manifest entries)."""
     entries = list(listed.items())
-    # hashlib releases the GIL: files are hashed in parallel, and the first bad one in order is named.
+    # Hashing releases the GIL: files are hashed in parallel, and the first bad one in order is named.
     with ThreadPoolExecutor(max_workers=min(len(entries), os.cpu_count() or 1) or 1) as pool:
         list(pool.map(lambda entry: verify_file(directory / entry[0], entry[1]), entries))
 
 
 def verify_file(path: Path, expected: dict[str, Any]) -> None:
-    """Raises DamagedCheckpointError when the file is missing or its size or SHA-256 is not ``expected``'s
+    """Raises DamagedCheckpointError when the file is missing or its size or checksum is not ``expected``'s
     (its manifest entry); a wrong size is found before any byte is read."""
     check_size(path, expected)
-    check_sha256(path, _sha256(path), expected)
+    _check_checksum(path, checksum_of_file(path, _algorithm(path, expected)), expected)
 
 
 def _known_or_described(path: Path, known: dict[str, Any] | None) -> dict[str, Any]:
@@ -193,19 +217,4 @@ def _known_or_described(path: Path, known: dict[str, Any] | None) -> dict[str, A
 
 
 def _describe_file(path: Path) -> dict[str, Any]:
-    return {"bytes": path.stat().st_size, "sha256": _sha256(path)}
-
-
-_READ_CHUNK = 8 << 20  # large sequential reads: a cold file streams at the disk's rate, not in 256 KiB steps
-
-
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    buffer = bytearray(_READ_CHUNK)
-    view = memoryview(buffer)
-    with open(path, "rb", buffering=0) as handle:
-        if hasattr(os, "posix_fadvise"):  # Linux: a larger read-ahead window
-            os.posix_fadvise(handle.fileno(), 0, 0, os.POSIX_FADV_SEQUENTIAL)
-        while count := handle.readinto(buffer):
-            digest.update(view[:count])  # releases the GIL: other files hash in parallel meanwhile
-    return digest.hexdigest()
+    return {"bytes": path.stat().st_size, WRITTEN: checksum_of_file(path, WRITTEN)}

@@ -12,8 +12,11 @@ from typing import TYPE_CHECKING, Any
 
 from paratrain.checkpoint.checkpointer import Checkpointer
 from paratrain.checkpoint.config_changes import check_resume_config, log_resume_changes
+from paratrain.checkpoint.interval import AutoInterval
 from paratrain.checkpoint.manifest import DamagedCheckpointError, read_manifest
+from paratrain.checkpoint.run_history import read_history
 from paratrain.errors import CheckpointError
+from paratrain.parallel.collectives import broadcast_object
 
 if TYPE_CHECKING:
     from paratrain.config.schema import CheckpointConfig
@@ -29,13 +32,22 @@ class SaveDue:
     Attributes:
         blocking: Written before training goes on: always without ``async_save``, and for the last save of
             a run (the process is about to exit, so nothing may be left in the background).
+        periodic: A save of the run's interval only (not also its last, nor a preemption's): what an
+            automatic interval measures.
     """
 
     blocking: bool
+    periodic: bool = False
 
 
 def save_due(
-    step: int, options: CheckpointConfig, *, max_steps: int, ending_early: bool = False, preempted: bool = False
+    step: int,
+    options: CheckpointConfig,
+    *,
+    max_steps: int,
+    ending_early: bool = False,
+    preempted: bool = False,
+    auto: AutoInterval | None = None,
 ) -> SaveDue | None:
     """Whether ``step`` (just taken) ends with a save, and how; None when it does not.
 
@@ -45,12 +57,44 @@ def save_due(
         max_steps: ``train.max_steps``: the run's last step.
         ending_early: A callback asked to stop after this step: it is the run's last.
         preempted: Every rank agreed to stop on a signal: the checkpoint is what the next run resumes.
+        auto: The interval under ``every_steps: auto`` (``build_auto_interval``).
     """
     last = step == max_steps or ending_early
-    periodic = bool(options.every_steps) and step % options.every_steps == 0
+    if options.every_steps == "auto":
+        assert auto is not None, "every_steps: auto needs the run's AutoInterval"
+        periodic = auto.due(step)
+    else:
+        periodic = bool(options.every_steps) and step % options.every_steps == 0
     if not (periodic or (options.save_final and last) or preempted):
         return None
-    return SaveDue(blocking=not options.async_save or preempted or last)
+    return SaveDue(blocking=not options.async_save or preempted or last, periodic=periodic and not (last or preempted))
+
+
+def build_auto_interval(
+    options: CheckpointConfig, *, output_dir: Path, nodes: int, restart_s: float, is_main: bool
+) -> AutoInterval:
+    """The interval of ``every_steps: auto``: the run's MTBF from ``mtbf_hours`` and the failures the run
+    directory recorded (read on rank 0, the same on every rank), over ``nodes``; logged by rank 0.
+
+    Args:
+        restart_s: How long this attempt's resume took (0 when it did not resume): part of what a failure costs.
+    """
+    assert options.mtbf_hours is not None  # the schema refuses every_steps: auto without it
+    history = broadcast_object(read_history(output_dir) if is_main else None)
+    node_mtbf_hours = history.node_mtbf_hours(prior_hours=options.mtbf_hours)
+    if is_main:
+        logger.info(
+            "checkpoint.every_steps=auto: MTBF %.3g h per node (checkpoint.mtbf_hours=%g pooled with %d failure(s) "
+            "in %.3g node-hours recorded), %.3g h for the run's %d node(s); saving after the first step to measure "
+            "a save",
+            node_mtbf_hours,
+            options.mtbf_hours,
+            history.failures,
+            history.node_hours,
+            node_mtbf_hours / nodes,
+            nodes,
+        )
+    return AutoInterval(mtbf_s=node_mtbf_hours * 3600 / nodes, restart_s=restart_s)
 
 
 def choose_resume(
@@ -58,7 +102,7 @@ def choose_resume(
 ) -> Path | None:
     """The checkpoint ``checkpoint.resume`` names (``never``, ``auto``: the newest that passes the checks made
     before loading, or a path), agreed by every rank, once its config is checked against ``config``. Its
-    files' SHA-256 are checked by the load itself (``load_resume``).
+    files' checksums are checked by the load itself (``load_resume``).
 
     Raises:
         CheckpointError: the named checkpoint fails those checks, or none of the run's passes.

@@ -36,7 +36,8 @@ def load_checkpoint(path: Path, state: dict[str, Stateful], *, rank: int, option
             RNG, scheduler) are untouched, since DCP calls it only after every read succeeded.
     """
     listed = read_manifest(path)["files"]
-    metadata = agree_on_damage(lambda: VerifyingReader(path, listed=listed).read_metadata())
+    reader = VerifyingReader(path, listed=listed)  # one reader: DCP's load reuses the metadata read here
+    metadata = agree_on_damage(reader.read_metadata)
     saved_keys = metadata.state_dict_metadata.keys()
     missing = [name for name in optional if name in state and not _saved(state[name], name, saved_keys)]
     for name in missing:
@@ -50,7 +51,6 @@ def load_checkpoint(path: Path, state: dict[str, Stateful], *, rank: int, option
     loadable = {name: value for name, value in state.items() if name not in missing}
     partial = {name: SavedEntriesOnly(loadable[name], name, set(saved_keys)) for name in optional if name in loadable}
     loadable.update(partial)
-    reader = VerifyingReader(path, listed=listed)
     try:
         with quiet_single_process():
             dcp.load(loadable, storage_reader=reader, planner=SafeLoadPlanner(), no_dist=not is_distributed())

@@ -23,7 +23,7 @@ logger = logging.getLogger(__name__)
 
 def choose_resume(directory: Path, resume: str, *, rank: int) -> Path | None:
     """The checkpoint to resume from (decided on rank 0, agreed by all ranks), checked up to what needs
-    no reading of its data (``check_checkpoint``): the load checks each file's SHA-256 as it reads it."""
+    no reading of its data (``check_checkpoint``): the load checks each file's checksum as it reads it."""
     return _decided_on_main(lambda: _choose(directory, resume), rank=rank)
 
 

@@ -4,7 +4,7 @@ An export walks the model's tensors in order, each read whole (its pieces gather
 files hold them, whatever layout saved it) and written out before the next is read, so its memory is the
 largest tensor's, not the model's. DCP's ``.metadata``, the checkpoint's index, is read and checked once
 here, not once per tensor (35 ms a tensor for a 0.58 B-parameter model with its optimizer). Each data file
-is checked against the manifest (size and SHA-256) before the first of its bytes is deserialized, by a
+is checked against the manifest (size and checksum) before the first of its bytes is deserialized, by a
 thread that hashes the files ahead in the order the reads will need them, and a file no read needs is
 never opened. With the model's entries in files of their own (``file_groups``), an export reads and hashes
 the model's files only, and an adapter export the adapters'; a checkpoint written before that split,
@@ -13,7 +13,6 @@ model and optimizer entries in the same files, has every file holding a model en
 
 from __future__ import annotations
 
-import hashlib
 import os
 from collections.abc import Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -26,11 +25,12 @@ from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, Metadata
 from paratrain.checkpoint.manifest import (
     METADATA_NAME,
     DamagedCheckpointError,
-    check_sha256,
+    check_bytes,
     check_size,
     read_manifest,
     verify_file,
 )
+from paratrain.checkpoint.raw_tensors import RawLayout, is_raw, other_transforms
 from paratrain.checkpoint.safe_reader import load_metadata_safely
 from paratrain.checkpoint.verifying_reader import RandomAccessStream
 from paratrain.errors import CheckpointError
@@ -57,6 +57,7 @@ class TensorReader:
         self.manifest: dict[str, Any] = read_manifest(self.checkpoint) if verify else {}
         self._listed: dict[str, dict[str, Any]] | None = self.manifest["files"] if verify else None
         self.metadata: Metadata = self._read_metadata()
+        self._layout = RawLayout(self.metadata)
         self.files_read: set[str] = {METADATA_NAME}
         self._checks: dict[str, Future[None]] = {}
         self._hashing = ThreadPoolExecutor(max_workers=1, thread_name_prefix="paratrain-export-verify")
@@ -102,7 +103,7 @@ class TensorReader:
         if self._listed is not None:
             expected = self._expected(path)
             check_size(path, expected, size=len(data))
-            check_sha256(path, hashlib.sha256(data).hexdigest(), expected)
+            check_bytes(path, memoryview(data), expected)
         return load_metadata_safely(data, path=str(path))
 
     def _files_of(self, key: str) -> list[str]:
@@ -149,10 +150,10 @@ class TensorReader:
 
     def _read_chunk(self, key: str, chunk: ChunkStorageMetadata) -> torch.Tensor:
         stored = self._stored(key, chunk)
-        if stored.transform_descriptors:
+        if other_transforms(stored):
             raise CheckpointError(
                 f"checkpoint {self.checkpoint}: {key} was saved through DCP stream transforms "
-                f"({', '.join(stored.transform_descriptors)}), which paratrain's writer never uses; read it with DCP"
+                f"({', '.join(other_transforms(stored))}), which paratrain's writer never uses; read it with DCP"
             )
         self._check_ahead([stored.relative_path])
         if self._listed is not None:
@@ -162,6 +163,10 @@ class TensorReader:
             self._open[stored.relative_path] = os.open(path, os.O_RDONLY)
         self.files_read.add(stored.relative_path)
         record = _FileSlice(self._open[stored.relative_path], stored.offset, stored.length, path=path)
+        if is_raw(stored):  # read straight into the tensor's memory
+            into = bytearray(stored.length)
+            record.readinto(into)
+            return self._layout.tensor(MetadataIndex(key, chunk.offsets), memoryview(into), where=str(path))
         return torch.load(record, map_location="cpu", weights_only=True)
 
 

@@ -3,12 +3,12 @@ bytes instead of two.
 
 A resume used to hash every file (``verify_checkpoint``) and then have DCP read them all again, in
 small reads, one item at a time. Here each file a rank needs is mapped whole and hashed in one
-sequential pass; only once its size and SHA-256 match the manifest are DCP's read items cut from those
-bytes and deserialized into the state. So no byte of a damaged file ever reaches the state, nor any
-parser (the torch.load of each item, weights_only as everywhere). The next file is hashed in a thread
-while the current one is served: hashlib releases the GIL.
+sequential pass; only once its size and checksum match the manifest are DCP's read items cut from those
+bytes and copied into the state: a raw tensor (``raw_tensors``) viewed in place, anything else through
+``torch.load(weights_only=True)`` as everywhere. So no byte of a damaged file ever reaches the state, nor any
+parser. The next file is hashed in a thread while the current one is served: hashing releases the GIL.
 
-Memory: files are mapped, not copied (see ``map_hashed``): at most ``READ_AHEAD`` per rank at once, their
+Memory: files are mapped, not copied (see ``map_file``): at most ``READ_AHEAD`` per rank at once, their
 pages the page cache's. A file is one writer thread's share of one group of a rank's entries at save time
 (``hashing.WRITE_THREADS`` per group; the model's weights, a LoRA run's adapters, the rest: ``file_groups``),
 so at most about half of a rank's shard.
@@ -16,7 +16,6 @@ so at most about half of a rank's shard.
 
 from __future__ import annotations
 
-import hashlib
 import io
 import mmap
 import os
@@ -28,13 +27,14 @@ from typing import Any
 
 import torch
 from torch.distributed._shard._utils import narrow_tensor_by_index
+from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 from torch.futures import Future
 
-from paratrain.checkpoint.manifest import DamagedCheckpointError, check_sha256, check_size
+from paratrain.checkpoint.manifest import DamagedCheckpointError, check_bytes, check_size
+from paratrain.checkpoint.raw_tensors import RawLayout, is_raw
 from paratrain.checkpoint.safe_reader import SafeFileSystemReader
 
-HASH_CHUNK = 8 << 20  # hashed a slice at a time, releasing the GIL for each
 # Files mapped at once: the one being served, and the next, hashed meanwhile by one thread. One thread, not
 # one per file: hashing the next file beside the (GIL-bound) deserializing of this one keeps both cores busy,
 # where hashing two files at once left the deserializing to wait for both (0.63 s against 0.76 s predicted
@@ -43,11 +43,11 @@ READ_AHEAD = 2
 
 
 class VerifyingReader(SafeFileSystemReader):
-    """SafeFileSystemReader that serves DCP's reads only from files whose size and SHA-256 match the manifest.
+    """SafeFileSystemReader that serves DCP's reads only from files whose size and checksum match the manifest.
 
     Args:
         path: The checkpoint directory.
-        listed: The manifest's ``files``: name -> ``{"bytes", "sha256"}``.
+        listed: The manifest's ``files``: name -> ``{"bytes", <algorithm>}`` (``checksums``).
 
     After a load, ``verified`` holds the names of the files this rank read (and so checked), ``.metadata``
     included; files no rank read are left to the caller to check (``Checkpointer.load``).
@@ -60,14 +60,28 @@ class VerifyingReader(SafeFileSystemReader):
         super().__init__(path)
         self.listed = listed
         self.verified: set[str] = set()
+        self._layout: RawLayout | None = None
+        self._metadata: dict[Any, Metadata] = {}
 
     def _read_metadata_bytes(self, path: Any) -> bytes:
         data = super()._read_metadata_bytes(path)
         expected = self._expected(Path(path))
         check_size(Path(path), expected, size=len(data))
-        check_sha256(Path(path), hashlib.sha256(data).hexdigest(), expected)
+        check_bytes(Path(path), memoryview(data), expected)
         self.verified.add(Path(path).name)
         return data
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        """The checked ``.metadata``, read and unpickled once however often it is asked for (the caller's look
+        before the load, then DCP's own): a tenth of a second of CPU a time for 2,000 entries."""
+        rank = kwargs.get("rank")
+        if rank not in self._metadata:
+            self._metadata[rank] = super().read_metadata(*args, **kwargs)
+        return self._metadata[rank]
+
+    def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        super().set_up_storage_reader(metadata, is_coordinator, *args, **kwargs)
+        self._layout = RawLayout(metadata)
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         """Serves each file's read items once the whole file has checked out (replaces FileSystemReader's
@@ -90,7 +104,7 @@ class VerifyingReader(SafeFileSystemReader):
 
     def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
         super().reset(checkpoint_id)
-        self.verified = set()
+        self.verified, self._metadata = set(), {}
 
     def _expected(self, path: Path) -> dict[str, Any]:
         expected = self.listed.get(path.name)
@@ -104,21 +118,27 @@ class VerifyingReader(SafeFileSystemReader):
         path = Path(self.fs.concat_path(self.path, name))
         expected = self._expected(path)
         check_size(path, expected)  # a truncated file is named before it is mapped
-        data, sha256 = map_hashed(path)
+        data = map_file(path)
         check_size(path, expected, size=len(data))  # changed between the two looks
-        check_sha256(path, sha256, expected)
+        check_bytes(path, data, expected)
         self.verified.add(name)
         return data
 
     def _serve(self, items: list[ReadItem], data: memoryview, planner: LoadPlanner) -> None:
         for item in items:
             stored = self.storage_data[item.storage_index]
-            raw = _ViewStream(data[stored.offset : stored.offset + stored.length])
-            stream = self.transforms.transform_load_stream(item, stored.transform_descriptors or (), raw)
+            piece = data[stored.offset : stored.offset + stored.length]
+            if is_raw(stored):
+                assert self._layout is not None  # DCP sets the reader up before any read
+                where = str(Path(self.fs.concat_path(self.path, stored.relative_path)))
+                _copy_into(item, self._layout.tensor(item.storage_index, piece, where=where), planner)
+                continue
+            stream = self.transforms.transform_load_stream(item, stored.transform_descriptors or (), _ViewStream(piece))
             if item.type == LoadItemType.BYTE_IO:
                 planner.load_bytes(item, io.BytesIO(stream.read(-1)))
             else:
-                _copy_tensor(item, stream, planner)
+                seekable = stream if stream.seekable() else io.BytesIO(stream.read(-1))  # torch.load needs to seek
+                _copy_into(item, torch.load(seekable, map_location="cpu", weights_only=True), planner)
 
 
 class RandomAccessStream(io.RawIOBase):
@@ -166,11 +186,10 @@ class _ViewStream(RandomAccessStream):
         target[:] = self._view[position : position + len(target)]
 
 
-def _copy_tensor(item: ReadItem, stream: Any, planner: LoadPlanner) -> None:
-    """As torch's FileSystemReader.read_data does for one tensor item."""
-    seekable = stream if stream.seekable() else io.BytesIO(stream.read(-1))  # torch.load needs to seek
-    tensor = torch.load(seekable, map_location="cpu", weights_only=True)
-    tensor = narrow_tensor_by_index(tensor, item.storage_offsets, item.lengths)
+def _copy_into(item: ReadItem, stored: torch.Tensor, planner: LoadPlanner) -> None:
+    """As torch's FileSystemReader.read_data does with one tensor item once it is loaded: the part the item
+    reads, into the state's tensor."""
+    tensor = narrow_tensor_by_index(stored, item.storage_offsets, item.lengths)
     target = planner.resolve_tensor(item).detach()
     if target.size() != tensor.size():
         raise AssertionError(f"req {item.storage_index} mismatch sizes {target.size()} vs {tensor.size()}")
@@ -178,8 +197,9 @@ def _copy_tensor(item: ReadItem, stream: Any, planner: LoadPlanner) -> None:
     planner.commit_tensor(item, target)
 
 
-def map_hashed(path: Path) -> tuple[memoryview, str]:
-    """The file's bytes, mapped read-only, and their SHA-256, taken in one sequential pass.
+def map_file(path: Path) -> memoryview:
+    """The file's bytes, mapped copy-on-write (never written: writable only so that torch views raw tensors in
+    them as they are).
 
     Mapped, not read into a buffer: the bytes are the page cache's own, so neither a copy nor a fresh
     allocation's page faults (which made a read-into-memory pass over a 0.24 GB file 0.37-0.64 s against
@@ -190,12 +210,8 @@ def map_hashed(path: Path) -> tuple[memoryview, str]:
     """
     with open(path, "rb") as handle:
         if os.fstat(handle.fileno()).st_size == 0:
-            return memoryview(b""), hashlib.sha256().hexdigest()
-        mapped = mmap.mmap(handle.fileno(), 0, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ)
+            return memoryview(b"")
+        mapped = mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_COPY)
     if hasattr(mapped, "madvise"):  # Linux: a larger read-ahead window while hashing
         mapped.madvise(mmap.MADV_SEQUENTIAL)
-    data = memoryview(mapped)
-    digest = hashlib.sha256()
-    for start in range(0, len(data), HASH_CHUNK):
-        digest.update(data[start : start + HASH_CHUNK])  # releases the GIL: the other file is hashed meanwhile
-    return data, digest.hexdigest()
+    return memoryview(mapped)

@@ -33,6 +33,7 @@ from torch.distributed.checkpoint.stateful import Stateful
 from paratrain.checkpoint.hashing import HashingWriter
 from paratrain.checkpoint.manifest import write_manifest
 from paratrain.checkpoint.rotation import Rotation
+from paratrain.checkpoint.save_planner import EqualValuesOncePlanner
 from paratrain.checkpoint.selection import newest_complete
 from paratrain.checkpoint.storage_errors import SAVE_FAILURES, find_storage_error, storage_fix
 from paratrain.errors import CheckpointWriteError
@@ -114,7 +115,7 @@ class CheckpointWriter:
     def _save_now(self, path: Path, step: int, state: dict[str, Stateful], *, weights_finite: bool | None) -> None:
         writer = HashingWriter(path)
         with quiet_single_process():
-            dcp.save(state, storage_writer=writer, no_dist=not is_distributed())
+            dcp.save(state, storage_writer=writer, planner=EqualValuesOncePlanner(), no_dist=not is_distributed())
         faults.maybe_kill("mid_save", step=step, rank=self.rank)
         self._mark_complete(path, step=step, group=None, weights_finite=weights_finite, hashed=writer.written)
 
@@ -127,6 +128,7 @@ class CheckpointWriter:
             written = dcp.async_save(
                 state,
                 storage_writer=writer,
+                planner=EqualValuesOncePlanner(),
                 process_group=self._group,
                 async_stager=self._stager,
                 no_dist=not is_distributed(),

@@ -273,7 +273,7 @@ def _check_resume(config: Config) -> None:
             f"checkpoint.resume={resume}: no such checkpoint; use auto, never, or an existing step-<N> directory"
         )
     try:
-        # What needs no reading of the data: each file's SHA-256 is checked as the resume loads it.
+        # What needs no reading of the data: each file's checksum is checked as the resume loads it.
         check_checkpoint(Path(resume))
     except CheckpointError as error:
         raise ConfigError(f"checkpoint.resume={resume}: {error}") from None

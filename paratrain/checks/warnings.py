@@ -35,6 +35,8 @@ def ineffective_options(config: Config, dims: ParallelDims) -> list[str]:
         warnings.append("optim.min_lr_ratio has no effect with optim.schedule=constant")
     if config.checkpoint.every_steps == 0 and not config.checkpoint.save_final:
         warnings.append("checkpoint.every_steps=0 with checkpoint.save_final=false: this run saves no checkpoint")
+    if config.checkpoint.mtbf_hours is not None and config.checkpoint.every_steps != "auto":
+        warnings.append("checkpoint.mtbf_hours has no effect unless checkpoint.every_steps=auto")
     return warnings + _eval_and_profile_warnings(config)
 
 

@@ -178,6 +178,8 @@ def plan_command(args: argparse.Namespace) -> int:
         gpu_memory=args.gpu_memory,
         nodes=args.nodes,
         host_memory=args.host_memory,
+        mtbf_hours=args.mtbf_hours,
+        save_bandwidth=args.save_bandwidth,
     )
     print(text)
     return code

@@ -225,7 +225,8 @@ def add_checkpoint_parser(subparsers: argparse._SubParsersAction) -> None:
 
 
 def add_plan_parser(subparsers: argparse._SubParsersAction) -> None:
-    """``paratrain plan CONFIG --gpus N --gpu-memory SIZE [--host-memory SIZE]``: every layout ranked."""
+    """``paratrain plan CONFIG --gpus N --gpu-memory SIZE [--host-memory SIZE] [--mtbf-hours H]``: every layout
+    ranked, and the checkpoint interval."""
     plan = subparsers.add_parser(
         "plan", help="memory per GPU of every layout a cluster allows, ranked, with a recommendation"
     )
@@ -238,5 +239,13 @@ def add_plan_parser(subparsers: argparse._SubParsersAction) -> None:
     plan.add_argument(
         "--host-memory",
         help="host memory (RAM) per node, e.g. 2TB; default: this machine's (MemTotal in /proc/meminfo)",
+    )
+    plan.add_argument(
+        "--mtbf-hours",
+        type=float,
+        help="one node's mean time between failures, hours, for the checkpoint interval; default: checkpoint.mtbf_hours",
+    )
+    plan.add_argument(
+        "--save-bandwidth", default="1GB", help="what one node writes to checkpoint storage per second (default 1GB)"
     )
     plan.set_defaults(handler=commands.plan_command)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
-from typing import Any, Literal, get_args, get_origin
+from typing import Any, Literal, Union, get_args, get_origin
 
 from pydantic import BaseModel
 
@@ -64,6 +64,12 @@ def _type_name(annotation: Any) -> str:
         return "section or None"
     if get_origin(annotation) is Literal:
         return "one of " + ", ".join(f"`{choice}`" for choice in get_args(annotation))
+    words = [arg for arg in get_args(annotation) if get_origin(arg) is Literal]
+    if (
+        words and get_origin(annotation) is Union and type(None) not in get_args(annotation)
+    ):  # ``int | Literal["auto"]``
+        others = [_type_name(arg) for arg in get_args(annotation) if arg not in words]
+        return " or ".join([*others, *(f"`{word}`" for arg in words for word in get_args(arg))])
     if get_args(annotation):
         return str(annotation).replace("typing.", "").replace("NoneType", "None").replace("|", "or")
     return annotation.__name__

@@ -338,8 +338,16 @@ class PipelineConfig(Section):
 
 
 class CheckpointConfig(Section):
-    every_steps: int = Field(0, ge=0)
-    """Save a checkpoint every N steps into output_dir/checkpoints/step-<N>/; 0 saves only at the end."""
+    every_steps: int | Literal["auto"] = 0
+    """Save a checkpoint every N steps into output_dir/checkpoints/step-<N>/; 0 saves only at the end. auto:
+    the interval that loses least time, Young/Daly sqrt(2 x save cost x MTBF), from the measured time this run's
+    saves block training and checkpoint.mtbf_hours over the run's nodes; the first save follows the first step,
+    to measure one, and the interval is planned again when the measured cost or step time drifts (see
+    docs/checkpoints.md)."""
+    mtbf_hours: float | None = Field(None, gt=0)
+    """Mean time between failures of one node, in hours, for every_steps: auto (a run on N nodes fails N times
+    as often). Refined by the failures this run directory has recorded (output_dir/attempts.jsonl): the value
+    counts as one failure-free MTBF already seen, pooled with the node-hours and failures recorded."""
     keep_last: int | None = Field(3, gt=0)
     """Keep this many complete checkpoints (older ones are deleted); null keeps all."""
     resume: str = "auto"
@@ -362,6 +370,26 @@ class CheckpointConfig(Section):
     optimizer, seed, global batch, grad clipping, or max_steps under the cosine schedule). Without it
     such a resume is refused, listing each change; layout, precision, micro-batch, logging and
     checkpoint changes are always allowed and logged."""
+
+    @field_validator("every_steps", mode="before")
+    @classmethod
+    def _steps_or_auto(cls, value: Any) -> Any:
+        # pydantic alone lists both union members' errors for a negative number or another word.
+        if isinstance(value, int) and not isinstance(value, bool) and value < 0:
+            raise ValueError(f"got {value}; give a number of steps (0: only at the end), or auto")
+        if isinstance(value, str) and value != "auto" and not value.strip().isdigit():
+            raise ValueError(f"got {value!r}; give a number of steps (0: only at the end), or auto")
+        return value
+
+    @model_validator(mode="after")
+    def _auto_needs_a_failure_rate(self) -> CheckpointConfig:
+        if self.every_steps == "auto" and self.mtbf_hours is None:
+            raise ValueError(
+                "checkpoint.every_steps=auto chooses the interval from how often the run fails, and "
+                "checkpoint.mtbf_hours is not set; set it to one node's mean time between failures in hours "
+                "(e.g. checkpoint.mtbf_hours=24), or give checkpoint.every_steps a number of steps"
+            )
+        return self
 
 
 class LogConfig(Section):

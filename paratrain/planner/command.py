@@ -1,5 +1,5 @@
-"""``paratrain plan CONFIG --gpus N --gpu-memory 80GB [--nodes K] [--host-memory 2TB]``: read the model, estimate
-every layout, print."""
+"""``paratrain plan CONFIG --gpus N --gpu-memory 80GB [--nodes K] [--host-memory 2TB] [--mtbf-hours H]``: read the
+model, estimate every layout and the checkpoint interval, print."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ from paratrain.config.factories import call_factory
 from paratrain.config.schema import Config, DataConfig
 from paratrain.errors import ConfigError
 from paratrain.planner.activations import measure_saved_bytes
+from paratrain.planner.cadence import interval_lines
 from paratrain.planner.host_memory import meminfo
 from paratrain.planner.inputs import plan_inputs
 from paratrain.planner.layouts import Cluster
@@ -75,12 +76,22 @@ def activation_source(facts: ModelFacts, data: DataConfig, *, read_data_sample: 
 
 
 def plan_command_text(
-    config: Config, *, config_path: str, gpus: int, gpu_memory: str, nodes: int, host_memory: str | None = None
+    config: Config,
+    *,
+    config_path: str,
+    gpus: int,
+    gpu_memory: str,
+    nodes: int,
+    host_memory: str | None = None,
+    mtbf_hours: float | None = None,
+    save_bandwidth: str = "1GB",
 ) -> tuple[str, int]:
     """The report, and the exit code: 0 when a layout fits, 1 when none does.
 
     Args:
         host_memory: RAM per node as the user wrote it; None: this machine's (MemTotal).
+        mtbf_hours: One node's MTBF for the checkpoint interval; None: ``checkpoint.mtbf_hours``.
+        save_bandwidth: What a node writes to checkpoint storage per second, as the user wrote it.
     """
     if host_memory is None:
         host_memory, host_source = f"{meminfo('MemTotal')}B", "this machine's MemTotal; --host-memory SIZE for others"
@@ -90,4 +101,11 @@ def plan_command_text(
     text = format_plan(
         plan, facts, plan_inputs(config), config_path=config_path, activation_source=source, host_source=host_source
     )
-    return text, 0 if plan.recommended else 1
+    interval = interval_lines(
+        facts,
+        config.optim,
+        nodes=nodes,
+        mtbf_hours=config.checkpoint.mtbf_hours if mtbf_hours is None else mtbf_hours,
+        save_bandwidth=save_bandwidth,
+    )
+    return "\n".join([text, "", *interval]), 0 if plan.recommended else 1

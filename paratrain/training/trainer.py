@@ -114,16 +114,14 @@ class Trainer:
         )
         self.bare_model, self.model, self.engine = built.layout.bare, built.layout.runnable, built.layout.engine
         self.precision, self.devices = built.precision, built.devices
-        # Data-parallel ranks draw different random numbers (e.g. dropout masks); tensor-parallel
-        # ranks of one replica must draw the same, since they compute on the same activations.
+        # dp ranks draw different random numbers (dropout masks); a replica's tp ranks the same: same activations.
         torch.manual_seed(train.seed + self.dims.dp_rank)
         self.optimizer = build_optimizer(self.bare_model, config.optim, dp_size=self.dims.dp)
         self.lr_scheduler = build_lr_scheduler(self.optimizer, config.optim, max_steps=train.max_steps)
         self.feed = rank_setup.build_feed(
             dataset, data=config.data, train=train, pipeline=config.pipeline, dims=self.dims, device=ctx.device
         )
-        self.tokens_per_sample = self.feed.tokens_per_sample
-        self.progress = Progress()
+        self.tokens_per_sample, self.progress = self.feed.tokens_per_sample, Progress()
         self.evaluator = rank_setup.build_rank_evaluator(config.eval, eval_dataset, built, dims=self.dims, train=train)
         self.reference = rank_setup.build_preference_reference(dataset, built, dims=self.dims, train=train)  # DPO
         own = built_in_callbacks(config.profile, self.bare_model, built.loss_fn, output_dir=output_dir, ctx=ctx)
@@ -138,6 +136,7 @@ class Trainer:
         """Runs from the current step to ``train.max_steps`` (or until a callback stops it), evaluating,
         logging and checkpointing on the way."""
         self._maybe_start()
+        self.checkpoints.attempt_started(self.progress.step)  # the run directory's failure history
         config, ctx, max_steps = self.config, self.ctx, self.config.train.max_steps
         hparams, hang = config.model_dump(mode="json"), config.run.output_dir / "hang"
         metrics = open_metrics(
@@ -187,6 +186,7 @@ class Trainer:
             watchdog.stop()
             stop.uninstall()
             metrics.close(outcome)
+            self.checkpoints.attempt_ended(self.progress.step, outcome)
             self.engine.flush()
         return TrainResult(self.progress.step, last_loss, config.run.output_dir, last_checkpoint)
 

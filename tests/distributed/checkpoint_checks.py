@@ -56,7 +56,7 @@ def resume_with_one_ranks_file_damaged(directory: str, damaged_rank: int) -> dic
 
 
 def flip_a_byte_of(checkpoint: Path, fqn: str) -> None:
-    """Flips a byte inside the saved bytes of ``fqn``: its file's size stays, its SHA-256 does not."""
+    """Flips a byte inside the saved bytes of ``fqn``: its file's size stays, its checksum does not."""
     stored = next(
         info
         for index, info in SafeFileSystemReader(checkpoint).read_metadata().storage_data.items()

@@ -3,11 +3,14 @@ bit-identical."""
 
 from __future__ import annotations
 
+import json
 import re
+import shutil
 from pathlib import Path
 
 import pytest
 import torch
+import yaml
 
 from paratrain.checkpoint import Checkpointer, verify_checkpoint
 from paratrain.errors import EXIT_REQUEUE
@@ -184,3 +187,38 @@ def test_sigterm_to_one_worker_during_an_async_save_waits_for_it_stops_every_ran
     resumed = train(config, "checkpoint.async_save=true", nproc=2)
     assert f"resumed from {stop_checkpoint} at step {stop_step}" in resumed.stderr
     assert_same_final_weights(tmp_path / "preempted", reference)
+
+
+OLD_FORMAT = Path(__file__).resolve().parents[1] / "assets" / "checkpoints" / "format-1-sha256"
+
+
+def test_a_checkpoint_in_the_old_format_resumes_and_the_run_saves_in_the_new_one(tmp_path):
+    """tests/assets/checkpoints/format-1-sha256: SHA-256 manifest, every tensor a torch.save record."""
+    config = yaml.safe_load((OLD_FORMAT / "config.yaml").read_text())
+    config["run"]["output_dir"] = str(tmp_path / "run")
+    config["train"]["max_steps"] = 6
+    config["checkpoint"]["allow_config_change"] = True  # max_steps moves the cosine schedule's end
+    shutil.copytree(OLD_FORMAT / "step-4", tmp_path / "run" / "checkpoints" / "step-4")
+
+    resumed = train(write_config(tmp_path / "config.yaml", config))
+    assert "resumed from" in resumed.stderr and "step-4" in resumed.stderr
+    assert [record["step"] for record in read_metrics(tmp_path / "run")] == [5, 6]
+    final = tmp_path / "run" / "checkpoints" / "step-6"
+    assert verify_checkpoint(final)["format"] == 2
+    before, after = checkpoint_weights(OLD_FORMAT / "step-4"), checkpoint_weights(final)
+    assert before.keys() == after.keys() and any(not torch.equal(before[k], after[k]) for k in before)
+
+
+def test_auto_interval_measures_a_save_after_the_first_step_and_learns_from_a_killed_attempt(tmp_path):
+    config = config_for(tmp_path, "auto", "single")
+    auto = ["checkpoint.every_steps=auto", "checkpoint.mtbf_hours=0.01", "checkpoint.keep_last=null"]
+    killed = train(config, *auto, env={"PARATRAIN_FAULT": "after_step:8:0"}, check=False)
+    assert killed.returncode != 0
+    assert "pooled with 0 failure(s)" in killed.stderr and "checkpoint interval: every" in killed.stderr
+    assert (tmp_path / "auto/checkpoints/step-1/paratrain-manifest.json").is_file()  # the measuring save
+
+    resumed = train(config, *auto)
+    assert "pooled with 1 failure(s)" in resumed.stderr and "resumed from" in resumed.stderr
+    attempts = [json.loads(line) for line in (tmp_path / "auto/attempts.jsonl").read_text().splitlines()]
+    assert [event["event"] for event in attempts] == ["start", "start", "end"]  # the killed one left no end
+    assert attempts[-1]["outcome"] == "success" and attempts[-1]["step"] == STEPS

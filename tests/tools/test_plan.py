@@ -13,7 +13,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from paratrain.cli import main
 from paratrain.config.loading import load_config
-from paratrain.config.schema import OptimConfig
+from paratrain.config.schema import ModelConfig, OptimConfig
 from paratrain.errors import ConfigError
 from paratrain.models.gpt import build_gpt
 from paratrain.parallel.activation import saved_operators
@@ -34,7 +34,7 @@ from paratrain.planner.layouts import describe_layout
 from paratrain.planner.model_facts import ParamFacts, read_model_facts, transformer_sizes
 from paratrain.planner.units import parse_memory
 from tests.distributed.count_model_state import LAYOUTS, layout_config
-from tests.harness import REPO_ROOT, launch_workers, tiny_config, write_config
+from tests.harness import REPO_ROOT, TINY_GPT, launch_workers, tiny_config, write_config
 
 HF_LLAMA, LLAMA_70B = REPO_ROOT / "examples/hf_llama.yaml", REPO_ROOT / "examples/llama_70b.yaml"
 
@@ -210,6 +210,20 @@ def test_plan_command_prints_the_layouts_and_the_command_to_run_the_recommended_
     assert "fsdp dp_shard=8 " in out and "tp=2" in out
     assert "refused: tp tp=8: parallel.tp=8 does not divide model.args.n_head=2" in out
     assert not (tmp_path / "run").exists()
+
+
+def test_plan_shows_the_young_daly_checkpoint_interval_for_the_cluster_and_a_nodes_mtbf(tmp_path, capsys):
+    config = write_config(tmp_path / "c.yaml", tiny_config(tmp_path / "run", train={"global_batch_size": 16}))
+    facts = read_model_facts(ModelConfig(**TINY_GPT))
+    size = 12 * facts.num_params + 4 * len(facts.params)  # weights and AdamW's two moments, fp32; a step per tensor
+    args = ["plan", str(config), "--gpus", "16", "--gpu-memory", "16GiB", "--host-memory", "1TB", "--nodes", "4"]
+    assert main([*args, "--mtbf-hours", "8", "--save-bandwidth", "10KB"]) == 0
+    out = capsys.readouterr().out
+    cost, mtbf = size / 4 / 1e4, 2 * 3600  # each node writes a quarter; four nodes fail four times as often
+    assert f"a synchronous save blocks about {cost:.3g} s; MTBF 8 h per node (--mtbf-hours), 2 h for 4 node(s)" in out
+    assert f"save every {(2 * cost * mtbf) ** 0.5 / 60:.1f} min (Young/Daly" in out
+    assert main(args) == 0  # no MTBF in the config nor on the command line
+    assert "give --mtbf-hours" in capsys.readouterr().out
 
 
 def test_on_two_nodes_the_recommendation_sends_less_across_them_and_tensor_parallel_stays_in_one():

@@ -87,7 +87,8 @@ def test_saves_fall_every_n_steps_and_at_the_end():
     options = CheckpointConfig(every_steps=4)
     due = {step: save_due(step, options, max_steps=10) for step in range(1, 11)}
     assert [step for step, decision in due.items() if decision] == [4, 8, 10]
-    assert due[4] == SaveDue(blocking=True)
+    assert due[4] == SaveDue(blocking=True, periodic=True)
+    assert due[10] == SaveDue(blocking=True, periodic=False)  # the last save, not one of the interval
 
 
 def test_no_final_save_without_save_final_and_none_at_all_by_default_midway():
@@ -97,7 +98,7 @@ def test_no_final_save_without_save_final_and_none_at_all_by_default_midway():
 
 def test_asynchronous_saves_block_only_at_the_last_step_and_on_a_stop():
     options = CheckpointConfig(every_steps=2, async_save=True)
-    assert save_due(2, options, max_steps=10) == SaveDue(blocking=False)
+    assert save_due(2, options, max_steps=10) == SaveDue(blocking=False, periodic=True)
     assert save_due(10, options, max_steps=10) == SaveDue(blocking=True)
     assert save_due(3, options, max_steps=10, preempted=True) == SaveDue(blocking=True)
     assert save_due(5, options, max_steps=10, ending_early=True) == SaveDue(blocking=True)
