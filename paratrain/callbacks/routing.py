@@ -73,11 +73,8 @@ def summarise(
         dtype=torch.float64,
     ).sum(dim=0)
     aux_sum, forwards, dropped = all_reduce_sum(totals).tolist()
-    record = {
-        "moe_aux_loss": aux_sum / forwards if forwards else float("nan"),
-        "moe_expert_tokens_min": minimum[0].item(),
-        "moe_expert_tokens_max": maximum[1].item(),
-    }
+    record = {"moe_aux_loss": aux_sum / forwards} if forwards else {}  # none: a model without one (DeepSeek-V3)
+    record |= {"moe_expert_tokens_min": minimum[0].item(), "moe_expert_tokens_max": maximum[1].item()}
     if dropped:
         record["moe_dropped_tokens"] = dropped / tp
     return record

@@ -15,6 +15,7 @@ from types import ModuleType
 from torch import nn
 
 from paratrain.errors import ConfigError
+from paratrain.models.hf_routing import maybe_record_routing
 
 INSTALL_HINT = "pip install 'paratrain[hf]'"
 
@@ -112,7 +113,7 @@ def causal_lm(*, model_type: str | None = None, config_dir: str | None = None, *
             raise ConfigError(f"model.args.model_type={model_type!r}: {error}") from None
     config.use_cache = False  # training computes whole sequences; a key/value cache only costs memory
     model = transformers.AutoModelForCausalLM.from_config(config)
-    return maybe_train_with_aux_loss(model)
+    return maybe_record_routing(maybe_train_with_aux_loss(model))
 
 
 def maybe_train_with_aux_loss(model: nn.Module) -> nn.Module:
