@@ -191,12 +191,15 @@ class RoutingStats:
         dropped: 0-d count of the assignments dropped over an expert's capacity.
         aux_loss: 0-d sum of the forwards' load-balancing losses (unweighted).
         forwards: How many forwards' load-balancing losses are summed (0: the model computes none).
+        balance_bias: The layer balances its experts with a per-expert bias (``BalancesExperts``): after
+            every step it is handed the step's ``tokens_per_expert`` summed over every rank.
     """
 
     tokens_per_expert: torch.Tensor
     dropped: torch.Tensor
     aux_loss: torch.Tensor
     forwards: int
+    balance_bias: bool = False
 
     def plus(self, other: RoutingStats) -> RoutingStats:
         return RoutingStats(
@@ -204,6 +207,7 @@ class RoutingStats:
             self.dropped + other.dropped,
             self.aux_loss + other.aux_loss,
             self.forwards + other.forwards,
+            self.balance_bias,
         )
 
 
@@ -219,6 +223,17 @@ class RoutesTokens(Protocol):
     """
 
     def pop_routing_stats(self) -> RoutingStats | None: ...
+
+
+@runtime_checkable
+class BalancesExperts(Protocol):
+    """``update_expert_bias(self, tokens_per_expert) -> None``: on a ``RoutesTokens`` layer whose statistics say
+    ``balance_bias``, aux-loss-free balancing: called on every rank after every optimizer step with the
+    tokens each expert computed in that step (the layer's ``tokens_per_expert`` summed over the data-parallel
+    and context-parallel ranks), so that every rank moves its per-expert bias the same way.
+    """
+
+    def update_expert_bias(self, tokens_per_expert: torch.Tensor) -> None: ...
 
 
 HOOKS: tuple[type, ...] = (
