@@ -82,6 +82,11 @@ def _refusal(model: nn.Module, module: nn.Module) -> str:
             f"transformers' {name} computes its experts in {kind}, which is not among the experts modules "
             f"paratrain's dispatch was checked against ({families})"
         )
+    if not hasattr(module, "has_gate"):  # set by transformers' use_experts_implementation, which picks the forward
+        return (
+            f"transformers' {name} does not choose its experts' forward through transformers' ExpertsInterface "
+            f"(an older transformers 5 release), where paratrain installs its dispatch; upgrade transformers"
+        )
     return ""
 
 
