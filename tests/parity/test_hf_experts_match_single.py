@@ -31,6 +31,8 @@ from tests.harness import (
     run_cli,
 )
 
+# transformers 4.x keeps each expert as its own module, which expert parallel refuses (tests/unit/test_hf_experts.py).
+pytest.importorskip("transformers", minversion="5")
 pytestmark = pytest.mark.timeout(900)
 
 STEPS = 10
