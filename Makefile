@@ -20,7 +20,7 @@ FLOOR_TESTS := tests/parity/test_hf_matches_single.py tests/unit/test_hf_models.
 	tests/pipeline/test_pipeline_bad_input.py::test_a_transformers_model_that_cannot_be_staged_is_refused_before_training_naming_why \
 	tests/tools/test_plan.py::test_fsdp_units_counted_for_traffic_include_a_transformers_models_outer_units_without_a_pipeline \
 	tests/unit/test_trackers.py tests/unit/test_lm_data.py tests/unit/test_stream_data.py \
-	tests/unit/test_chat_data.py tests/parity/test_lora.py tests/unit/test_float8.py
+	tests/unit/test_chat_data.py tests/parity/test_lora.py tests/unit/test_float8.py tests/unit/test_hf_experts.py
 
 # Test files run on this many pytest-xdist workers, each file whole on one worker (its module-scoped
 # launches, e.g. tests/harness.LayoutRuns, run once). Most of a test's time is one process starting or

@@ -1,6 +1,8 @@
 """Expert parallel: per-rank parameter memory at ep 1/2/4, and the all-to-all's share of step time on CPU.
 
-Each run trains paratrain's MoE GPT (8 experts, top-2) laid out by paratrain's own ``parallelize``
+Each run trains paratrain's MoE GPT (8 experts, top-2), or with ``--model qwen3_moe`` a transformers
+Qwen3-MoE of the same size (its own router and stacked experts, dispatched by paratrain), laid out by
+paratrain's own ``parallelize``
 (FSDP over dp_shard, ``parallel.ep`` borrowing its ranks) in ``world`` gloo processes on this machine,
 and reports from every rank's own tensors:
 
@@ -18,6 +20,7 @@ world of 4, ep moves expert memory from "held" (FSDP shards it anyway) to "compu
 This prints, it never asserts: results belong in docs/benchmarks.md.
 
     .venv/bin/python benchmarks/moe.py --runs 1:1 2:2 4:4 4:2 4:1 --steps 6
+    .venv/bin/python benchmarks/moe.py --model qwen3_moe --runs 1:1 2:2 4:4 4:2 4:1 --steps 6
 """
 
 from __future__ import annotations
@@ -36,14 +39,34 @@ import torch.nn.functional as F
 import paratrain.parallel.expert as expert_parallel
 from paratrain.config.schema import ParallelConfig
 from paratrain.models.gpt import build_gpt
+from paratrain.models.hf import causal_lm
 from paratrain.models.init import materialize
-from paratrain.models.moe import Experts
 from paratrain.models.plan_derivation import plan_of
 from paratrain.parallel.dims import ParallelDims
+from paratrain.parallel.expert import expert_modules
 from paratrain.parallel.parallelize import parallelize
 
 GOAL = 0.02  # experts computed per rank within 2 % of full / ep
-MODEL = {"vocab_size": 256, "block_size": 64, "n_layer": 2, "n_head": 4, "n_embd": 128, "moe_experts": 8}
+SEQ = 64
+MODELS = {
+    "gpt": lambda: build_gpt(vocab_size=256, block_size=SEQ, n_layer=2, n_head=4, n_embd=128, moe_experts=8),
+    # The same shape as transformers' Qwen3-MoE: 8 experts of 128 -> 512 (gate and up) -> 128, top-2.
+    "qwen3_moe": lambda: causal_lm(
+        model_type="qwen3_moe",
+        vocab_size=256,
+        hidden_size=128,
+        intermediate_size=512,
+        moe_intermediate_size=512,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        num_experts=8,
+        num_experts_per_tok=2,
+        max_position_embeddings=SEQ,
+    ),
+}
+VOCAB = 256
 BATCH = 8  # samples per rank and step
 
 
@@ -97,31 +120,31 @@ class _Stamp(torch.autograd.Function):
         return grad, None, None
 
 
-def worker(rank: int, world: int, ep: int, steps: int, store_path: str, results: dict) -> None:
+def worker(rank: int, world: int, ep: int, steps: int, store_path: str, results: dict, name: str) -> None:
     os.environ["OMP_NUM_THREADS"] = "1"
     torch.set_num_threads(1)
     if world > 1:
         dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank, world_size=world)
     degrees = {"dp_shard": world, "ep": ep} if world > 1 else {}
     dims = ParallelDims.resolve(None if world > 1 else "single", world_size=world, degrees=degrees).with_mesh("cpu")
-    factory = lambda: build_gpt(**MODEL)  # noqa: E731
+    factory = MODELS[name]
     with torch.device("meta"):
         model = factory()
-    parallelize(model, dims, plan=plan_of(model), options=ParallelConfig())
+    plan = plan_of(model)
+    parallelize(model, dims, plan=plan, options=ParallelConfig())
     materialize(model, factory=factory, device=torch.device("cpu"), seed=0)
     computed = {}  # per experts module: the weight bytes it computed with (gathered by FSDP, its ep share)
-    for module in model.modules():
-        if isinstance(module, Experts):
-            module.register_forward_pre_hook(
-                lambda m, _: computed.__setitem__(id(m), local_bytes(m.up_proj) + local_bytes(m.down_proj))
-            )
+    for module in expert_modules(model, plan):
+        module.register_forward_pre_hook(
+            lambda m, *_: computed.__setitem__(id(m), sum(local_bytes(p) for p in m.parameters(recurse=False)))
+        )
     clock = Clock()
     clock.time_collectives()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     generator = torch.Generator().manual_seed(rank)
     times, a2a = [], []
     for step in range(steps):
-        tokens = torch.randint(0, MODEL["vocab_size"], (BATCH, MODEL["block_size"] + 1), generator=generator)
+        tokens = torch.randint(0, VOCAB, (BATCH, SEQ + 1), generator=generator)
         if world > 1:
             dist.barrier()  # each step starts together, so waits for a slower rank stay inside the step
         clock.seconds, start = 0.0, time.perf_counter()
@@ -143,9 +166,9 @@ def worker(rank: int, world: int, ep: int, steps: int, store_path: str, results:
         dist.destroy_process_group()
 
 
-def full_expert_bytes() -> int:
+def full_expert_bytes(name: str) -> int:
     with torch.device("meta"):
-        model = build_gpt(**MODEL)
+        model = MODELS[name]()
     return sum(p.numel() * p.element_size() for name, p in model.named_parameters() if ".experts." in name)
 
 
@@ -153,16 +176,19 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--runs", nargs="+", default=["1:1", "2:2", "4:4", "4:2", "4:1"], help="world:ep pairs")
     parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--model", choices=sorted(MODELS), default="gpt")
     args = parser.parse_args()
-    full = full_expert_bytes()
-    print(f"paratrain GPT MoE {MODEL}, {BATCH} samples x {MODEL['block_size']} tokens per rank and step, fp32")
+    full = full_expert_bytes(args.model)
+    print(
+        f"{args.model}: 8 experts of 128 -> 512 -> 128, top-2, {BATCH} samples x {SEQ} tokens per rank and step, fp32"
+    )
     print(f"all experts: {full / 2**20:.2f} MiB; goal: experts computed per rank = full / ep within {GOAL:.0%}")
     print("world  ep  experts held MiB  experts computed MiB  vs full/ep  other held MiB  step ms  all-to-all")
     results = mp.Manager().dict()
     for run in args.runs:
         world, ep = (int(part) for part in run.split(":"))
         with tempfile.TemporaryDirectory() as tmp:
-            mp.spawn(worker, args=(world, ep, args.steps, f"{tmp}/store", results), nprocs=world)
+            mp.spawn(worker, args=(world, ep, args.steps, f"{tmp}/store", results, args.model), nprocs=world)
         held, computed, others, step, share = results[(world, ep)]
         ratio = computed / (full / ep)
         print(

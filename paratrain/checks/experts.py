@@ -4,23 +4,16 @@ from __future__ import annotations
 
 from torch import nn
 
-from paratrain.errors import ConfigError
-from paratrain.models.hf import is_transformers_model
 from paratrain.models.plan_derivation import plan_of
 from paratrain.parallel.dims import ParallelDims
 
 
 def check_expert_layout(dims: ParallelDims, *, model: nn.Module) -> None:
     """Raises ConfigError when parallel.ep cannot divide ``model``'s experts (``model`` built on meta): a model
-    without experts, one that cannot take the dispatch (transformers' MoE families), ep not dividing them."""
+    without experts, one that cannot take the dispatch (a transformers family the dispatch was not checked
+    against, named), ep not dividing them."""
     if not dims.ep_enabled:
         return
-    if is_transformers_model(model):
-        raise ConfigError(
-            f"parallel.ep={dims.ep}: transformers' {type(model).__name__} computes its experts in its own code, "
-            "which paratrain does not dispatch across ranks; remove parallel.ep (fsdp shards its experts like any "
-            "parameter), or use paratrain's GPT with model.args.moe_experts"
-        )
     # lazy: loaded only for the runs that use it (DTensor) to keep the launcher's checks fast
     from paratrain.parallel.expert import check_expert_plan
 

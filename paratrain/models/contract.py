@@ -67,6 +67,11 @@ class ParallelPlan:
             weights (every parameter's dim 0 is the expert): expert parallel gives each ep rank whole
             experts along it, and FSDP shards them over the data-parallel ranks ep leaves.
         num_experts: The experts per block, by the config key that sets them: ep must divide it.
+        expert_refusal: Why expert parallel cannot divide the model's experts, when paratrain knows (a
+            transformers family whose experts module its dispatch was not checked against).
+        tp_left_whole: Entries of a transformers model's own tensor-parallel plan for its experts
+            (``path: style``) that tensor parallel leaves out: the experts stay whole on every tp rank, as
+            paratrain's GPT's do, and expert parallel divides them.
     """
 
     blocks: tuple[str, ...] = ()
@@ -81,6 +86,8 @@ class ParallelPlan:
     attention_heads: Mapping[str, int] = field(default_factory=dict)
     block_experts: tuple[str, ...] = ()
     num_experts: Mapping[str, int] = field(default_factory=dict)
+    expert_refusal: str = ""
+    tp_left_whole: tuple[str, ...] = ()
 
     def describe_outer_units(self) -> str:
         """``model.embed_tokens; model.norm + lm_head``, or "" when there are none (logs, the dry run)."""
@@ -179,16 +186,20 @@ class RoutingStats:
     """What a mixture-of-experts layer routed over some training forwards (``RoutesTokens``).
 
     Attributes:
-        tokens_per_expert: (num_experts,) token assignments each expert computed.
+        tokens_per_expert: (num_experts,) token assignments each expert computed, or (layers, num_experts)
+            from one object reporting several layers (a transformers model's ``RoutingRecorder``).
         dropped: 0-d count of the assignments dropped over an expert's capacity.
         aux_loss: 0-d sum of the forwards' load-balancing losses (unweighted).
-        forwards: How many forwards are summed.
+        forwards: How many forwards' load-balancing losses are summed (0: the model computes none).
+        balance_bias: The layer balances its experts with a per-expert bias (``BalancesExperts``): after
+            every step it is handed the step's ``tokens_per_expert`` summed over every rank.
     """
 
     tokens_per_expert: torch.Tensor
     dropped: torch.Tensor
     aux_loss: torch.Tensor
     forwards: int
+    balance_bias: bool = False
 
     def plus(self, other: RoutingStats) -> RoutingStats:
         return RoutingStats(
@@ -196,6 +207,7 @@ class RoutingStats:
             self.dropped + other.dropped,
             self.aux_loss + other.aux_loss,
             self.forwards + other.forwards,
+            self.balance_bias,
         )
 
 
@@ -211,6 +223,17 @@ class RoutesTokens(Protocol):
     """
 
     def pop_routing_stats(self) -> RoutingStats | None: ...
+
+
+@runtime_checkable
+class BalancesExperts(Protocol):
+    """``update_expert_bias(self, tokens_per_expert) -> None``: on a ``RoutesTokens`` layer whose statistics say
+    ``balance_bias``, aux-loss-free balancing: called on every rank after every optimizer step with the
+    tokens each expert computed in that step (the layer's ``tokens_per_expert`` summed over the data-parallel
+    and context-parallel ranks), so that every rank moves its per-expert bias the same way.
+    """
+
+    def update_expert_bias(self, tokens_per_expert: torch.Tensor) -> None: ...
 
 
 HOOKS: tuple[type, ...] = (

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from paratrain.models.moe import MoEConfig, MoEFeedForward
+from paratrain.models.moe import MoEBalance, MoEConfig, MoEFeedForward
 from paratrain.models.plan_derivation import ParallelPlan
 
 
@@ -242,6 +242,8 @@ def build_gpt(
     moe_top_k: int = 2,
     moe_aux_loss_coef: float = 0.01,
     moe_capacity_factor: float | None = None,
+    moe_balance: MoEBalance = "aux_loss",
+    moe_bias_update_rate: float = 1e-3,
 ) -> GPT:
     """Factory for config files: ``model.factory: paratrain.models.gpt:build_gpt``.
 
@@ -251,6 +253,10 @@ def build_gpt(
         moe_aux_loss_coef: Weight of the load-balancing loss added to the training loss.
         moe_capacity_factor: Tokens an expert computes per forward, as a multiple of an even share
             (``tokens * top_k / experts``); the assignments over it are dropped and counted. None: no limit.
+        moe_balance: ``aux_loss``: the load-balancing loss in the training loss. ``bias``: aux-loss-free
+            balancing (DeepSeek-V3): a per-expert bias on the router's scores chooses the experts, moved after
+            every step towards an even load; the loss is logged but not trained on (moe_aux_loss_coef unused).
+        moe_bias_update_rate: How far each expert's bias moves per step under ``moe_balance: bias``.
 
     Raises:
         ValueError: naming the model.args key when the sizes do not fit together.
@@ -258,7 +264,20 @@ def build_gpt(
     if n_embd % n_head:
         raise ValueError(f"model.args.n_embd={n_embd} must be divisible by model.args.n_head={n_head}")
     moe = _moe_config(moe_experts, moe_top_k, moe_aux_loss_coef, moe_capacity_factor)
+    if moe is not None:
+        moe = _balanced(moe, moe_balance, moe_bias_update_rate)
     return GPT(GPTConfig(vocab_size, block_size, n_layer, n_head, n_embd, dropout, moe))
+
+
+def _balanced(moe: MoEConfig, balance: str, rate: float) -> MoEConfig:
+    if balance not in ("aux_loss", "bias"):
+        raise ValueError(f"model.args.moe_balance={balance!r} must be 'aux_loss' or 'bias'")
+    if rate <= 0:
+        raise ValueError(f"model.args.moe_bias_update_rate={rate} must be positive (DeepSeek-V3 uses 0.001)")
+    if balance == "aux_loss":
+        return moe
+    # The loss stays computed and logged; its weight is 0, so a pipeline may also take this model.
+    return dataclasses.replace(moe, aux_loss_coef=0.0, balance="bias", bias_update_rate=rate)
 
 
 def _moe_config(experts: int, top_k: int, aux_loss_coef: float, capacity_factor: float | None) -> MoEConfig | None:

@@ -9,12 +9,16 @@ seeded build, or the directory's safetensors). transformers is the optional extr
 from __future__ import annotations
 
 import importlib.metadata
+from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
+from typing import Literal
 
+import torch
 from torch import nn
 
 from paratrain.errors import ConfigError
+from paratrain.models.hf_routing import maybe_record_routing
 
 INSTALL_HINT = "pip install 'paratrain[hf]'"
 
@@ -93,13 +97,24 @@ def is_transformers_model(model: nn.Module) -> bool:
     return hasattr(getattr(model, "config", None), "save_pretrained")
 
 
-def causal_lm(*, model_type: str | None = None, config_dir: str | None = None, **fields) -> nn.Module:
+def causal_lm(
+    *,
+    model_type: str | None = None,
+    config_dir: str | None = None,
+    moe_balance: Literal["bias"] | None = None,
+    moe_bias_update_rate: float = 1e-3,
+    **fields,
+) -> nn.Module:
     """A ``transformers`` causal LM from a config, with its own random initialisation.
 
     Args:
         model_type: transformers' name of the architecture (``llama``, ``gpt2``, ``qwen2``, ...), with
             ``fields`` its config values (hidden_size, num_hidden_layers, ...).
         config_dir: Or a directory holding config.json (a pretrained model's); ``fields`` override it.
+        moe_balance: ``bias``: aux-loss-free balancing of a family whose router holds a per-expert bias
+            (DeepSeek-V3's ``e_score_correction_bias``, which transformers never updates): paratrain moves it
+            after every step towards an even load. None: the family's own balancing (its aux loss, if any).
+        moe_bias_update_rate: How far each expert's bias moves per step under ``moe_balance: bias``.
 
     Raises:
         ConfigError: naming model.args when neither or both are given, or the model_type is unknown.
@@ -118,7 +133,7 @@ def causal_lm(*, model_type: str | None = None, config_dir: str | None = None, *
             raise ConfigError(f"model.args.model_type={model_type!r}: {error}") from None
     config.use_cache = False  # training computes whole sequences; a key/value cache only costs memory
     model = transformers.AutoModelForCausalLM.from_config(config)
-    return maybe_train_with_aux_loss(model)
+    return maybe_record_routing(maybe_train_with_aux_loss(model), balance=moe_balance, rate=moe_bias_update_rate)
 
 
 def maybe_train_with_aux_loss(model: nn.Module) -> nn.Module:
@@ -152,6 +167,37 @@ def _every_expert_in_the_graph(block: nn.Module, args: tuple, output):
     if isinstance(output, tuple):
         return (output[0] + zero, *output[1:])
     return output + zero
+
+
+def use_whole_sequence_aux_loss(model: nn.Module, sum_over_sequence: Callable[[torch.Tensor], torch.Tensor]) -> None:
+    """Under context parallel, where each rank holds part of every sequence: a transformers MoE family's
+    load-balancing loss from its statistics over the whole sequences (``sum_over_sequence`` adds the cp ranks'),
+    so that it equals one process's; the family's own would see this rank's tokens alone. The Switch
+    Transformer loss of every family with ``router_aux_loss_coef`` (transformers' ``load_balancing_loss_func``:
+    ``experts * sum_e f_e * P_e`` over all layers' tokens), replacing the output's ``aux_loss`` before the
+    weighted term and the router statistics read it. Other models are left as they are."""
+    if getattr(model.config, "output_router_logits", False) and getattr(model.config, "router_aux_loss_coef", 0):
+        model.register_forward_hook(_whole_sequence_aux_loss(sum_over_sequence), prepend=True)
+
+
+def _whole_sequence_aux_loss(sum_over_sequence: Callable[[torch.Tensor], torch.Tensor]):
+    def hook(model: nn.Module, inputs, outputs):
+        router_logits = getattr(outputs, "router_logits", None)
+        if getattr(outputs, "aux_loss", None) is None or not router_logits:
+            return outputs
+        probs = torch.softmax(torch.cat([layer.float() for layer in router_logits]), dim=-1)
+        chosen = probs.topk(model.config.num_experts_per_tok, dim=-1).indices.reshape(-1)
+        experts = probs.shape[-1]
+        counts = torch.zeros(experts, device=probs.device).index_add_(
+            0, chosen, torch.ones_like(chosen, dtype=probs.dtype)
+        )
+        rows = torch.full((1,), float(probs.shape[0]), device=probs.device)
+        summed = sum_over_sequence(torch.cat([counts, probs.sum(dim=0), rows]))
+        counts, probability, rows = summed[:experts].detach(), summed[experts:-1], summed[-1].detach()
+        outputs["aux_loss"] = experts * torch.sum(counts / rows * probability / rows)
+        return outputs
+
+    return hook
 
 
 def _add_weighted_aux_loss(model: nn.Module, inputs, outputs):

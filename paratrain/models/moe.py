@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 import torch.nn.functional as F
@@ -22,6 +23,10 @@ from torch import nn
 
 from paratrain.models.contract import RoutingStats
 from paratrain.tensors import local_part
+
+# aux_loss: the Switch Transformer loss in the training loss. bias: none (aux-loss-free, DeepSeek-V3): a per-expert
+# bias added to the router's scores for the choice alone, nudged after every step towards an even load.
+MoEBalance = Literal["aux_loss", "bias"]
 
 
 @dataclass(frozen=True)
@@ -35,12 +40,16 @@ class MoEConfig:
         capacity_factor: Each expert computes at most ``ceil(capacity_factor * tokens * top_k /
             num_experts)`` of a forward's tokens, in token order; the rest of its assignments are
             dropped (the residual connection carries those tokens). None: no limit.
+        balance: How the load is balanced (``MoEBalance``); under ``bias`` the aux loss is only logged.
+        bias_update_rate: How far each expert's bias moves per step under ``bias`` (DeepSeek-V3's gamma).
     """
 
     num_experts: int
     top_k: int = 2
     aux_loss_coef: float = 0.01
     capacity_factor: float | None = None
+    balance: MoEBalance = "aux_loss"
+    bias_update_rate: float = 1e-3
 
 
 @dataclass(frozen=True)
@@ -53,16 +62,22 @@ class Routing:
 
 
 class Router(nn.Module):
-    """A bias-free linear layer scoring each expert for each token; picks the top k."""
+    """A bias-free linear layer scoring each expert for each token; picks the top k.
 
-    def __init__(self, dim: int, *, num_experts: int, top_k: int):
+    With ``balance_bias`` it also holds ``expert_bias`` (a buffer, so checkpoints keep it), added to the
+    probabilities to choose the experts but not to weight them, as DeepSeek-V3's router does."""
+
+    def __init__(self, dim: int, *, num_experts: int, top_k: int, balance_bias: bool = False):
         super().__init__()
         self.gate = nn.Linear(dim, num_experts, bias=False)
         self.top_k = top_k
+        self.expert_bias = nn.Buffer(torch.zeros(num_experts)) if balance_bias else None
 
     def forward(self, x: torch.Tensor) -> Routing:
         probs = F.softmax(self.gate(x).float(), dim=-1)  # float32 like transformers: the aux loss sums these
-        weights, experts = probs.topk(self.top_k, dim=-1)
+        scores = probs if self.expert_bias is None else probs + self.expert_bias
+        experts = scores.topk(self.top_k, dim=-1).indices
+        weights = probs.gather(-1, experts)
         return Routing(probs, weights / weights.sum(dim=-1, keepdim=True), experts)
 
 
@@ -105,7 +120,7 @@ class MoEFeedForward(nn.Module):
     def __init__(self, dim: int, hidden: int, moe: MoEConfig, *, dropout: float = 0.0):
         super().__init__()
         self.moe = moe
-        self.router = Router(dim, num_experts=moe.num_experts, top_k=moe.top_k)
+        self.router = Router(dim, num_experts=moe.num_experts, top_k=moe.top_k, balance_bias=moe.balance == "bias")
         self.experts = Experts(dim, hidden, num_experts=moe.num_experts)
         self.dropout = nn.Dropout(dropout)
         self.dispatch = compute_experts_locally
@@ -134,13 +149,19 @@ class MoEFeedForward(nn.Module):
         stats, self._stats = self._stats, None
         return stats
 
+    def update_expert_bias(self, tokens_per_expert: torch.Tensor) -> None:
+        """Aux-loss-free balancing, after a step whose tokens each expert computed (summed over every rank) are
+        ``tokens_per_expert``: each expert's router bias moves by ``bias_update_rate`` towards an even load."""
+        nudge_towards_balance(self.router.expert_bias, tokens_per_expert, rate=self.moe.bias_update_rate)
+
     def _capacity(self, tokens: torch.Tensor) -> int | None:
         factor = self.moe.capacity_factor
         return None if factor is None else math.ceil(factor * tokens.shape[0] * self.moe.top_k / self.moe.num_experts)
 
     def _record(self, experts: torch.Tensor, kept: torch.Tensor) -> None:
         received = torch.bincount(experts[kept], minlength=self.moe.num_experts)
-        step = RoutingStats(received, (~kept).sum(), self.aux_loss.detach(), forwards=1)
+        balance_bias = self.moe.balance == "bias"
+        step = RoutingStats(received, (~kept).sum(), self.aux_loss.detach(), forwards=1, balance_bias=balance_bias)
         self._stats = step if self._stats is None else self._stats.plus(step)
 
 
@@ -175,3 +196,16 @@ def load_balancing_loss(probs: torch.Tensor, experts: torch.Tensor, *, num_exper
         0, experts.reshape(-1), torch.ones(experts.numel(), device=probs.device)
     )
     return num_experts * torch.sum(counts / probs.shape[0] * probs.mean(dim=0))
+
+
+def nudge_towards_balance(bias: torch.Tensor, tokens_per_expert: torch.Tensor, *, rate: float) -> None:
+    """DeepSeek-V3's update (arXiv 2412.19437, 2.1.2), in place: ``bias_e += rate * sign(mean load - load_e)``,
+    so an expert that got fewer tokens than the mean is chosen more readily the next step, and the reverse.
+
+    Args:
+        bias: (..., num_experts) per-expert biases (one row per layer, or one layer's).
+        tokens_per_expert: The same shape: the tokens each expert computed in the step, over every rank.
+        rate: How far each bias moves per step.
+    """
+    load = tokens_per_expert.to(bias.device, torch.float32)
+    bias.add_(rate * torch.sign(load.mean(dim=-1, keepdim=True) - load))

@@ -12,6 +12,7 @@ import re
 from torch import nn
 
 from paratrain.models.contract import ParallelPlan, TensorParallelStyle, declared_plan
+from paratrain.models.hf_experts import transformers_experts
 from paratrain.models.hf_pipeline import transformers_pipeline
 
 __all__ = ["ParallelPlan", "TensorParallelStyle", "plan_of"]  # ParallelPlan is defined in models/contract.py
@@ -28,17 +29,19 @@ def plan_of(model: nn.Module) -> ParallelPlan:
     if isinstance(model, nn.Sequential):
         return ParallelPlan(pipeline_sequence=tuple(name for name, _ in model.named_children()))
     blocks = no_split_blocks(model)
+    experts = transformers_experts(model, blocks)
     return ParallelPlan(
         blocks=blocks,
         outer_units=transformers_outer_units(model, blocks),
         attention_heads=transformers_attention_heads(model),
-        **transformers_tensor_parallel(model, blocks),
+        **experts,
+        **transformers_tensor_parallel(model, blocks, experts=experts.get("block_experts", ())),
         **transformers_pipeline(model),
     )
 
 
 # Styles of transformers' tp_plan that paratrain applies (parallel/tensor.py says how); the expert styles of
-# mixture-of-experts plans (packed_colwise, moe_tp_experts) are not among them.
+# mixture-of-experts plans (packed_colwise, moe_tp_experts) are not among them: experts stay whole per tp rank.
 _TRANSFORMERS_STYLES: dict[str, TensorParallelStyle] = {
     **{
         style: style
@@ -57,20 +60,33 @@ _TRANSFORMERS_STYLES: dict[str, TensorParallelStyle] = {
 }
 
 
-def transformers_tensor_parallel(model: nn.Module, blocks: tuple[str, ...]) -> dict:
+def transformers_tensor_parallel(model: nn.Module, blocks: tuple[str, ...], *, experts: tuple[str, ...] = ()) -> dict:
     """The block-level part of a transformers model's own ``tp_plan`` (e.g. ``model.layers.*.self_attn.q_proj:
     colwise``) as ParallelPlan fields, and the head counts tensor parallel must divide. Entries outside the
-    blocks (embeddings, head) are left out: those stay whole on every rank, as in paratrain's own GPT."""
+    blocks (embeddings, head) are left out: those stay whole on every rank, as in paratrain's own GPT. So are
+    the entries of the stacked experts at ``experts`` (paths inside a block), listed as ``tp_left_whole``:
+    each tp rank routes the same tokens through whole experts, which expert parallel divides."""
     tp_plan = getattr(model, "tp_plan", None) or {}
     if not blocks or not tp_plan:
         return {}
     prefix = re.sub(r"\.\d+$", ".*", blocks[0]) + "."
     inside = {key.removeprefix(prefix): style for key, style in tp_plan.items() if key.startswith(prefix)}
+    whole = {path: style for path, style in inside.items() if any(_at_or_under(path, e) for e in experts)}
+    inside = {path: style for path, style in inside.items() if path not in whole}
     supported = {path: _TRANSFORMERS_STYLES[style] for path, style in inside.items() if style in _TRANSFORMERS_STYLES}
     supported |= _per_head_norms_left_out(model.get_submodule(blocks[0]), supported)
     unsupported = tuple(f"{path}: {style}" for path, style in inside.items() if style not in _TRANSFORMERS_STYLES)
     heads = transformers_attention_heads(model)
-    return {"block_tp_plan": {} if unsupported else supported, "tp_unsupported": unsupported, "tp_divisible": heads}
+    return {
+        "block_tp_plan": {} if unsupported else supported,
+        "tp_unsupported": unsupported,
+        "tp_divisible": heads,
+        "tp_left_whole": tuple(f"{path}: {style}" for path, style in whole.items()),
+    }
+
+
+def _at_or_under(path: str, parent: str) -> bool:
+    return path == parent or path.startswith(parent + ".")
 
 
 def _per_head_norms_left_out(block: nn.Module, styles: dict[str, TensorParallelStyle]) -> dict:

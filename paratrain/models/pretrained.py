@@ -20,6 +20,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from paratrain.errors import ConfigError
+from paratrain.models.expert_files import find_per_expert_names, read_stacked
 from paratrain.models.init_replay import box_of
 from paratrain.models.lora import base_name, is_adapter
 from paratrain.models.weights import LocalPiece, canonical_name
@@ -111,8 +112,10 @@ def pretrained_source(
     expected = {
         base_name(canonical_name(name)): tuple(p.shape) for name, p in model.named_parameters() if not is_adapter(name)
     }
-    _check_names_and_shapes(expected, located, directory)
-    unused = sorted(set(located) - set(expected) - {canonical_name(name) for name, _ in model.named_buffers()})
+    stacked = _stacked_experts_in_parts(expected, located)
+    _check_names_and_shapes({k: v for k, v in expected.items() if k not in stacked}, located, directory)
+    parts = {part for names in stacked.values() for expert in names for part in expert}
+    unused = sorted(set(located) - set(expected) - parts - {canonical_name(name) for name, _ in model.named_buffers()})
     if unused and what == "model.pretrained":
         logger.warning("model.pretrained: %d tensors the model does not have are ignored: %s", len(unused), unused[:5])
 
@@ -120,6 +123,8 @@ def pretrained_source(
         if is_adapter(name):
             return None
         name = base_name(name)
+        if name in stacked:
+            return _read_stacked(stacked[name], located, tensor)
         file = located.get(name)
         if file is None:
             return buffers.get(name)
@@ -130,6 +135,31 @@ def pretrained_source(
             return handle.get_tensor(name) if region is None else LocalPiece(handle.get_slice(name)[region])
 
     return source
+
+
+def _stacked_experts_in_parts(expected: dict[str, tuple], located: dict[str, Path]) -> dict[str, list[list[str]]]:
+    """The stacked expert parameters the files hold per expert, as transformers saves them (models/expert_files.py):
+    name -> each expert's file tensors."""
+    stacked = {}
+    for name, shape in expected.items():
+        if name not in located and len(shape) == 3:
+            names = find_per_expert_names(name, num_experts=shape[0], available=located)
+            if names is not None:
+                stacked[name] = names
+    return stacked
+
+
+def _read_stacked(names: list[list[str]], located: dict[str, Path], tensor: torch.Tensor):
+    """This rank's experts of a stacked parameter (its region's experts: under ep, its own) read expert by expert."""
+
+    def read(part: str) -> torch.Tensor:
+        with open_weights(located[part]) as handle:
+            return handle.get_tensor(part)
+
+    region = local_region(tensor)
+    if region is None:
+        return read_stacked(names, range(len(names)), read)
+    return LocalPiece(read_stacked(names, range(len(names))[region[0]], read)[(slice(None), *region[1:])])
 
 
 def local_region(tensor: torch.Tensor) -> tuple[slice, ...] | None:

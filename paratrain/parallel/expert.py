@@ -3,7 +3,8 @@ and tokens travel to the ranks holding their experts and back with all-to-all.
 
 The model declares its experts as data (``ParallelPlan.block_experts``: modules whose parameters stack
 the experts along dim 0) and takes the dispatch through its ``use_expert_dispatch`` hook
-(models/contract.py). ``apply_expert_parallel`` makes each such parameter a DTensor ``Shard(0)`` over
+(models/contract.py); a transformers family's experts take it through transformers' own experts
+interface (models/hf_experts.py), so their code is not patched. ``apply_expert_parallel`` makes each such parameter a DTensor ``Shard(0)`` over
 the ep mesh (rank r of ep holds experts ``r * E/ep ... (r+1) * E/ep - 1``), so checkpoints hold the whole
 stacked tensor and load at any ep degree, or none. FSDP then shards each rank's experts over the ranks
 holding the same ones (``ParallelDims.expert_fsdp_mesh``; paratrain.parallel.fsdp).
@@ -29,6 +30,8 @@ from torch.distributed.tensor import Shard, distribute_tensor
 
 from paratrain.errors import ConfigError
 from paratrain.models.contract import DispatchesToExperts
+from paratrain.models.hf import is_transformers_model
+from paratrain.models.hf_experts import install_transformers_dispatch
 from paratrain.models.plan_derivation import ParallelPlan
 
 
@@ -41,11 +44,16 @@ def apply_expert_parallel(model: nn.Module, ep_mesh: DeviceMesh, *, plan: Parall
     """
     ep = ep_mesh.size()
     check_expert_plan(model, plan, ep=ep)
-    for module in expert_modules(model, plan):
+    experts = expert_modules(model, plan)
+    for module in experts:
         for name, param in list(module.named_parameters(recurse=False)):
             sharded = distribute_tensor(param.data, ep_mesh, [Shard(0)], src_data_rank=None)
             module.register_parameter(name, nn.Parameter(sharded, requires_grad=param.requires_grad))
-    model.use_expert_dispatch(AllToAllDispatch(group=ep_mesh.get_group(), ep=ep))
+    dispatch = AllToAllDispatch(group=ep_mesh.get_group(), ep=ep)
+    if isinstance(model, DispatchesToExperts):
+        model.use_expert_dispatch(dispatch)
+    else:
+        install_transformers_dispatch(model, experts, dispatch)
 
 
 def expert_modules(model: nn.Module, plan: ParallelPlan) -> list[nn.Module]:
@@ -63,12 +71,17 @@ def expert_modules(model: nn.Module, plan: ParallelPlan) -> list[nn.Module]:
 def check_expert_plan(model: nn.Module, plan: ParallelPlan, *, ep: int) -> None:
     """Raises ConfigError when ``parallel.ep=ep`` cannot divide ``model``'s experts, naming the keys."""
     name = type(model).__name__
+    if plan.expert_refusal:
+        raise ConfigError(
+            f"parallel.ep={ep}: {plan.expert_refusal}; remove parallel.ep (fsdp shards the experts like any other "
+            "parameter)"
+        )
     if not plan.block_experts:
         raise ConfigError(
             f"parallel.ep={ep}: model {name} declares no experts (ParallelPlan.block_experts), so there is nothing "
             "to divide over ep ranks; remove parallel.ep, or give paratrain's GPT model.args.moe_experts"
         )
-    if not isinstance(model, DispatchesToExperts):
+    if not isinstance(model, DispatchesToExperts) and not is_transformers_model(model):
         raise ConfigError(
             f"parallel.ep={ep}: model {name} does not define use_expert_dispatch(dispatch) (see "
             "paratrain/models/contract.py), so its tokens cannot be sent to other ranks' experts; remove parallel.ep"

@@ -19,6 +19,7 @@ from torch import nn
 
 from paratrain.config.schema import ParallelConfig
 from paratrain.models.attention_hooks import install_sequence_functions
+from paratrain.models.hf import is_transformers_model, use_whole_sequence_aux_loss
 from paratrain.models.plan_derivation import ParallelPlan
 from paratrain.parallel.activation import apply_activation_checkpointing, apply_compile
 from paratrain.parallel.data_parallel import apply_data_parallel
@@ -72,6 +73,8 @@ def parallelize(
         )
     if sequence is not None:
         install_sequence_functions(model, attention=sequence.attention, positions=sequence.positions)
+        if dims.cp_enabled and is_transformers_model(model):
+            use_whole_sequence_aux_loss(model, sequence.sum_over_sequence)
     if dims.tp_enabled:
         check_tensor_parallel_plan(plan, dims.tp, sequence_parallel=options.sequence_parallel)
         apply_tensor_parallel(model, dims.tp_mesh, plan=plan, sequence_parallel=options.sequence_parallel)

@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch.distributed import ProcessGroup
 from torch.distributed._functional_collectives import all_to_all_single_autograd
+from torch.distributed.nn.functional import all_reduce as differentiable_all_reduce
 
 from paratrain.errors import ConfigError
 from paratrain.parallel.dims import ParallelDims
@@ -130,6 +131,14 @@ class SequenceSharding:
         self.current = None
 
     # What the model calls -----------------------------------------------------------------------
+
+    def sum_over_sequence(self, tensor: torch.Tensor) -> torch.Tensor:
+        """``tensor`` summed over the cp ranks holding the rest of this micro-batch's sequences, or as it is
+        when this rank holds them whole: statistics over whole sequences (a mixture of experts' load-balancing
+        loss). Differentiable: each rank's part gets the gradient of the sum, from every rank's use of it."""
+        if self.current is None or not self.current.exchange:
+            return tensor
+        return differentiable_all_reduce(tensor, group=self.cp_group)
 
     def positions(self, tokens: torch.Tensor) -> torch.Tensor:
         """Positions of the tokens a model's forward was given: ``(batch or 1, tokens)``."""

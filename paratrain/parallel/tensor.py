@@ -70,12 +70,23 @@ def apply_tensor_parallel(model: nn.Module, mesh: DeviceMesh, *, plan: ParallelP
     """
     for block_path in plan.blocks:
         block = model.get_submodule(block_path)
-        layer_plan = {path: _style(kind, sequence_parallel) for path, kind in plan.block_tp_plan.items()}
+        # A transformers MoE plan names both feed-forwards (dense mlp.gate_proj, shared_experts.*): each block has one.
+        layer_plan = {
+            path: _style(kind, sequence_parallel) for path, kind in plan.block_tp_plan.items() if _has(block, path)
+        }
         if sequence_parallel:
             layer_plan.update({norm: SequenceParallel() for norm in plan.block_norms})
         parallelize_module(block, mesh, layer_plan)
     if sequence_parallel:
         _shard_sequence_at_block_edges(model, mesh, plan)
+
+
+def _has(block: nn.Module, path: str) -> bool:
+    try:
+        block.get_submodule(path)
+    except AttributeError:
+        return False
+    return True
 
 
 STYLES = {

@@ -11,6 +11,7 @@ stream, and the tests read the result back with the library.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import math
@@ -29,7 +30,9 @@ from paratrain.checkpoint.tensor_reader import TensorReader
 from paratrain.config.factories import call_factory
 from paratrain.config.schema import LoraConfig, ModelConfig
 from paratrain.errors import ConfigError
+from paratrain.models.expert_files import DEFAULT_STYLE, FILE_STYLE, per_expert_names, split_stacked
 from paratrain.models.hf import is_transformers_model
+from paratrain.models.hf_experts import DISPATCHED
 from paratrain.models.meta import on_meta
 from paratrain.tools.export_lora import export_adapter, merged_model
 
@@ -82,7 +85,7 @@ def export_hf(checkpoint: Path, out_dir: Path, *, max_shard_bytes: int = 2 << 30
         if model_section.get("lora") is not None and not merge:
             lora = LoraConfig(**model_section["lora"])
             return export_adapter(reader, lora, out_dir, base=model_section.get("pretrained"))
-        entries, tensors = _hf_tensors(reader, checkpoint, model_section, merge=merge)
+        entries, tensors = _experts_as_saved(model, *_hf_tensors(reader, checkpoint, model_section, merge=merge))
         metadata = {"format": "pt", "step": str(reader.manifest["step"])}
         written = _write_hf_shards(out_dir, entries, tensors, max_shard_bytes, metadata=metadata)
     model.config.save_pretrained(out_dir)  # last: a directory with config.json is a finished export
@@ -103,6 +106,32 @@ def _hf_tensors(
             f"export it with --hf alone"
         )
     return merged_model(reader, LoraConfig(**model_section["lora"]))
+
+
+def _experts_as_saved(
+    model, entries: dict[str, TensorStorageMetadata], tensors: Iterator[torch.Tensor]
+) -> tuple[dict[str, TensorStorageMetadata], Iterator[torch.Tensor]]:
+    """``entries`` and ``tensors`` with a transformers family's stacked experts cut into one tensor per expert and
+    projection, as its save_pretrained writes them (models/expert_files.py); unchanged for other models."""
+    if not any(type(module).__name__ in DISPATCHED for module in model.modules()):
+        return entries, tensors
+    style = FILE_STYLE.get(type(model).__name__, DEFAULT_STYLE)
+    plans = {
+        name: per_expert_names(name, num_experts=item.size[0], style=style) if len(item.size) == 3 else None
+        for name, item in entries.items()
+    }
+    cut = {}
+    for name, item in entries.items():
+        for parts in plans[name] or [[name]]:
+            rows = item.size[1] // len(parts) if plans[name] else None
+            for part in parts:
+                cut[part] = dataclasses.replace(item, size=torch.Size([rows, *item.size[2:]])) if rows else item
+
+    def stream() -> Iterator[torch.Tensor]:
+        for name, tensor in zip(entries, tensors):
+            yield from (piece for _, piece in split_stacked(plans[name], tensor)) if plans[name] else (tensor,)
+
+    return cut, stream()
 
 
 def _write_hf_shards(

@@ -413,15 +413,28 @@ CASES: dict[str, Case] = {
         *TWO,
         expect=("parallel.ep=2 does not divide parallel.dp_shard=1 x parallel.cp=1 = 1", "raise parallel.dp_shard"),
     ),
-    "expert parallel on a transformers MoE": train(
+    "expert parallel not dividing a transformers family's experts": train(
         "model.factory=paratrain.models.hf:causal_lm",
         "model.args={model_type: qwen3_moe, vocab_size: 128, hidden_size: 16, intermediate_size: 32, "
         "moe_intermediate_size: 16, num_hidden_layers: 1, num_attention_heads: 2, num_key_value_heads: 2, "
-        "num_experts: 4, num_experts_per_tok: 2, max_position_embeddings: 16}",
+        "num_experts: 3, num_experts_per_tok: 2, max_position_embeddings: 16}",
         "parallel.dp_shard=2",
         "parallel.ep=2",
         *TWO,
-        expect=("parallel.ep=2: transformers' Qwen3MoeForCausalLM", "remove parallel.ep"),
+        expect=("parallel.ep=2 does not divide model.args.num_experts=3", "divisor of 3"),
+    ),
+    "expert parallel on a transformers family the dispatch does not support": train(
+        "model.factory=paratrain.models.hf:causal_lm",
+        "model.args={model_type: gpt_oss, vocab_size: 128, hidden_size: 16, intermediate_size: 32, head_dim: 8, "
+        "num_hidden_layers: 1, num_attention_heads: 2, num_key_value_heads: 2, num_local_experts: 4, "
+        "num_experts_per_tok: 2, max_position_embeddings: 16}",
+        "parallel.dp_shard=2",
+        "parallel.ep=2",
+        *TWO,
+        expect=(
+            "parallel.ep=2: transformers' GptOssForCausalLM computes its experts in GptOssExperts",
+            "remove parallel.ep",
+        ),
     ),
     "moe load-balancing loss under a pipeline": train(
         "model.args.moe_experts=4",

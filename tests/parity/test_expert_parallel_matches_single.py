@@ -3,7 +3,8 @@ FSDP over the ranks ep leaves (dp_shard=4, ep=2), beside a pipeline and beside t
 alone, the MoE feed-forward whole on each tp rank); the experts each rank's router
 sends tokens to are counted as one process counts them; checkpoints hold whole stacked experts, so an
 ep x4 run resumes under ep x2 and that one in a single process, and an ep run restarted from a checkpoint
-trains on bit for bit (issue 24)."""
+trains on bit for bit (issue 24). Aux-loss-free balancing (moe_balance: bias) moves each expert's router bias
+under ep x2 as in one process (issue 39)."""
 
 from __future__ import annotations
 
@@ -33,8 +34,13 @@ GPT_MOE = ["model.factory=paratrain.models.gpt:build_gpt", f"model.args={{{MOE_A
 # Under a pipeline the load-balancing loss cannot reach the loss function (refused): its coefficient is 0.
 GPT_MOE_NO_AUX = ["model.factory=paratrain.models.gpt:build_gpt", f"model.args={{{MOE_ARGS}, moe_aux_loss_coef: 0}}"]
 
+# Aux-loss-free balancing: each expert's router bias moved after every step (capacity still drops tokens).
+GPT_MOE_BIAS = GPT_MOE + ["model.args.moe_balance=bias", "model.args.moe_bias_update_rate=0.01"]
+
 LAYOUTS = {
     "single": (GPT_MOE, 1),
+    "single bias": (GPT_MOE_BIAS, 1),
+    "ep x2 bias": (GPT_MOE_BIAS + ["parallel.dp_shard=2", "parallel.ep=2"], 2),
     "single no aux": (GPT_MOE_NO_AUX, 1),
     "ep x2": (GPT_MOE + ["parallel.dp_shard=2", "parallel.ep=2"], 2),
     "ep x4": (GPT_MOE + ["parallel.dp_shard=4", "parallel.ep=4"], 4),
@@ -74,7 +80,7 @@ def runs(tmp_path_factory) -> LayoutRuns:
 
 
 def single_of(layout: str) -> str:
-    return "single no aux" if " pp " in layout else "single"
+    return "single no aux" if " pp " in layout else "single bias" if layout.endswith(" bias") else "single"
 
 
 @pytest.mark.parametrize("layout", EP_LAYOUTS)
@@ -94,6 +100,17 @@ def test_expert_parallel_logs_the_single_process_expert_token_counts(runs, layou
     first = 1 if " pp " in layout else 0
     for step, (want, got) in enumerate(zip(expected[first:], actual[first:], strict=True), start=first + 1):
         assert [got[field] for field in ROUTER_FIELDS] == [want[field] for field in ROUTER_FIELDS], step
+
+
+def test_the_balance_bias_moves_under_ep_as_in_one_process(runs):
+    """moe_balance: bias: every step each expert's bias moves by the counts of every rank, so ep x2 holds one
+    process's biases (and routes as it does: the counts above)."""
+    expected = checkpoint_weights(runs.get("single bias") / f"checkpoints/step-{STEPS}")
+    actual = checkpoint_weights(runs.get("ep x2 bias") / f"checkpoints/step-{STEPS}")
+    for block in range(2):
+        name = f"blocks.{block}.mlp.router.expert_bias"
+        assert expected[name].any(), name  # moved, by 0.01 a step
+        torch.testing.assert_close(actual[name], expected[name], rtol=0, atol=1e-6, msg=name)
 
 
 def test_an_ep_x4_checkpoint_resumes_under_ep_x2_then_in_one_process_and_trains_on_identically(runs):

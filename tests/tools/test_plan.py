@@ -479,3 +479,32 @@ def test_plan_says_what_lora_saves_and_what_dpos_reference_costs(tmp_path, capsy
         assert "DPO: the reference is the model as it starts" in out and "no second copy of the model" in out
         assert ("LoRA: " in out) == (lora in overrides)
     assert "parameters train (" in out and "of gradients and optimizer state a full fine-tune would hold" in out
+
+
+def test_the_planner_counts_a_transformers_families_experts_and_recommends_ep_when_they_dominate():
+    """Qwen3-MoE's stacked experts (transformers 5), 8 per layer, hold most of its parameters: the planner
+    counts them as experts, offers ep and recommends ep=4 on 4 GPUs, as for paratrain's GPT."""
+    pytest.importorskip("transformers", minversion="5")
+    config = load_config(
+        None,
+        [
+            "model.factory=paratrain.models.hf:causal_lm",
+            "model.args={model_type: qwen3_moe, vocab_size: 256, hidden_size: 512, intermediate_size: 1024, "
+            "moe_intermediate_size: 1024, num_hidden_layers: 8, num_attention_heads: 4, num_key_value_heads: 2, "
+            "head_dim: 128, num_experts: 8, num_experts_per_tok: 2, max_position_embeddings: 64}",
+            "data.args.block_size=64",
+            "train.global_batch_size=16",
+            "train.micro_batch_size=4",
+        ],
+    )
+    facts = read_model_facts(config.model, seq_len=64)
+    experts = [param.name for param in facts.params if param.expert]
+    assert experts == [
+        f"model.layers.{i}.mlp.experts.{name}" for i in range(8) for name in ("gate_up_proj", "down_proj")
+    ]
+    assert facts.expert_params > facts.num_params / 2
+    plan, _, _ = plan_layouts(config, gpus=4, gpu_memory="80GB")
+    by_layout = {estimate.dims: estimate for estimate in plan.ranked}
+    fsdp, ep4 = ParallelDims("fsdp", dp_shard=4), ParallelDims("fsdp", dp_shard=4, ep=4)
+    assert by_layout[ep4].peak.working < by_layout[fsdp].peak.working
+    assert plan.recommended.dims == ep4

@@ -78,3 +78,37 @@ def test_training_loss_adds_the_weighted_mean_of_the_blocks_load_balancing_losse
 def test_top_k_larger_than_the_experts_is_refused_naming_both_keys():
     with pytest.raises(ValueError, match=r"model.args.moe_top_k=5 .* model.args.moe_experts=4"):
         build_gpt(moe_experts=4, moe_top_k=5)
+
+
+def biased_layer() -> MoEFeedForward:
+    moe = MoEFeedForward(3, 5, MoEConfig(num_experts=3, top_k=2, balance="bias", bias_update_rate=0.5))
+    moe.router.gate.weight.data.copy_(torch.eye(3))
+    return moe
+
+
+def test_the_balance_bias_chooses_the_experts_but_the_probabilities_weight_them():
+    moe = biased_layer()
+    moe.router.expert_bias.copy_(torch.tensor([0.0, 0.0, 1.0]))  # expert 2 chosen by every token
+    routing = moe.router(TOKENS)
+    assert routing.experts.tolist() == [[2, 0], [2, 1], [2, 0], [2, 0]]
+    # token 0: experts 2 (probability C) and 0 (A), renormalised over those two, the bias left out
+    assert routing.weights[0].tolist() == pytest.approx([C / (A + C), A / (A + C)], rel=1e-6)
+
+
+def test_the_balance_bias_moves_by_the_rate_towards_an_even_load_each_step():
+    """DeepSeek-V3's rule: bias_e += rate * sign(mean load - load_e), with the step's counts over every rank."""
+    moe = biased_layer()
+    moe.update_expert_bias(torch.tensor([6.0, 1.0, 2.0]))  # mean 3: expert 0 over, 1 and 2 under
+    assert moe.router.expert_bias.tolist() == [-0.5, 0.5, 0.5]
+    moe.update_expert_bias(torch.tensor([3.0, 3.0, 3.0]))  # balanced: nothing moves
+    assert moe.router.expert_bias.tolist() == [-0.5, 0.5, 0.5]
+
+
+def test_a_gpt_balanced_by_bias_trains_without_the_load_balancing_loss_and_may_be_pipelined():
+    model = build_gpt(vocab_size=16, block_size=8, n_layer=2, n_head=2, n_embd=8, moe_experts=4, moe_balance="bias")
+    outputs = model(torch.randint(0, 16, (2, 8)))
+    assert outputs.aux_loss > 0 and outputs.weighted_aux_loss == 0  # logged, not trained on
+    assert model.parallel_plan().pipeline_sequence and not model.parallel_plan().pipeline_refusal
+    assert "blocks.0.mlp.router.expert_bias" in model.state_dict()  # checkpoints keep it
+    with pytest.raises(ValueError, match="model.args.moe_balance='sometimes' must be 'aux_loss' or 'bias'"):
+        build_gpt(moe_experts=4, moe_balance="sometimes")
