@@ -184,6 +184,13 @@ class FaultToleranceConfig(Section):
     """This group's id, 0..replica_groups-1 (`--replica-group I` sets it). Required when replica_groups > 1."""
     lighthouse: str = "http://127.0.0.1:29510"
     """Address of the quorum server every group joins (`paratrain lighthouse --bind HOST:PORT` runs it)."""
+    batch: Literal["fixed", "shrink"] = "fixed"
+    """What a step with groups missing trains on. fixed: the live groups also compute the missing groups'
+    slices of the global batch (more accumulation steps, shared out in a fixed order), so every step is over
+    the whole train.global_batch_size and a run with failures trains as one without (the same losses up to
+    reduction order), only slower while groups are missing. shrink: the step is over the live groups' slices
+    alone, an effective batch of global_batch_size x live / replica_groups at the same learning rate; the
+    missing slices are skipped (skipped_samples) and a step takes no longer than usual."""
     min_replica_groups: int = Field(1, ge=1)
     """Groups that must be alive for a step to commit; fewer and the live groups wait (quorum_timeout_s)."""
     connect_timeout_s: float = Field(10.0, gt=0)
