@@ -201,8 +201,13 @@ class FaultToleranceConfig(Section):
     quorum_timeout_s: float = Field(120.0, gt=0)
     """How long a step waits for a quorum of min_replica_groups groups. Keep it above the lighthouse's
     --join-timeout-ms (60 s by default): the lighthouse waits that long for a live group that is slow to ask
-    for the quorum before forming it without that group, and a step that gave up first would end its own
-    group instead of stepping on."""
+    for the quorum before forming it without that group, and a step that gave up first would ask again
+    (up to lighthouse_wait_s) instead of stepping on."""
+    lighthouse_wait_s: float = Field(600.0, gt=0)
+    """How long a group keeps asking for a quorum that failed (the lighthouse killed or restarted, or
+    unreachable) before it stops with exit code 75, naming the lighthouse. A lighthouse started again at the
+    same address within it and the groups carry on from the step they were at, nothing lost; the first
+    failed request itself takes up to quorum_timeout_s to give up."""
 
     @property
     def enabled(self) -> bool:

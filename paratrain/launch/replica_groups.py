@@ -30,9 +30,12 @@ from torch import nn
 
 from paratrain.config.schema import FaultToleranceConfig
 from paratrain.engine import Engine
+from paratrain.errors import LighthouseLost
 from paratrain.launch import faults
-from paratrain.launch.group_shares import BatchMode, Coverage, coverage, plan_shares, read_coverage
+from paratrain.launch.group_shares import Coverage, coverage, plan_shares, read_coverage
 from paratrain.launch.lighthouse import import_torchft
+from paratrain.launch.preemption import announce_stop
+from paratrain.launch.quorum import join_quorum
 from paratrain.parallel.dims import ParallelDims
 from paratrain.tensors import local_part
 
@@ -64,11 +67,10 @@ class ReplicaGroupSync:
 
     Args:
         manager: The rank's torchft Manager (``build_replica_group_sync`` makes it).
-        replica_groups: How many groups the run has (the data is sharded over all of them).
-        group: This rank's group.
-        batch: ``parallel.fault_tolerance.batch``: what a step with groups missing trains on.
+        options: The ``parallel.fault_tolerance`` section: the groups, this group, the batch mode, timeouts.
         members: The groups of the newest quorum (read off torchft's process group).
         read_slice: Group h's micro-batches of the step being taken, as this rank's counterpart in h reads them.
+        rank: This rank within its group; ``local_rank``: within its node.
     """
 
     enabled = True
@@ -77,18 +79,16 @@ class ReplicaGroupSync:
         self,
         manager: Any,
         *,
-        replica_groups: int,
-        group: int,
-        batch: BatchMode,
+        options: FaultToleranceConfig,
         members: Callable[[], tuple[int, ...]],
         read_slice: Callable[[int], list[Any]],
         counts: GroupCounts,
-        start_timeout_s: float,
         rank: int = 0,
+        local_rank: int = 0,
     ):
-        self.manager, self.replica_groups, self.group, self.batch = manager, replica_groups, group, batch
-        self.members, self.read_slice, self.counts = members, read_slice, counts
-        self.start_timeout_s, self.rank = start_timeout_s, rank
+        self.manager, self.options, self.members, self.read_slice = manager, options, members, read_slice
+        self.replica_groups, self.group, self.batch = options.replica_groups, options.replica_group, options.batch
+        self.counts, self.rank, self.local_rank = counts, rank, local_rank
         self.healed, self.started = False, False
         self.coverage: Coverage | None = None  # the newest step's, None when its all-reduce failed
 
@@ -138,7 +138,7 @@ class ReplicaGroupSync:
         """Joins this step's quorum; True when this group was just healed from a live peer (the caller
         then reads data from the position it received)."""
         self.healed = False
-        self.manager.start_quorum()
+        self._join_quorum()
         if not self.started:
             self.started = True
             self._wait_for_every_group(first_step=True)
@@ -148,11 +148,11 @@ class ReplicaGroupSync:
         return self.healed
 
     def _wait_for_every_group(self, *, first_step: bool) -> None:
-        """At a run's first step every group is awaited (up to start_timeout_s), so that none steps alone on
+        """At a run's first step every group is awaited (up to quorum_timeout_s), so that none steps alone on
         its shards while the others are still starting. A group joining a run under way (healed from a
         peer, or a quorum past step 0) waits for no one: the missing groups may be dead. (Fault injection's
         ``wait_for_groups`` waits at a later step, for tests whose timing must not depend on the machine.)"""
-        deadline = time.monotonic() + self.start_timeout_s
+        deadline = time.monotonic() + self.options.quorum_timeout_s
         while (
             self.manager.num_participants() < self.replica_groups
             and (self.manager.current_step() == 0 or not first_step)
@@ -160,7 +160,24 @@ class ReplicaGroupSync:
             and time.monotonic() < deadline
         ):
             time.sleep(0.1)
-            self.manager.start_quorum()
+            self._join_quorum()
+
+    def _join_quorum(self) -> None:
+        """The step's quorum, asked again while the lighthouse is away (``launch/quorum.py``); past
+        ``lighthouse_wait_s`` the group stops as a preempted one does (exit code 75), telling its launcher."""
+        options = self.options
+        try:
+            join_quorum(
+                self.manager,
+                lighthouse=options.lighthouse,
+                wait_s=options.lighthouse_wait_s,
+                group=self.group,
+                step=self.manager.current_step(),
+            )
+        except LighthouseLost as lost:
+            logger.error("%s", lost)  # said before announcing: the launcher may stop this process once it knows
+            announce_stop(local_rank=self.local_rank)
+            raise
 
     def set_step(self, step: int) -> None:
         """The step a checkpoint resumed this group at, for the quorum: groups behind the newest heal from it."""
@@ -317,14 +334,12 @@ def build_replica_group_sync(
     )
     sync = ReplicaGroupSync(
         manager,
-        replica_groups=options.replica_groups,
-        group=options.replica_group,
-        batch=options.batch,
+        options=options,
         members=lambda: pg.quorum_members,
         read_slice=read_slice,
         counts=counts,
-        start_timeout_s=options.quorum_timeout_s,
         rank=int(os.environ.get("RANK", 0)),
+        local_rank=int(os.environ.get("LOCAL_RANK", 0)),
     )
     return sync
 

@@ -46,26 +46,31 @@ JOIN_TIMEOUT_S = 300
 QUORUM_TIMEOUT_S = JOIN_TIMEOUT_S + 60
 
 
-@pytest.fixture
-def lighthouse(tmp_path):
-    """A lighthouse on a free loopback port: its address. It forgets a silent group after 1 s."""
-    port = free_loopback_port()
-    server = start_cli(
-        [
-            "lighthouse", "--bind", f"127.0.0.1:{port}", "--heartbeat-timeout-ms", "1000",
-            "--join-timeout-ms", str(JOIN_TIMEOUT_S * 1000),
-        ],
-        output=tmp_path / "lighthouse.log",
-    )  # fmt: skip
+def start_lighthouse(port: int, log: Path) -> subprocess.Popen:
+    """A lighthouse on loopback ``port``, once it answers. It forgets a silent group after 1 s. A port just
+    freed by a killed lighthouse may still be taken for a moment: the start is tried again, for up to 60 s."""
     deadline = time.monotonic() + 60
+    command = [
+        "lighthouse", "--bind", f"127.0.0.1:{port}", "--heartbeat-timeout-ms", "1000",
+        "--join-timeout-ms", str(JOIN_TIMEOUT_S * 1000),
+    ]  # fmt: skip
+    server = start_cli(command, output=log)
     while True:
         try:
             socket.create_connection(("127.0.0.1", port), timeout=1).close()
-            break
+            return server
         except OSError:
-            assert server.poll() is None, (tmp_path / "lighthouse.log").read_text()[-2000:]
-            assert time.monotonic() < deadline, "the lighthouse did not start"
+            assert time.monotonic() < deadline, f"the lighthouse did not start:\n{log.read_text()[-2000:]}"
+            if server.poll() is not None:
+                server = start_cli(command, output=log)
             time.sleep(0.1)
+
+
+@pytest.fixture
+def lighthouse(tmp_path):
+    """A lighthouse on a free loopback port: its address."""
+    port = free_loopback_port()
+    server = start_lighthouse(port, tmp_path / "lighthouse.log")
     yield f"http://127.0.0.1:{port}"
     server.terminate()
     server.wait(timeout=30)
@@ -211,3 +216,57 @@ def test_under_a_fixed_batch_losing_one_group_then_two_at_once_trains_exactly_as
     for directory in dirs:
         difference = max_weight_difference(checkpoint_weights(directory / final), checkpoint_weights(single / final))
         assert difference <= 1e-5
+
+
+def wait_for_step(output_dir: Path, step: int, groups: list[Group]) -> None:
+    """Returns once ``output_dir`` logged ``step`` (bounded; every group must still be running)."""
+    deadline = time.monotonic() + 400
+    metrics = output_dir / "metrics.jsonl"
+    while not (metrics.is_file() and len(metrics.read_text().splitlines()) >= step):
+        assert all(group.process.poll() is None for group in groups), "a group ended before the step"
+        assert time.monotonic() < deadline, f"step {step} not reached"
+        time.sleep(0.1)
+
+
+def test_groups_ride_out_a_restarted_lighthouse_stop_with_75_when_it_stays_away_and_resume_with_nothing_lost(
+    tmp_path,
+):
+    """The lighthouse is killed after step 5 and started again at once: the groups' quorum request fails
+    (after quorum_timeout_s), they ask again and carry on. Killed again after step 15 and left dead: past
+    lighthouse_wait_s both groups stop with exit code 75. A new lighthouse, the same commands again: they
+    resume from their checkpoints and end where an undisturbed run ends, every logged loss equal to it."""
+    steps, port = 30, free_loopback_port()
+    ft = {"lighthouse": f"http://127.0.0.1:{port}", "quorum_timeout_s": 10, "lighthouse_wait_s": 30}
+    sections = {"parallel": {"fault_tolerance": ft}, "train": {"max_steps": steps}, "checkpoint": {"every_steps": 5}}
+    config = write_config(tmp_path / "c.yaml", tiny_config(tmp_path / "ft", **sections))
+    server = start_lighthouse(port, tmp_path / "lighthouse-1.log")
+    slow = {group: {"PARATRAIN_FAULT": f"slow_step:1-{steps}"} for group in range(2)}  # time to act between steps
+    groups, group_0 = start_groups(config, env=slow), tmp_path / "ft/replica-group-0"
+    wait_for_step(group_0, 5, groups)
+    server.kill()
+    server = start_lighthouse(port, tmp_path / "lighthouse-2.log")
+    wait_for_step(group_0, 15, groups)
+    server.kill()
+    server.wait(timeout=30)
+    stopped = [group.process.wait(timeout=400) for group in groups]
+    logs = [group.log.read_text() for group in groups]
+    assert stopped == [75, 75], logs[0][-3000:]
+    for log in logs:
+        assert "no quorum for step" in log and "formed again after" in log  # the first outage, ridden out
+        assert f"the lighthouse at http://127.0.0.1:{port} does not answer" in log and "exit code 75" in log
+    server = start_lighthouse(port, tmp_path / "lighthouse-3.log")
+    try:
+        finish(start_groups(config))
+    finally:
+        server.terminate()
+        server.wait(timeout=30)
+    single = tmp_path / "single"
+    train(config, f"run.output_dir={single}")
+    reference = losses_by_step(single)
+    for group in (group_0, tmp_path / "ft/replica-group-1"):
+        records = read_metrics(group)
+        assert {record["step"] for record in records} == set(range(1, steps + 1))
+        # Steps after the newest checkpoint were trained twice, the same both times.
+        assert max(abs(r["loss"] - reference[r["step"]]) / reference[r["step"]] for r in records) <= 1e-5
+        final = f"checkpoints/step-{steps}"
+        assert max_weight_difference(checkpoint_weights(group / final), checkpoint_weights(single / final)) <= 1e-5
