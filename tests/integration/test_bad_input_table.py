@@ -188,6 +188,16 @@ CASES: dict[str, Case] = {
         "parallel.fault_tolerance.min_replica_groups=3",
         expect=("min_replica_groups=3 is more than", "at most 2"),
     ),
+    "replica groups: an unknown batch mode": train(
+        *REPLICA_GROUP(0),
+        "parallel.fault_tolerance.batch=same",
+        expect=("fault_tolerance.batch", "'fixed' or 'shrink'"),
+    ),
+    "replica groups: no wait for a lighthouse": train(
+        *REPLICA_GROUP(0),
+        "parallel.fault_tolerance.lighthouse_wait_s=0",
+        expect=("fault_tolerance.lighthouse_wait_s", "greater than 0"),
+    ),
     "lighthouse --bind not an address": case("lighthouse", "--bind", "nowhere", expect=("--bind='nowhere'",)),
     "tp degree that does not divide the attention heads": train(
         "parallel.strategy=tp",
