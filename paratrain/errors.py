@@ -44,6 +44,27 @@ class Preempted(Exception):
         self.step, self.checkpoint, self.signal_name = step, checkpoint, signal_name
 
 
+class LighthouseLost(Exception):
+    """A replica group stopped because no quorum formed for longer than
+    ``parallel.fault_tolerance.lighthouse_wait_s`` (the lighthouse died and did not come back). Every step it
+    took before is committed; the run continues from checkpoints once the lighthouse is back.
+
+    Attributes:
+        step: The last step the group took.
+    """
+
+    def __init__(self, *, step: int, group: int, waited_s: float, lighthouse: str, answers: bool, cause: str):
+        state = "answers but formed no quorum" if answers else "does not answer"
+        super().__init__(
+            f"replica group {group} stopped after step {step}: no quorum for {waited_s:.0f} s "
+            f"(parallel.fault_tolerance.lighthouse_wait_s); the lighthouse at {lighthouse} {state} ({cause}); "
+            f"exit code {EXIT_REQUEUE}. Start the lighthouse again at that address, then the groups with "
+            f"checkpoint.resume=auto: each resumes from its newest checkpoint and a group behind heals from the "
+            f"newest (or raise lighthouse_wait_s to ride out longer outages)"
+        )
+        self.step = step
+
+
 class NonFiniteStop(Exception):
     """Every rank stopped at the same step because gradients or weights were not finite.
 
@@ -103,6 +124,7 @@ EXIT_CODES: dict[type[Exception], int] = {
     CheckpointError: EXIT_USER_ERROR,
     UserCodeError: EXIT_USER_ERROR,
     Preempted: EXIT_REQUEUE,
+    LighthouseLost: EXIT_REQUEUE,
     NonFiniteStop: EXIT_NONFINITE,
     CheckpointWriteError: EXIT_SAVE_FAILED,
 }

@@ -61,17 +61,25 @@ def free_loopback_port() -> int:
         return probe.getsockname()[1]
 
 
-def start_cli(args: list[str], *, env: dict[str, str] | None = None) -> subprocess.Popen:
-    """Starts ``python -m paratrain.cli ARGS`` without waiting (e.g. one process per node)."""
+def start_cli(args: list[str], *, env: dict[str, str] | None = None, output: Path | None = None) -> subprocess.Popen:
+    """Starts ``python -m paratrain.cli ARGS`` without waiting (e.g. one process per node).
+
+    Args:
+        output: A file for stdout and stderr together, for a process that runs beside others for long: an
+            unread pipe fills (64 KiB) and blocks the process's next write, stalling whatever waits on it.
+            None: pipes, read by ``communicate()``.
+    """
     full_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
-    return subprocess.Popen(
-        [sys.executable, "-m", "paratrain.cli", *args],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env=full_env,
-        cwd=REPO_ROOT,
-    )
+    with contextlib.ExitStack() as files:
+        stream = files.enter_context(output.open("w")) if output is not None else subprocess.PIPE
+        return subprocess.Popen(
+            [sys.executable, "-m", "paratrain.cli", *args],
+            stdout=stream,
+            stderr=subprocess.STDOUT if output is not None else subprocess.PIPE,
+            text=True,
+            env=full_env,
+            cwd=REPO_ROOT,
+        )
 
 
 def wait_for_first_step(output_dir: Path, process: subprocess.Popen, timeout: float = 120) -> None:

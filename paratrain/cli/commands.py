@@ -19,6 +19,7 @@ from paratrain.launch.launcher import LaunchOptions, launch
 from paratrain.launch.lighthouse import run_lighthouse
 from paratrain.launch.rank_logging import configure_logging
 from paratrain.launch.slurm import SlurmJob, render_sbatch
+from paratrain.launch.slurm_groups import render_group_sbatch
 from paratrain.planner.command import plan_command_text
 from paratrain.planner.memory_check import maybe_resolve_auto
 from paratrain.tools.verify import verify
@@ -147,8 +148,11 @@ def slurm_command(args: argparse.Namespace) -> int:
         time=args.time,
         partition=args.partition,
         device=args.device,
+        replica_groups=args.replica_groups,
+        max_restarts=args.max_restarts,
     )
     job.validate()
+    render = render_group_sbatch if job.replica_groups != 1 else render_sbatch
     if args.submit and shutil.which("sbatch") is None:
         raise ConfigError("--submit needs Slurm's sbatch on PATH: run on a Slurm login node, or drop --submit")
     script = Path(args.out) if args.out else job.output_dir / "slurm.sbatch"
@@ -158,7 +162,7 @@ def slurm_command(args: argparse.Namespace) -> int:
         )
     script.parent.mkdir(parents=True, exist_ok=True)
     job.output_dir.mkdir(parents=True, exist_ok=True)  # Slurm writes slurm-<job>.out there and creates no folder
-    script.write_text(render_sbatch(job, workdir=Path.cwd()))
+    script.write_text(render(job, workdir=Path.cwd()))
     print(f"wrote {script}")
     if args.submit:
         submitted = subprocess.run(["sbatch", "--parsable", str(script)], capture_output=True, text=True)

@@ -203,6 +203,18 @@ def add_slurm_parser(subparsers: argparse._SubParsersAction) -> None:
     slurm.add_argument(
         "--device", choices=("cuda", "cpu"), default="cuda", help="cpu: request CPUs, not GPUs (one per process)"
     )
+    slurm.add_argument(
+        "--replica-groups",
+        type=int,
+        default=1,
+        metavar="N",
+        help="fault-tolerant replica groups sharing the nodes out: a lighthouse step and one step per group",
+    )
+    slurm.add_argument(
+        "--max-restarts",
+        type=int,
+        help="restarts of each launcher's workers (default: 3 with --replica-groups, else 0)",
+    )
     slurm.add_argument("--out", help="script path (default: OUTPUT_DIR/slurm.sbatch)")
     slurm.add_argument("--submit", action="store_true", help="submit the script with sbatch")
     slurm.set_defaults(handler=commands.slurm_command)

@@ -36,7 +36,9 @@ def train_command(args: argparse.Namespace) -> int:
         args.nproc_per_node, args.nnodes or 1, args.node_rank, args.rdzv_endpoint, args.max_restarts
     )
     # Inside an srun step every node runs this same command: Slurm says which node this is.
-    options = apply_slurm_environment(options, os.environ, nnodes_given=args.nnodes is not None)
+    options = apply_slurm_environment(
+        options, os.environ, nnodes_given=args.nnodes is not None, replica_group=args.replica_group
+    )
     if args.skip_memory_check:  # an override, so workers the launcher starts skip it too
         args.overrides = [*args.overrides, "train.check_memory=false"]
     args.overrides = [*args.overrides, *replica_group_overrides(args)]

@@ -184,6 +184,13 @@ class FaultToleranceConfig(Section):
     """This group's id, 0..replica_groups-1 (`--replica-group I` sets it). Required when replica_groups > 1."""
     lighthouse: str = "http://127.0.0.1:29510"
     """Address of the quorum server every group joins (`paratrain lighthouse --bind HOST:PORT` runs it)."""
+    batch: Literal["fixed", "shrink"] = "fixed"
+    """What a step with groups missing trains on. fixed: the live groups also compute the missing groups'
+    slices of the global batch (more accumulation steps, shared out in a fixed order), so every step is over
+    the whole train.global_batch_size and a run with failures trains as one without (the same losses up to
+    reduction order), only slower while groups are missing. shrink: the step is over the live groups' slices
+    alone, an effective batch of global_batch_size x live / replica_groups at the same learning rate; the
+    missing slices are skipped (skipped_samples) and a step takes no longer than usual."""
     min_replica_groups: int = Field(1, ge=1)
     """Groups that must be alive for a step to commit; fewer and the live groups wait (quorum_timeout_s)."""
     connect_timeout_s: float = Field(10.0, gt=0)
@@ -194,8 +201,13 @@ class FaultToleranceConfig(Section):
     quorum_timeout_s: float = Field(120.0, gt=0)
     """How long a step waits for a quorum of min_replica_groups groups. Keep it above the lighthouse's
     --join-timeout-ms (60 s by default): the lighthouse waits that long for a live group that is slow to ask
-    for the quorum before forming it without that group, and a step that gave up first would end its own
-    group instead of stepping on."""
+    for the quorum before forming it without that group, and a step that gave up first would ask again
+    (up to lighthouse_wait_s) instead of stepping on."""
+    lighthouse_wait_s: float = Field(600.0, gt=0)
+    """How long a group keeps asking for a quorum that failed (the lighthouse killed or restarted, or
+    unreachable) before it stops with exit code 75, naming the lighthouse. A lighthouse started again at the
+    same address within it and the groups carry on from the step they were at, nothing lost; the first
+    failed request itself takes up to quorum_timeout_s to give up."""
 
     @property
     def enabled(self) -> bool:

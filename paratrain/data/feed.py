@@ -6,10 +6,11 @@ is done; which of the two it reads stays here."""
 from __future__ import annotations
 
 from collections.abc import Iterator
+from dataclasses import replace
 from typing import Any
 
 import torch
-from torch.utils.data import Dataset
+from torch.utils.data import Dataset, default_collate
 
 from paratrain.config.schema import DataConfig
 from paratrain.data.loader import StepBatches
@@ -63,6 +64,7 @@ class DataFeed:
             )
             self.position = DataPosition()
             self.tokens_per_sample = tokens_per_sample(dataset)
+        self._stream_batches: StreamBatches | None = None  # the stream's reader, for slices of other ranks
 
     @property
     def micro_batches_per_step(self) -> int:
@@ -72,13 +74,14 @@ class DataFeed:
     def step_batches(self) -> Iterator[list[Any]]:
         """This rank's micro-batches, one list per optimizer step, from the current position."""
         if self.streaming:
-            return StreamBatches(
+            self._stream_batches = StreamBatches(
                 self.dataset,
                 global_batch_size=self.global_batch_size,
                 micro_batch_size=self.micro_batch_size,
                 dp_rank=self.dp_rank,
                 dp_size=self.dp_size,
             )
+            return self._stream_batches
         return StepBatches(
             self.dataset,
             self.sampler,
@@ -88,6 +91,17 @@ class DataFeed:
             prefetch_factor=self.data.prefetch_factor,
             persistent_workers=self.data.persistent_workers,
         )
+
+    def slice_batches(self, dp_rank: int) -> list[Any]:
+        """Data-parallel reader ``dp_rank``'s micro-batches of the step being taken (the one ``step_batches``
+        handed out last), exactly as that reader gets them: a replica group computing a missing group's slice
+        (``parallel.fault_tolerance.batch: fixed``). Read here, in the training process, without workers."""
+        if self.streaming:
+            return self._stream_batches.slice_batches(dp_rank)
+        sampler = replace(self.sampler, dp_rank=dp_rank)
+        order = sampler.epoch_order(self.position.epoch)
+        indices = sampler.step_micro_batches(order, self.position.batch_in_epoch)
+        return [default_collate([self.dataset[index] for index in micro_batch]) for micro_batch in indices]
 
     def step_done(self) -> None:
         """Moves the position past the step just taken. A stream moved its own as it was read; a skipped

@@ -136,14 +136,19 @@ class StreamBatches:
         self.stream, self.windows = stream, iter(stream)
         self.per_rank = global_batch_size // dp_size
         self.global_batch_size, self.micro_batch_size, self.dp_rank = global_batch_size, micro_batch_size, dp_rank
+        self.step: list = []  # the newest global batch read, every rank's slice of it
 
     def __iter__(self) -> StreamBatches:
         return self
 
     def __next__(self) -> list:
         # The whole global batch is read, so the position after it is the same on every rank.
-        step = list(itertools.islice(self.windows, self.global_batch_size))
-        mine = step[self.dp_rank * self.per_rank : (self.dp_rank + 1) * self.per_rank]
+        self.step = list(itertools.islice(self.windows, self.global_batch_size))
+        return self.slice_batches(self.dp_rank)
+
+    def slice_batches(self, dp_rank: int) -> list:
+        """Reader ``dp_rank``'s micro-batches of the newest global batch read."""
+        mine = self.step[dp_rank * self.per_rank : (dp_rank + 1) * self.per_rank]
         return [
             default_collate(mine[i : i + self.micro_batch_size]) for i in range(0, self.per_rank, self.micro_batch_size)
         ]

@@ -156,7 +156,7 @@ class _StopRequests:
 
     def _on_stopped_notice(self, signum: int, frame: FrameType | None) -> None:
         if self.signal_name is None:
-            self.signal_name = "a signal to a worker"
+            self.signal_name = "the workers' own request (a signal to a worker, or a lighthouse gone for good)"
             raise _WorkersStopped()
 
 

@@ -4,6 +4,7 @@ only where replica groups are on."""
 
 from __future__ import annotations
 
+import os
 import signal
 import socket
 import time
@@ -14,6 +15,11 @@ from paratrain.config.schema import FaultToleranceConfig
 from paratrain.errors import ConfigError
 
 INSTALL_HINT = "pip install 'paratrain[ft]'"
+# torchft's Rust side (the lighthouse, each group's manager server) logs every quorum and commit at INFO
+# through RUST_LOG's filter: about 10 KB per step per group, which drowns the training log and fills any
+# pipe nobody reads (a lighthouse or group blocked on a full stderr pipe stalls every group's quorum).
+# Warnings and errors stay; set RUST_LOG=info to see the rest.
+RUST_LOG_DEFAULT = "warn"
 
 
 def lighthouse_host_port(address: str, *, key: str = "parallel.fault_tolerance.lighthouse") -> tuple[str, int]:
@@ -76,6 +82,7 @@ def run_lighthouse(*, bind: str, min_replicas: int, join_timeout_ms: int, heartb
 
 
 def import_torchft(what: str) -> Any:
+    os.environ.setdefault("RUST_LOG", RUST_LOG_DEFAULT)  # read when torchft's Rust logger starts
     try:
         import torchft  # lazy: an optional extra, needed only when replica groups are on
     except ImportError as error:

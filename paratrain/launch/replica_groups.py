@@ -8,6 +8,8 @@ lighthouse), average rank i's gradients over the live groups through torchft's g
 commit the step only where every rank of a group succeeded. A group that died is left out of the quorum
 until it is back; when it rejoins, torchft sends it a live peer's state (``state_dict`` below: model,
 optimizer, scheduler, data position and step) over its checkpoint transport, so it reads no checkpoint.
+While groups are missing, the live ones also compute the missing groups' slices of the global batch under
+``batch: fixed`` (``launch/group_shares.py`` decides who computes what), or skip them under ``shrink``.
 
 torchft is an optional dependency (``pip install 'paratrain[ft]'``): imported only when groups are on.
 """
@@ -27,8 +29,14 @@ import torch
 from torch import nn
 
 from paratrain.config.schema import FaultToleranceConfig
+from paratrain.engine import Engine
+from paratrain.errors import LighthouseLost
 from paratrain.launch import faults
+from paratrain.launch.group_shares import Coverage, coverage, plan_shares, read_coverage
 from paratrain.launch.lighthouse import import_torchft
+from paratrain.launch.preemption import announce_stop
+from paratrain.launch.quorum import join_quorum
+from paratrain.parallel.dims import ParallelDims
 from paratrain.tensors import local_part
 
 logger = logging.getLogger("paratrain")
@@ -43,7 +51,7 @@ class GroupCounts:
     the run's totals."""
 
     live: int = 0  # groups in the newest step's quorum
-    missing_group_steps: int = 0  # over committed steps, the groups that sat out: their shards were skipped
+    missing_group_steps: int = 0  # over committed steps, the slices nobody computed: their samples were skipped
 
     def state_dict(self) -> dict[str, int]:
         return {"missing_group_steps": self.missing_group_steps}
@@ -54,33 +62,60 @@ class GroupCounts:
 
 class ReplicaGroupSync:
     """One rank's side of each step across replica groups: ``start_step`` (quorum, and healing from a
-    peer), ``average`` (gradients and loss over the live groups), ``should_commit``.
+    peer), ``forward_backward`` (this group's share of the batch, averaged over the live groups),
+    ``should_commit``.
 
     Args:
         manager: The rank's torchft Manager (``build_replica_group_sync`` makes it).
-        replica_groups: How many groups the run has (the data is sharded over all of them).
+        options: The ``parallel.fault_tolerance`` section: the groups, this group, the batch mode, timeouts.
+        members: The groups of the newest quorum (read off torchft's process group).
+        read_slice: Group h's micro-batches of the step being taken, as this rank's counterpart in h reads them.
+        rank: This rank within its group; ``local_rank``: within its node.
     """
 
     enabled = True
 
     def __init__(
-        self, manager: Any, *, replica_groups: int, counts: GroupCounts, start_timeout_s: float, rank: int = 0
+        self,
+        manager: Any,
+        *,
+        options: FaultToleranceConfig,
+        members: Callable[[], tuple[int, ...]],
+        read_slice: Callable[[int], list[Any]],
+        counts: GroupCounts,
+        rank: int = 0,
+        local_rank: int = 0,
     ):
-        self.manager, self.replica_groups, self.counts = manager, replica_groups, counts
-        self.start_timeout_s, self.rank = start_timeout_s, rank
+        self.manager, self.options, self.members, self.read_slice = manager, options, members, read_slice
+        self.replica_groups, self.group, self.batch = options.replica_groups, options.replica_group, options.batch
+        self.counts, self.rank, self.local_rank = counts, rank, local_rank
         self.healed, self.started = False, False
+        self.coverage: Coverage | None = None  # the newest step's, None when its all-reduce failed
 
     def heals_instead_of_resuming(self) -> bool:
         """A restarted group first joins the quorum: a live peer's state (newer than any checkpoint) replaces
         the resume, and only a group that finds none (every group died) reads its own checkpoint."""
         return self.start_step()
 
-    def average_step(self, parameters: Iterable[nn.Parameter], loss: torch.Tensor) -> torch.Tensor:
-        """Each gradient (this rank's shard of it) and the step's loss, averaged over the live groups in
-        place: the step then equals one over every live group's samples. Returns the averaged loss."""
+    def forward_backward(
+        self, engine: Engine, micro_batches: list[Any], parameters: Iterable[nn.Parameter]
+    ) -> torch.Tensor:
+        """Accumulates the gradients of this group's slices (its own, and under ``batch: fixed`` those of the
+        missing groups it takes over), each through the engine as the missing group would have, then averages
+        them over the live groups in place: the step equals one over the whole global batch (``fixed``) or
+        over the live groups' slices (``shrink``). Returns the step's loss, averaged the same way."""
+        shares = plan_shares(self.members(), group=self.group, replica_groups=self.replica_groups, batch=self.batch)
+        loss = engine.forward_backward(micro_batches).detach().clone().float()
+        for other in shares.slices[1:]:
+            loss += engine.forward_backward(self.read_slice(other)).float()
         local = [local_part(param.grad) for param in parameters if param.grad is not None]
-        loss = loss.detach().clone().float()
-        self.average([*local, loss])
+        if shares.scale != 1.0:  # exactly 1 with every group live: nothing changes then
+            for tensor in [*local, loss]:
+                tensor.mul_(shares.scale)
+        counts = torch.tensor(coverage(shares.slices, replica_groups=self.replica_groups), device=loss.device)
+        self.average([*local, loss, counts])
+        participants = self.manager.num_participants()  # what the all-reduce divided the summed vectors by
+        self.coverage = None if self.manager.errored() else read_coverage((counts * participants).tolist())
         return loss
 
     def checkpoint_state(self) -> dict[str, Any]:
@@ -88,12 +123,14 @@ class ReplicaGroupSync:
         return {"replica_groups": self.counts}
 
     def log_fields(self, *, global_batch_size: int) -> dict[str, int]:
-        """The groups in the logged step, its effective batch (the live groups' shards) and the samples
-        skipped so far (the shards of groups that sat out committed steps)."""
+        """The groups in the logged step, its effective batch (the slices computed), the samples of missing
+        groups the live ones computed in it, and the samples skipped so far (slices nobody computed)."""
         counts, groups = self.counts, self.replica_groups
+        computed = self.coverage.computed if self.coverage is not None else counts.live
         return {
             "replica_groups_live": counts.live,
-            "effective_batch": global_batch_size * counts.live // groups,
+            "effective_batch": global_batch_size * computed // groups,
+            "taken_over_samples": global_batch_size * (computed - counts.live) // groups,
             "skipped_samples": global_batch_size * counts.missing_group_steps // groups,
         }
 
@@ -101,7 +138,7 @@ class ReplicaGroupSync:
         """Joins this step's quorum; True when this group was just healed from a live peer (the caller
         then reads data from the position it received)."""
         self.healed = False
-        self.manager.start_quorum()
+        self._join_quorum()
         if not self.started:
             self.started = True
             self._wait_for_every_group(first_step=True)
@@ -111,11 +148,11 @@ class ReplicaGroupSync:
         return self.healed
 
     def _wait_for_every_group(self, *, first_step: bool) -> None:
-        """At a run's first step every group is awaited (up to start_timeout_s), so that none steps alone on
+        """At a run's first step every group is awaited (up to quorum_timeout_s), so that none steps alone on
         its shards while the others are still starting. A group joining a run under way (healed from a
         peer, or a quorum past step 0) waits for no one: the missing groups may be dead. (Fault injection's
         ``wait_for_groups`` waits at a later step, for tests whose timing must not depend on the machine.)"""
-        deadline = time.monotonic() + self.start_timeout_s
+        deadline = time.monotonic() + self.options.quorum_timeout_s
         while (
             self.manager.num_participants() < self.replica_groups
             and (self.manager.current_step() == 0 or not first_step)
@@ -123,7 +160,24 @@ class ReplicaGroupSync:
             and time.monotonic() < deadline
         ):
             time.sleep(0.1)
-            self.manager.start_quorum()
+            self._join_quorum()
+
+    def _join_quorum(self) -> None:
+        """The step's quorum, asked again while the lighthouse is away (``launch/quorum.py``); past
+        ``lighthouse_wait_s`` the group stops as a preempted one does (exit code 75), telling its launcher."""
+        options = self.options
+        try:
+            join_quorum(
+                self.manager,
+                lighthouse=options.lighthouse,
+                wait_s=options.lighthouse_wait_s,
+                group=self.group,
+                step=self.manager.current_step(),
+            )
+        except LighthouseLost as lost:
+            logger.error("%s", lost)  # said before announcing: the launcher may stop this process once it knows
+            announce_stop(local_rank=self.local_rank)
+            raise
 
     def set_step(self, step: int) -> None:
         """The step a checkpoint resumed this group at, for the quorum: groups behind the newest heal from it."""
@@ -143,11 +197,18 @@ class ReplicaGroupSync:
                 tensor.copy_(averaged.view_as(tensor))
 
     def should_commit(self) -> bool:
-        """Whether every rank of every live group finished the step (torchft's vote); counts the groups that
-        sat out a committed step."""
+        """Whether every rank of the group finished the step (torchft's vote) and the live groups computed
+        every slice once (``shrink``: none twice); counts the slices a committed step skipped. Every live
+        group reads the same summed coverage, so a step with a slice missing or repeated commits nowhere."""
+        shares = self.coverage
+        if shares is not None and not shares.complete(batch=self.batch):
+            self.manager.report_error(
+                RuntimeError(f"slices computed twice {shares.repeated}, by nobody {shares.missing}: step not taken")
+            )
         committed = self.manager.should_commit()
         if committed:
-            self.counts.missing_group_steps += self.replica_groups - self.counts.live
+            computed = shares.computed if shares is not None else self.counts.live
+            self.counts.missing_group_steps += self.replica_groups - computed
         return committed
 
     def close(self) -> None:
@@ -165,8 +226,10 @@ class NoReplicaGroups:
     def start_step(self) -> bool:
         return False
 
-    def average_step(self, parameters: Iterable[nn.Parameter], loss: torch.Tensor) -> torch.Tensor:
-        return loss
+    def forward_backward(
+        self, engine: Engine, micro_batches: list[Any], parameters: Iterable[nn.Parameter]
+    ) -> torch.Tensor:
+        return engine.forward_backward(micro_batches)
 
     def should_commit(self) -> bool:
         return True
@@ -185,16 +248,22 @@ class NoReplicaGroups:
 
 
 def maybe_join_replica_groups(
-    options: FaultToleranceConfig, *, enabled: bool, device: torch.device, state: Callable[[], dict[str, Any]]
+    options: FaultToleranceConfig,
+    *,
+    dims: ParallelDims,
+    device: torch.device,
+    state: Callable[[], dict[str, Any]],
+    read_slice: Callable[[int], list[Any]],
 ) -> ReplicaGroupSync | NoReplicaGroups:
     """This rank's side of the replica groups when the run is one of several, else ``NoReplicaGroups``.
 
     Args:
-        enabled: Whether the layout has replica groups (``ParallelDims.ft_enabled``).
+        dims: The layout (``ft_enabled``: whether it has replica groups; where this rank reads in its group).
         state: Every Stateful of a resume, under the names checkpoints use: a recovering peer receives it
             (less the RNG), and a healed group loads what a live peer sent into it.
+        read_slice: Data-parallel reader r's micro-batches of the step being taken (``DataFeed.slice_batches``).
     """
-    if not enabled:
+    if not dims.ft_enabled:
         return NoReplicaGroups()
 
     def healing_state() -> dict[str, Any]:
@@ -210,6 +279,8 @@ def maybe_join_replica_groups(
         device=device,
         state_dict=lambda: {name: part.state_dict() for name, part in healing_state().items()},
         load_state_dict=heal,
+        # Rank i of a live group reads what rank i of the missing group would: the same place in its group.
+        read_slice=lambda group: read_slice(group * dims.group_dp + dims.group_dp_rank),
         counts=GroupCounts(),
     )
 
@@ -220,6 +291,7 @@ def build_replica_group_sync(
     device: torch.device,
     state_dict: Callable[[], dict[str, Any]],
     load_state_dict: Callable[[dict[str, Any]], None],
+    read_slice: Callable[[int], list[Any]],
     counts: GroupCounts,
 ) -> ReplicaGroupSync:
     """This rank's Manager, joined to the group's torchrun store (MASTER_ADDR/MASTER_PORT, RANK/WORLD_SIZE).
@@ -227,12 +299,15 @@ def build_replica_group_sync(
     Args:
         state_dict: What a recovering peer receives (every Stateful of a resume).
         load_state_dict: Applies what a live peer sent, when this group heals.
+        read_slice: Group h's micro-batches of the step being taken, for this rank (``batch: fixed``).
     """
     torchft = import_torchft("replica groups")
-    logging.getLogger("torchft").setLevel(logging.ERROR)  # its per-step quorum and commit notes drown the log
+    for name in ("torchft", "torchft_quorums", "torchft_commits"):  # per-step notes that drown the log
+        logging.getLogger(name).setLevel(logging.ERROR)
     timeout = timedelta(seconds=options.timeout_s)
     # gloo for CPU tensors; NCCL where the gradients live on GPUs (torchtitan's choice too).
-    pg = torchft.ProcessGroupNCCL(timeout=timeout) if device.type == "cuda" else torchft.ProcessGroupGloo(timeout)
+    base = torchft.ProcessGroupNCCL if device.type == "cuda" else torchft.ProcessGroupGloo
+    pg = _remembering_quorum_members(base)(timeout=timeout)
     sync: ReplicaGroupSync | None = None
 
     def load_and_mark(state: dict[str, Any]) -> None:
@@ -245,7 +320,8 @@ def build_replica_group_sync(
         state_dict=state_dict,
         min_replica_size=options.min_replica_groups,
         # Synchronous quorum: healing is applied before the step's batch is read, so the data position
-        # a peer sent decides that batch.
+        # a peer sent decides that batch; and every group of the quorum takes part in the step, so who
+        # computes which slice follows from the quorum alone.
         use_async_quorum=False,
         timeout=timeout,
         quorum_timeout=timedelta(seconds=options.quorum_timeout_s),
@@ -258,12 +334,42 @@ def build_replica_group_sync(
     )
     sync = ReplicaGroupSync(
         manager,
-        replica_groups=options.replica_groups,
+        options=options,
+        members=lambda: pg.quorum_members,
+        read_slice=read_slice,
         counts=counts,
-        start_timeout_s=options.quorum_timeout_s,
         rank=int(os.environ.get("RANK", 0)),
+        local_rank=int(os.environ.get("LOCAL_RANK", 0)),
     )
     return sync
+
+
+def _remembering_quorum_members(base: type) -> type:
+    """torchft's process group ``base`` that remembers which replica groups the quorum it was last configured
+    for holds. torchft reconfigures it whenever the quorum changes, with each member's global rank
+    (``group id x group world size + group rank``, the id read off ``replica_id``'s trailing digits)."""
+
+    class QuorumMembers(base):
+        quorum_members: tuple[int, ...] = ()
+
+        def configure(
+            self,
+            store_addr: str,
+            replica_id: str,
+            rank: int,
+            world_size: int,
+            quorum_id: int | None = None,
+            group_rank: int | None = None,
+            group_world_size: int | None = None,
+            global_ranks: list[int] | None = None,
+        ) -> None:
+            size = group_world_size or 1
+            self.quorum_members = tuple(sorted({member // size for member in global_ranks or ()}))
+            super().configure(
+                store_addr, replica_id, rank, world_size, quorum_id, group_rank, group_world_size, global_ranks
+            )
+
+    return QuorumMembers
 
 
 def _weights_only_transport(torchft: Any, timeout: timedelta) -> Any:

@@ -22,6 +22,7 @@ from paratrain.launch.launcher import LaunchOptions
 # not mistake itself for node 0 of an N-node launch.
 STEP_VARIABLE = "SLURM_STEP_ID"
 RENDEZVOUS_PORT_BASE = 29500
+GROUP_PORT_STRIDE = 1009  # replica group I of a job rendezvous I x 1009 ports further (a prime: few clashes)
 
 # sbatch --time's formats (man sbatch): minutes, minutes:seconds, hours:minutes:seconds, days-hours,
 # days-hours:minutes, days-hours:minutes:seconds; INFINITE and UNLIMITED mean no limit.
@@ -79,30 +80,40 @@ def in_srun_step(env: Mapping[str, str]) -> bool:
     return STEP_VARIABLE in env and "SLURM_NNODES" in env and "SLURM_NODEID" in env
 
 
-def apply_slurm_environment(options: LaunchOptions, env: Mapping[str, str], *, nnodes_given: bool) -> LaunchOptions:
+def apply_slurm_environment(
+    options: LaunchOptions, env: Mapping[str, str], *, nnodes_given: bool, replica_group: int | None = None
+) -> LaunchOptions:
     """The launch options with nodes, node rank and rendezvous endpoint taken from Slurm's environment
     inside an srun step (unchanged outside one).
 
+    The step's own nodes count (``SLURM_STEP_NODELIST``, ``SLURM_STEP_NUM_NODES`` where srun sets them): a
+    replica group's step (``paratrain slurm --replica-groups``) runs on some of the job's nodes, and its
+    node 0 is the first of those. Each group rendezvous on a port of its own (``replica_group``), so that two
+    groups whose first node is the same never meet in one rendezvous.
+
     Raises:
         ConfigError: when --nnodes or --node-rank contradict Slurm's, or the node list does not match
-            SLURM_NNODES.
+            the node count.
     """
     if not in_srun_step(env):
         return options
-    nnodes, node_rank = int(env["SLURM_NNODES"]), int(env["SLURM_NODEID"])
-    hosts = expand_hostlist(env.get("SLURM_JOB_NODELIST", env.get("SLURMD_NODENAME", "localhost")))
+    count_key = "SLURM_STEP_NUM_NODES" if "SLURM_STEP_NUM_NODES" in env else "SLURM_NNODES"
+    list_key = "SLURM_STEP_NODELIST" if "SLURM_STEP_NODELIST" in env else "SLURM_JOB_NODELIST"
+    nnodes = int(env[count_key])
+    hosts = expand_hostlist(env.get(list_key, env.get("SLURMD_NODENAME", "localhost")))
     if nnodes_given and options.nnodes != nnodes:
         raise ConfigError(
-            f"--nnodes {options.nnodes} contradicts SLURM_NNODES={nnodes} of this srun step: drop --nnodes "
+            f"--nnodes {options.nnodes} contradicts {count_key}={nnodes} of this srun step: drop --nnodes "
             f"(paratrain takes it from Slurm) or request {options.nnodes} nodes from Slurm"
         )
     if len(hosts) < nnodes:
-        raise ConfigError(
-            f"SLURM_JOB_NODELIST={env.get('SLURM_JOB_NODELIST')!r} names {len(hosts)} hosts but SLURM_NNODES={nnodes}"
-        )
-    # One port per job, so two jobs sharing node 0 do not meet in one rendezvous.
-    port = RENDEZVOUS_PORT_BASE + int(env.get("SLURM_JOB_ID", "0")) % 10000
-    endpoint = options.rdzv_endpoint or f"{hosts[0]}:{port}"
+        raise ConfigError(f"{list_key}={env.get(list_key)!r} names {len(hosts)} hosts but {count_key}={nnodes}")
+    # This node's place among the step's nodes, by name where srun says both; SLURM_NODEID otherwise.
+    name = env.get("SLURMD_NODENAME")
+    node_rank = hosts.index(name) if list_key == "SLURM_STEP_NODELIST" and name in hosts else int(env["SLURM_NODEID"])
+    # One port per job (and per replica group), so two jobs sharing node 0 do not meet in one rendezvous.
+    job_and_group = int(env.get("SLURM_JOB_ID", "0")) + GROUP_PORT_STRIDE * (replica_group or 0)
+    endpoint = options.rdzv_endpoint or f"{hosts[0]}:{RENDEZVOUS_PORT_BASE + job_and_group % 10000}"
     return replace(options, nnodes=nnodes, node_rank=node_rank, rdzv_endpoint=endpoint)
 
 
@@ -115,6 +126,9 @@ class SlurmJob:
         gpus_per_node: GPUs per node, one training process each (with device="cpu": processes per node,
             a CPU each).
         device: "cuda" requests GPUs from Slurm; "cpu" requests CPUs (clusters without GRES, tests).
+        replica_groups: Fault-tolerant replica groups sharing the job's nodes out (1: a plain job); see
+            ``launch/slurm_groups.py``.
+        max_restarts: Restarts of each launcher's workers (torchrun's --max-restarts); None: none asked.
     """
 
     config: Path
@@ -126,6 +140,8 @@ class SlurmJob:
     time: str | None = None
     partition: str | None = None
     device: str = "cuda"
+    replica_groups: int = 1
+    max_restarts: int | None = None
 
     def validate(self) -> None:
         if self.nodes < 1 or self.gpus_per_node < 1:
@@ -133,6 +149,8 @@ class SlurmJob:
                 f"--nodes {self.nodes} --gpus-per-node {self.gpus_per_node}: both must be >= 1 "
                 f"(with --device cpu, --gpus-per-node is processes per node)"
             )
+        if self.max_restarts is not None and self.max_restarts < 0:
+            raise ConfigError(f"--max-restarts {self.max_restarts} must be >= 0 (0: a failed worker ends its launcher)")
         if self.time is not None and not SBATCH_TIME.fullmatch(self.time):
             raise ConfigError(
                 f"--time {self.time!r} is not a time limit sbatch accepts: give minutes, MM:SS, HH:MM:SS, D-HH, "
@@ -154,6 +172,7 @@ def render_sbatch(job: SlurmJob, *, workdir: Path, python: str = sys.executable)
     )
     train = [python, "-m", "paratrain.cli", "train", str(job.config), *job.overrides]
     train += ["--nproc-per-node", str(job.gpus_per_node), "checkpoint.resume=auto"]
+    train += ["--max-restarts", str(job.max_restarts)] * (job.max_restarts is not None)
     lines = [
         "#!/bin/bash",
         f"#SBATCH --job-name={job.job_name}",

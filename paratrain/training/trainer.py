@@ -129,7 +129,7 @@ class Trainer:
         self._started, self._stepped = False, False  # _stepped: see _first_step_or_next
         groups = config.parallel.fault_tolerance  # fault-tolerant replica groups, when the run is one of several
         self.replicas = maybe_join_replica_groups(
-            groups, enabled=self.dims.ft_enabled, device=ctx.device, state=self.checkpoint_state
+            groups, dims=self.dims, device=ctx.device, state=self.checkpoint_state, read_slice=self.feed.slice_batches
         )
 
     def train(self) -> TrainResult:
@@ -196,7 +196,7 @@ class Trainer:
         faults.maybe_stall("stall_in_step", step=step, rank=rank)
         faults.maybe_slow_down("slow_step", step=step, rank=rank, seconds=faults.SLOW_STEP_S)
         self.optimizer.zero_grad(set_to_none=True)
-        loss = self.replicas.average_step(model.parameters(), self.engine.forward_backward(micro_batches))
+        loss = self.replicas.forward_backward(self.engine, micro_batches, model.parameters())
         self.precision.unscale_(self.optimizer)
         faults.maybe_poison_gradients("nan_grad", model, step=step, rank=rank)
         config, is_main = self.config, self.ctx.is_main

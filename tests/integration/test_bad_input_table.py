@@ -188,6 +188,16 @@ CASES: dict[str, Case] = {
         "parallel.fault_tolerance.min_replica_groups=3",
         expect=("min_replica_groups=3 is more than", "at most 2"),
     ),
+    "replica groups: an unknown batch mode": train(
+        *REPLICA_GROUP(0),
+        "parallel.fault_tolerance.batch=same",
+        expect=("fault_tolerance.batch", "'fixed' or 'shrink'"),
+    ),
+    "replica groups: no wait for a lighthouse": train(
+        *REPLICA_GROUP(0),
+        "parallel.fault_tolerance.lighthouse_wait_s=0",
+        expect=("fault_tolerance.lighthouse_wait_s", "greater than 0"),
+    ),
     "lighthouse --bind not an address": case("lighthouse", "--bind", "nowhere", expect=("--bind='nowhere'",)),
     "tp degree that does not divide the attention heads": train(
         "parallel.strategy=tp",
@@ -759,6 +769,45 @@ CASES: dict[str, Case] = {
         expect="log.trackers",
     ),
     "slurm without --nodes": case("slurm", "{config}", "--gpus-per-node", "1", expect="--nodes"),
+    "slurm replica groups that cannot share the nodes out": case(
+        "slurm",
+        "{config}",
+        "--nodes",
+        "2",
+        "--gpus-per-node",
+        "2",
+        "--replica-groups",
+        "3",
+        "--out",
+        "{tmp}/job.sbatch",
+        expect=("--replica-groups 3 cannot share --nodes 2 x --gpus-per-node 2", "whole nodes"),
+    ),  # fmt: skip
+    "slurm with a single replica group": case(
+        "slurm",
+        "{config}",
+        "--nodes",
+        "1",
+        "--gpus-per-node",
+        "1",
+        "--replica-groups",
+        "0",
+        "--out",
+        "{tmp}/job.sbatch",
+        expect=("--replica-groups 0", "at least 2 groups"),
+    ),  # fmt: skip
+    "slurm with negative restarts": case(
+        "slurm",
+        "{config}",
+        "--nodes",
+        "1",
+        "--gpus-per-node",
+        "1",
+        "--max-restarts",
+        "-1",
+        "--out",
+        "{tmp}/job.sbatch",
+        expect=("--max-restarts -1 must be >= 0",),
+    ),  # fmt: skip
     "slurm with a time limit sbatch rejects": case(
         "slurm",
         "{config}",

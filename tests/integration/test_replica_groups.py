@@ -1,9 +1,11 @@
 """Fault-tolerant replica groups on torchft, through the real CLI: a loopback lighthouse (`paratrain
-lighthouse`), each group its own `paratrain train --replica-group I --replica-groups 2` (its own torchrun).
+lighthouse`), each group its own `paratrain train --replica-group I --replica-groups N` (its own torchrun).
 
 Without a failure, two groups of one process train exactly as DDP over two processes. With one (a group's
 worker SIGKILLed, torchrun restarting it), the other group keeps stepping, the restarted group heals from it
-(no checkpoint read) and both end with the same weights.
+(no checkpoint read) and both end with the same weights. Under `batch: fixed` (the default) the live groups
+also compute the missing groups' slices, so a run of three groups that loses one, then two at once, logs the
+losses and ends with the weights of one process training the same global batch undisturbed.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from __future__ import annotations
 import socket
 import subprocess
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -29,6 +32,9 @@ from tests.harness import (
 )
 
 pytest.importorskip("torchft", reason="replica groups need the ft extra: pip install 'paratrain[ft]'")
+# Each test's own waits are bounded (the groups' quorum timeout, 400 s per group's exit), and several groups
+# restarting on a loaded 2-core machine take minutes: the suite's 300 s default would cut them short.
+pytestmark = pytest.mark.timeout(900)
 
 STEPS = 20
 
@@ -40,49 +46,72 @@ JOIN_TIMEOUT_S = 300
 QUORUM_TIMEOUT_S = JOIN_TIMEOUT_S + 60
 
 
-@pytest.fixture
-def lighthouse():
-    """A lighthouse on a free loopback port: its address. It forgets a silent group after 1 s."""
-    port = free_loopback_port()
-    server = start_cli(
-        [
-            "lighthouse", "--bind", f"127.0.0.1:{port}", "--heartbeat-timeout-ms", "1000",
-            "--join-timeout-ms", str(JOIN_TIMEOUT_S * 1000),
-        ]
-    )  # fmt: skip
+def start_lighthouse(port: int, log: Path) -> subprocess.Popen:
+    """A lighthouse on loopback ``port``, once it answers. It forgets a silent group after 1 s. A port just
+    freed by a killed lighthouse may still be taken for a moment: the start is tried again, for up to 60 s."""
     deadline = time.monotonic() + 60
+    command = [
+        "lighthouse", "--bind", f"127.0.0.1:{port}", "--heartbeat-timeout-ms", "1000",
+        "--join-timeout-ms", str(JOIN_TIMEOUT_S * 1000),
+    ]  # fmt: skip
+    server = start_cli(command, output=log)
     while True:
         try:
             socket.create_connection(("127.0.0.1", port), timeout=1).close()
-            break
+            return server
         except OSError:
-            assert server.poll() is None, server.communicate()[1][-2000:]
-            assert time.monotonic() < deadline, "the lighthouse did not start"
+            assert time.monotonic() < deadline, f"the lighthouse did not start:\n{log.read_text()[-2000:]}"
+            if server.poll() is not None:
+                server = start_cli(command, output=log)
             time.sleep(0.1)
+
+
+@pytest.fixture
+def lighthouse(tmp_path):
+    """A lighthouse on a free loopback port: its address."""
+    port = free_loopback_port()
+    server = start_lighthouse(port, tmp_path / "lighthouse.log")
     yield f"http://127.0.0.1:{port}"
     server.terminate()
-    server.communicate(timeout=30)
+    server.wait(timeout=30)
+
+
+@dataclass
+class Group:
+    """One group's `paratrain train`, its output going to a file (an unread pipe would fill and stall it)."""
+
+    process: subprocess.Popen
+    log: Path
+
+
+def start_group(
+    config: Path, group: int, *, groups: int = 2, extra: list[str] = (), env: dict[str, str] | None = None
+) -> Group:
+    log = config.parent / f"group-{group}-{time.monotonic_ns()}.log"  # a group started again logs anew
+    args = ["train", str(config), "--replica-group", str(group), "--replica-groups", str(groups), *extra]
+    return Group(start_cli(args, env=env, output=log), log)
 
 
 def start_groups(
-    config: Path, *, extra: dict[int, list[str]] | None = None, env: dict[int, dict[str, str]] | None = None
-):
+    config: Path,
+    *,
+    groups: int = 2,
+    extra: dict[int, list[str]] | None = None,
+    env: dict[int, dict[str, str]] | None = None,
+) -> list[Group]:
     extra, env = extra or {}, env or {}
     return [
-        start_cli(
-            ["train", str(config), "--replica-group", str(group), "--replica-groups", "2", *extra.get(group, [])],
-            env=env.get(group),
-        )
-        for group in range(2)
+        start_group(config, group, groups=groups, extra=extra.get(group, []), env=env.get(group))
+        for group in range(groups)
     ]
 
 
-def finish(groups: list[subprocess.Popen]) -> list[str]:
-    """Each group's stderr, once every group exited 0."""
-    outputs = [group.communicate(timeout=400) for group in groups]
-    for index, (group, (_, stderr)) in enumerate(zip(groups, outputs)):
-        assert group.returncode == 0, f"group {index} failed ({group.returncode}):\n{stderr[-4000:]}"
-    return [stderr for _, stderr in outputs]
+def finish(groups: list[Group]) -> list[str]:
+    """Each group's output, once every group exited 0."""
+    for index, group in enumerate(groups):
+        code = group.process.wait(timeout=400)
+        assert code == 0, f"group {index} failed ({code}):\n{group.log.read_text()[-4000:]}"
+    return [group.log.read_text() for group in groups]
 
 
 def test_two_replica_groups_without_failure_train_exactly_as_ddp_over_two_processes(tmp_path, lighthouse):
@@ -108,9 +137,11 @@ def test_two_replica_groups_without_failure_train_exactly_as_ddp_over_two_proces
     assert max_relative_difference(losses_by_step(plain), second_half) <= 1e-5
 
 
-def test_a_killed_group_heals_from_its_live_peer_while_the_peer_keeps_stepping(tmp_path, lighthouse):
+def test_under_shrink_a_killed_group_heals_from_its_live_peer_while_the_peer_keeps_stepping(tmp_path, lighthouse):
     steps, killed_after, back_by = 40, 5, 30
-    parallel = {"fault_tolerance": {"lighthouse": lighthouse, "quorum_timeout_s": QUORUM_TIMEOUT_S}}
+    # batch: shrink, the live group trains on its own slice alone while its peer is away.
+    ft = {"lighthouse": lighthouse, "quorum_timeout_s": QUORUM_TIMEOUT_S, "batch": "shrink"}
+    parallel = {"fault_tolerance": ft}
     config = write_config(
         tmp_path / "c.yaml", tiny_config(tmp_path / "ft", parallel=parallel, train={"max_steps": steps})
     )
@@ -135,3 +166,107 @@ def test_a_killed_group_heals_from_its_live_peer_while_the_peer_keeps_stepping(t
     assert read_metrics(healed)[-1]["skipped_samples"] == records[-1]["skipped_samples"]
     final = f"checkpoints/step-{steps}"
     assert max_weight_difference(checkpoint_weights(healthy / final), checkpoint_weights(healed / final)) == 0.0
+
+
+def test_under_a_fixed_batch_losing_one_group_then_two_at_once_trains_exactly_as_an_undisturbed_run(
+    tmp_path, lighthouse
+):
+    """Three groups of one process. Group 2 dies after step 5 and is started again (as a scheduler would);
+    groups 0 and 1 both die after step 18 and torchrun restarts them. The run is still one over the whole
+    global batch of 12 at every step: compared with one process training it undisturbed."""
+    steps, first_kill, double_kill = 30, 5, 18
+    ft = {"lighthouse": lighthouse, "quorum_timeout_s": QUORUM_TIMEOUT_S}
+    train_section = {"max_steps": steps, "global_batch_size": 12, "micro_batch_size": 2}
+    config = write_config(
+        tmp_path / "c.yaml", tiny_config(tmp_path / "ft", parallel={"fault_tolerance": ft}, train=train_section)
+    )
+    # Fixed points, not sleeps: groups 0 and 1 take half a second a step while group 2 is away and wait at
+    # step 12 until it is back; group 2, started again, does the same while 0 and 1 are away, waiting at 26.
+    survivors = f"slow_step:{first_kill + 1}-12,wait_for_groups:12,after_step:{double_kill}"
+    groups = start_groups(
+        config,
+        groups=3,
+        extra={0: ["--max-restarts", "1"], 1: ["--max-restarts", "1"]},
+        env={
+            0: {"PARATRAIN_FAULT": survivors},
+            1: {"PARATRAIN_FAULT": survivors},
+            2: {"PARATRAIN_FAULT": f"after_step:{first_kill}"},
+        },
+    )
+    assert groups[2].process.wait(timeout=400) != 0, "group 2 was to be killed after step 5"
+    alone = f"slow_step:{double_kill + 1}-{steps},wait_for_groups:26"
+    groups[2] = start_group(config, 2, groups=3, env={"PARATRAIN_FAULT": alone})
+    logs = finish(groups)
+    single = tmp_path / "single"
+    train(config, f"run.output_dir={single}")  # the same config, undisturbed, one process
+    reference = losses_by_step(single)
+    dirs = [tmp_path / f"ft/replica-group-{group}" for group in range(3)]
+    assert all("healed from a live replica group" in log for log in logs)
+    records = [record for directory in dirs for record in read_metrics(directory)]
+    # Every step was logged by some group, and each group's loss at it is the undisturbed run's.
+    assert {record["step"] for record in records} == set(range(1, steps + 1))
+    worst = max(abs(r["loss"] - reference[r["step"]]) / abs(reference[r["step"]]) for r in records)
+    assert worst <= 1e-5
+    # Nothing skipped, nothing counted twice: every step was over the whole batch of 12, some with one
+    # group taking over the slice of 4 of the group away, some with one group computing all three.
+    assert {(r["effective_batch"], r["skipped_samples"]) for r in records} == {(12, 0)}
+    taken_over = {(r["replica_groups_live"], r["taken_over_samples"]) for r in records}
+    assert {(3, 0), (2, 4), (1, 8)} <= taken_over
+    final = f"checkpoints/step-{steps}"
+    for directory in dirs:
+        difference = max_weight_difference(checkpoint_weights(directory / final), checkpoint_weights(single / final))
+        assert difference <= 1e-5
+
+
+def wait_for_step(output_dir: Path, step: int, groups: list[Group]) -> None:
+    """Returns once ``output_dir`` logged ``step`` (bounded; every group must still be running)."""
+    deadline = time.monotonic() + 400
+    metrics = output_dir / "metrics.jsonl"
+    while not (metrics.is_file() and len(metrics.read_text().splitlines()) >= step):
+        assert all(group.process.poll() is None for group in groups), "a group ended before the step"
+        assert time.monotonic() < deadline, f"step {step} not reached"
+        time.sleep(0.1)
+
+
+def test_groups_ride_out_a_restarted_lighthouse_stop_with_75_when_it_stays_away_and_resume_with_nothing_lost(
+    tmp_path,
+):
+    """The lighthouse is killed after step 5 and started again at once: the groups' quorum request fails
+    (after quorum_timeout_s), they ask again and carry on. Killed again after step 15 and left dead: past
+    lighthouse_wait_s both groups stop with exit code 75. A new lighthouse, the same commands again: they
+    resume from their checkpoints and end where an undisturbed run ends, every logged loss equal to it."""
+    steps, port = 30, free_loopback_port()
+    ft = {"lighthouse": f"http://127.0.0.1:{port}", "quorum_timeout_s": 10, "lighthouse_wait_s": 30}
+    sections = {"parallel": {"fault_tolerance": ft}, "train": {"max_steps": steps}, "checkpoint": {"every_steps": 5}}
+    config = write_config(tmp_path / "c.yaml", tiny_config(tmp_path / "ft", **sections))
+    server = start_lighthouse(port, tmp_path / "lighthouse-1.log")
+    slow = {group: {"PARATRAIN_FAULT": f"slow_step:1-{steps}"} for group in range(2)}  # time to act between steps
+    groups, group_0 = start_groups(config, env=slow), tmp_path / "ft/replica-group-0"
+    wait_for_step(group_0, 5, groups)
+    server.kill()
+    server = start_lighthouse(port, tmp_path / "lighthouse-2.log")
+    wait_for_step(group_0, 15, groups)
+    server.kill()
+    server.wait(timeout=30)
+    stopped = [group.process.wait(timeout=400) for group in groups]
+    logs = [group.log.read_text() for group in groups]
+    assert stopped == [75, 75], logs[0][-3000:]
+    for log in logs:
+        assert "no quorum for step" in log and "formed again after" in log  # the first outage, ridden out
+        assert f"the lighthouse at http://127.0.0.1:{port} does not answer" in log and "exit code 75" in log
+    server = start_lighthouse(port, tmp_path / "lighthouse-3.log")
+    try:
+        finish(start_groups(config))
+    finally:
+        server.terminate()
+        server.wait(timeout=30)
+    single = tmp_path / "single"
+    train(config, f"run.output_dir={single}")
+    reference = losses_by_step(single)
+    for group in (group_0, tmp_path / "ft/replica-group-1"):
+        records = read_metrics(group)
+        assert {record["step"] for record in records} == set(range(1, steps + 1))
+        # Steps after the newest checkpoint were trained twice, the same both times.
+        assert max(abs(r["loss"] - reference[r["step"]]) / reference[r["step"]] for r in records) <= 1e-5
+        final = f"checkpoints/step-{steps}"
+        assert max_weight_difference(checkpoint_weights(group / final), checkpoint_weights(single / final)) <= 1e-5

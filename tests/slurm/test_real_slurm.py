@@ -1,6 +1,8 @@
 """paratrain on a real Slurm: a one-machine cluster (Debian's slurm-wlm and munge; slurmctld and slurmd
 on 127.0.0.1 with 2 CPUs, a slurm.conf generated in a temp dir) runs a 2-process job submitted by
-``paratrain slurm --submit``, and requeues it after USR1 stops it with exit 75.
+``paratrain slurm --submit``, and requeues it after USR1 stops it with exit 75. A job of two replica groups
+(``--replica-groups 2``: a lighthouse step and a step per group, sharing the one node) is stopped by USR1,
+requeued, and trains on to the end as a plain two-process run does.
 
 .ci/run installs the packages where it is root with apt; elsewhere these tests skip, saying why.
 """
@@ -18,7 +20,18 @@ from pathlib import Path
 
 import pytest
 
-from tests.harness import free_loopback_port, losses_by_step, run_cli, start_cli, tiny_config, write_config
+from tests.harness import (
+    checkpoint_weights,
+    free_loopback_port,
+    losses_by_step,
+    max_relative_difference,
+    max_weight_difference,
+    run_cli,
+    start_cli,
+    tiny_config,
+    train,
+    write_config,
+)
 
 DAEMONS = ("munged", "slurmctld", "slurmd")
 
@@ -121,6 +134,11 @@ def _job(env: dict[str, str], job_id: str) -> dict[str, str]:
     return dict(re.findall(r"(\w+)=(\S*)", text))
 
 
+def _job_restarts_and_state(env: dict[str, str], job_id: str) -> tuple[str | None, str | None]:
+    job = _job(env, job_id)
+    return job.get("Restarts"), job.get("JobState")
+
+
 def _submit(env: dict[str, str], config: Path, *overrides: str) -> str:
     args = ["slurm", str(config), *overrides, "--nodes", "1", "--gpus-per-node", "2", "--device", "cpu", "--submit"]
     result = run_cli(args, env=env)
@@ -155,3 +173,35 @@ def test_usr1_to_the_job_stops_it_at_an_agreed_step_with_exit_75_and_requeues_it
     assert Path(stopped.group(2)).name == f"step-{stopped.group(1)}" and Path(stopped.group(2)).is_dir()
     assert "exit code 75" in log and f"requeueing job {job_id}" in log
     assert int(stopped.group(1)) < 100_000
+
+
+@pytest.mark.timeout(900)
+def test_replica_groups_job_runs_a_lighthouse_and_a_step_per_group_requeues_and_trains_as_a_plain_run(slurm, tmp_path):
+    steps, output_dir = 30, tmp_path / "groups"
+    sections = {"train": {"max_steps": steps}, "checkpoint": {"every_steps": 5}}
+    config = write_config(tmp_path / "c.yaml", tiny_config(output_dir, **sections))
+    args = ["slurm", str(config), "--nodes", "1", "--gpus-per-node", "2", "--device", "cpu", "--replica-groups", "2"]
+    # Half a second a step (the job inherits the variable): time for USR1 to land mid-run.
+    result = run_cli([*args, "--submit"], env={**slurm, "PARATRAIN_FAULT": f"slow_step:1-{steps}"})
+    assert result.returncode == 0, result.stderr
+    job_id = re.search(r"submitted job (\d+)", result.stdout).group(1)
+    metrics = output_dir / "replica-group-0" / "metrics.jsonl"
+    _wait_until(lambda: metrics.is_file() and len(metrics.read_text().splitlines()) >= 3, what="the groups' steps")
+    subprocess.run(["scancel", "--batch", "--signal=USR1", job_id], env=slurm, check=True)
+    requeued = ("1", "PENDING")
+    _wait_until(lambda: _job_restarts_and_state(slurm, job_id) == requeued, what="the job to be requeued")
+    # Slurm holds a requeued job for two minutes; release it now, as an administrator may.
+    subprocess.run(["scontrol", "update", f"JobId={job_id}", "StartTime=now"], env=slurm, check=True)
+    done = ("COMPLETED", "FAILED", "CANCELLED")
+    _wait_until(lambda: _job(slurm, job_id).get("JobState") in done, what="the requeued job to end", timeout=600)
+    log = (output_dir / f"slurm-{job_id}.out").read_text()
+    assert _job(slurm, job_id)["JobState"] == "COMPLETED", log[-4000:]
+    assert "exited with codes 75 75" in log and f"requeueing job {job_id}" in log and "exited with codes 0 0" in log
+    plain = tmp_path / "plain"
+    train(config, f"run.output_dir={plain}", nproc=2)
+    for group in ("replica-group-0", "replica-group-1"):
+        losses = losses_by_step(output_dir / group)  # a step trained again after the requeue: its newest loss
+        assert sorted(losses) == list(range(1, steps + 1))
+        assert max_relative_difference(losses, losses_by_step(plain)) <= 1e-5
+        weights = checkpoint_weights(output_dir / group / f"checkpoints/step-{steps}")
+        assert max_weight_difference(weights, checkpoint_weights(plain / f"checkpoints/step-{steps}")) <= 1e-5

@@ -8,6 +8,7 @@ import pytest
 from paratrain.errors import EXIT_USER_ERROR, ConfigError
 from paratrain.launch.launcher import LaunchOptions
 from paratrain.launch.slurm import apply_slurm_environment, expand_hostlist
+from paratrain.launch.slurm_groups import place_groups
 from tests.harness import run_cli_in_process, tiny_config, write_config
 
 
@@ -102,3 +103,55 @@ def test_slurm_writes_one_launcher_per_node_with_usr1_and_requeue(tmp_path):
     (srun,) = [line for line in text.splitlines() if line.startswith("srun ")]
     assert f"train {config} train.max_steps=7 --nproc-per-node 8 checkpoint.resume=auto" in srun
     assert "--nnodes" not in srun  # taken from Slurm on every node
+
+
+def test_a_replica_group_step_rendezvous_on_its_own_nodes_and_port():
+    # Group 1 of a 4-node job runs on node03 and node04; this is node04. SLURM_NODEID says nothing here.
+    env = {
+        **srun_env("node[01-04]", 4, 3),
+        "SLURM_STEP_NODELIST": "node[03-04]",
+        "SLURM_STEP_NUM_NODES": "2",
+        "SLURMD_NODENAME": "node04",
+    }
+    options = apply_slurm_environment(LaunchOptions(nproc_per_node=8), env, nnodes_given=False, replica_group=1)
+    assert (options.nnodes, options.node_rank, options.rdzv_endpoint) == (2, 1, f"node03:{29500 + 1234 + 1009}")
+    group_0 = apply_slurm_environment(LaunchOptions(nproc_per_node=8), env, nnodes_given=False, replica_group=0)
+    assert group_0.rdzv_endpoint != options.rdzv_endpoint  # two groups on one first node never share a rendezvous
+
+
+@pytest.mark.parametrize(
+    ("nodes", "gpus", "groups", "placement"),
+    [(4, 8, 2, (2, 8, 1)), (4, 8, 4, (1, 8, 1)), (1, 2, 2, (1, 1, 2)), (2, 8, 4, (1, 4, 2))],
+)
+def test_replica_groups_get_whole_nodes_or_an_equal_share_of_one(nodes, gpus, groups, placement):
+    place = place_groups(nodes=nodes, gpus_per_node=gpus, replica_groups=groups)
+    assert (place.nodes, place.processes, place.per_node) == placement
+    # Every group starts on a node of the job, and the groups on a node fill it exactly.
+    firsts = [place.first_node(group) for group in range(groups)]
+    assert max(firsts) + place.nodes <= nodes
+    assert all(firsts.count(first) * place.processes <= gpus for first in firsts)
+
+
+def test_slurm_with_replica_groups_writes_a_lighthouse_step_and_one_step_per_group_with_requeue(tmp_path):
+    config = write_config(tmp_path / "c.yaml", tiny_config(tmp_path / "run"))
+    script = tmp_path / "job.sbatch"
+    args = ["slurm", str(config), "--nodes", "4", "--gpus-per-node", "8", "--replica-groups", "2", "--out", str(script)]
+    code, stderr = run_cli_in_process(args)
+    assert code == 0, stderr
+    lines = script.read_text().splitlines()
+    for line in [
+        "#SBATCH --nodes=4",
+        "#SBATCH --ntasks-per-node=1",
+        "#SBATCH --requeue",
+        "#SBATCH --signal=B:USR1@120",
+    ]:
+        assert line in lines, line
+    (lighthouse,) = [line for line in lines if line.startswith("srun") and " lighthouse " in line]
+    assert "--overlap" in lighthouse and '--bind "$lighthouse_host:$lighthouse_port"' in lighthouse
+    groups = [line for line in lines if line.startswith("srun") and " train " in line]
+    assert len(groups) == 2
+    for group, line in enumerate(groups):
+        assert f"--nodes=2 --ntasks=2 --ntasks-per-node=1 --relative={2 * group}" in line
+        assert f"--nproc-per-node 8 --replica-group {group} --replica-groups 2 --max-restarts 3" in line
+        assert line.endswith('"parallel.fault_tolerance.lighthouse=http://$lighthouse_host:$lighthouse_port" &')
+    assert "trap 'kill -USR1 \"${groups[@]}\"' USR1" in lines and "  scontrol requeue $SLURM_JOB_ID" in lines

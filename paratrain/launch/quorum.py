@@ -1,0 +1,69 @@
+"""Asking torchft for a step's quorum again when it failed: the lighthouse was killed and started again, or
+is briefly unreachable. The lighthouse keeps no state a group needs (the quorum is formed anew from the
+groups' own steps), so a group that waits for it carries on exactly where it was.
+
+torchft's Manager keeps a failed quorum's error and raises it again from every later ``start_quorum``; its
+manager server, though, reaches a restarted lighthouse on the next request (checked with torchft 0.2.0: a
+lighthouse killed and restarted 5 s later, both groups stepped on after one failed request). So a failed
+request is dropped and asked again, up to ``lighthouse_wait_s`` after the first failure.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import time
+from typing import Any
+
+from paratrain.errors import LighthouseLost
+from paratrain.launch.lighthouse import lighthouse_host_port
+
+logger = logging.getLogger("paratrain")
+RETRY_PAUSE_S = 1.0
+# What torchft's quorum request raises when the lighthouse is gone: its RPC's timeout ("Timeout expired"),
+# a refused or reset connection.
+QUORUM_FAILURES = (TimeoutError, RuntimeError, ConnectionError)
+
+
+def join_quorum(manager: Any, *, lighthouse: str, wait_s: float, group: int, step: int) -> None:
+    """``manager.start_quorum()``, asked again while it fails, for up to ``wait_s`` after the first failure.
+
+    Raises:
+        LighthouseLost: once ``wait_s`` has passed without a quorum, naming the lighthouse and whether it
+            answers; the caller's group stops, every step before this one committed.
+    """
+    first_failure = None
+    while True:
+        try:
+            manager.start_quorum()
+            if first_failure is not None:
+                logger.warning(
+                    "quorum for step %d formed again after %.0f s", step + 1, time.monotonic() - first_failure
+                )
+            return
+        except QUORUM_FAILURES as error:
+            now = time.monotonic()
+            first_failure = now if first_failure is None else first_failure
+            answers = lighthouse_answers(lighthouse)
+            if now - first_failure >= wait_s:
+                raise LighthouseLost(
+                    step=step, group=group, waited_s=now - first_failure, lighthouse=lighthouse, answers=answers,
+                    cause=f"{type(error).__name__}: {error}",
+                ) from error  # fmt: skip
+            logger.warning(
+                "no quorum for step %d (%s: %s); the lighthouse at %s %s: asking again for up to %.0f s more",
+                step + 1, type(error).__name__, error, lighthouse, "answers" if answers else "does not answer",
+                wait_s - (now - first_failure),
+            )  # fmt: skip
+            manager._quorum_future = None  # torchft would raise this failure again from every later request
+            time.sleep(RETRY_PAUSE_S)
+
+
+def lighthouse_answers(address: str) -> bool:
+    """Whether the lighthouse accepts a connection now."""
+    host, port = lighthouse_host_port(address)
+    try:
+        with socket.create_connection((host, port), timeout=1.0):
+            return True
+    except OSError:
+        return False
