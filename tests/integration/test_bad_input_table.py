@@ -243,7 +243,10 @@ CASES: dict[str, Case] = {
         "data.args.document_mask=true",
         "parallel.pp=2",
         *TWO,
-        expect=("data.args.document_mask=true with parallel.pp=2", "set data.args.document_mask=false or remove parallel.pp"),
+        expect=(
+            "data.args.document_mask=true with parallel.pp=2",
+            "set data.args.document_mask=false or remove parallel.pp",
+        ),
     ),
     "fp16 with tensor parallel alone": train(
         "parallel.strategy=tp", "precision=fp16", *TWO, expect=("precision=fp16 with tensor parallel alone",)
