@@ -13,7 +13,9 @@ that something can happen while a save is in flight. ``nan_grad`` fills this ran
 NaN after the backward of the step (every rank by default), as a diverging model would. ``slow_step`` sleeps
 ``SLOW_STEP_S`` at the start of the step, a slow group beside fast ones. ``wait_for_groups`` makes a replica group
 wait at the start of the step until every group is back in the quorum (a test's fixed point: a killed
-group's restart, however slow the machine, rejoins before the live group can finish). A step may be a range ``A-B``
+group's restart, however slow the machine, rejoins before the live group can finish). ``mid_heal`` kills a
+replica group that has received a live peer's state and not yet applied it (the step is the peer's). A step
+may be a range ``A-B``
 (``slow_step:6-40``). Several faults are separated by commas
 (``sigterm_mid_async_save:20:1,slow_async_save:20``). With the variable unset, nothing happens. A
 fault fires in the first attempt only: workers that torchrun restarts (``TORCHELASTIC_RESTART_COUNT``

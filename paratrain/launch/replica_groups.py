@@ -311,6 +311,8 @@ def build_replica_group_sync(
     sync: ReplicaGroupSync | None = None
 
     def load_and_mark(state: dict[str, Any]) -> None:
+        # A peer's state is here, not yet applied: a kill now is a group dying while it heals.
+        faults.maybe_kill("mid_heal", step=manager.current_step(), rank=sync.rank)
         load_state_dict(state)
         sync.healed = True
 

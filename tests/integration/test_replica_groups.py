@@ -270,3 +270,32 @@ def test_groups_ride_out_a_restarted_lighthouse_stop_with_75_when_it_stays_away_
         assert max(abs(r["loss"] - reference[r["step"]]) / reference[r["step"]] for r in records) <= 1e-5
         final = f"checkpoints/step-{steps}"
         assert max_weight_difference(checkpoint_weights(group / final), checkpoint_weights(single / final)) <= 1e-5
+
+
+def test_a_group_killed_while_it_heals_costs_the_live_group_a_retaken_step_and_heals_on_its_next_try(
+    tmp_path, lighthouse
+):
+    """Group 1 dies after step 5 and is started again; that start is killed as it heals (a peer's state
+    received, not yet applied), and torchrun's restart of it heals. Group 0, alone meanwhile, computes both
+    slices: the run still trains as one process does undisturbed."""
+    steps = 30
+    ft = {"lighthouse": lighthouse, "quorum_timeout_s": QUORUM_TIMEOUT_S}
+    config = write_config(
+        tmp_path / "c.yaml", tiny_config(tmp_path / "ft", parallel={"fault_tolerance": ft}, train={"max_steps": steps})
+    )
+    alone = {"PARATRAIN_FAULT": f"slow_step:6-{steps},wait_for_groups:25"}
+    groups = start_groups(config, env={0: alone, 1: {"PARATRAIN_FAULT": "after_step:5"}})
+    assert groups[1].process.wait(timeout=400) != 0, "group 1 was to be killed after step 5"
+    groups[1] = start_group(config, 1, extra=["--max-restarts", "1"], env={"PARATRAIN_FAULT": f"mid_heal:6-{steps}"})
+    healthy_log, healed_log = finish(groups)
+    assert "exitcode: -9" in healed_log and "healed from a live replica group" in healed_log
+    single = tmp_path / "single"
+    train(config, f"run.output_dir={single}")
+    reference, healthy = losses_by_step(single), tmp_path / "ft/replica-group-0"
+    records = read_metrics(healthy)
+    assert [record["step"] for record in records] == list(range(1, steps + 1))  # each step committed once
+    assert max_relative_difference(losses_by_step(healthy), reference) <= 1e-5
+    assert {record["skipped_samples"] for record in records} == {0}
+    final = f"checkpoints/step-{steps}"
+    for group in (healthy, tmp_path / "ft/replica-group-1"):
+        assert max_weight_difference(checkpoint_weights(group / final), checkpoint_weights(single / final)) <= 1e-5
