@@ -158,27 +158,17 @@ class SlurmJob:
             )
 
 
-def render_sbatch(job: SlurmJob, *, workdir: Path, python: str = sys.executable) -> str:
-    """The sbatch script: one launcher per node through srun; Slurm sends the batch shell USR1 two
-    minutes before the time limit (or on ``scancel --signal=USR1 --batch``), the shell passes it to the
-    launchers, which stop at an agreed step, save and exit 75, and the shell requeues the job."""
-    resources = (
-        [f"#SBATCH --gpus-per-node={job.gpus_per_node}", f"#SBATCH --cpus-per-task={job.gpus_per_node}"]
-        if job.device == "cuda"
-        else [f"#SBATCH --cpus-per-task={job.gpus_per_node}"]
-    )
+def sbatch_header(job: SlurmJob, tasks: list[str], *, workdir: Path) -> list[str]:
+    """The ``#SBATCH`` lines of a paratrain job, plain or of replica groups (``tasks``: its tasks and
+    resources per node): USR1 two minutes before the time limit, requeue, one appended log."""
     options = [f"#SBATCH --time={job.time}"] * bool(job.time) + [f"#SBATCH --partition={job.partition}"] * bool(
         job.partition
     )
-    train = [python, "-m", "paratrain.cli", "train", str(job.config), *job.overrides]
-    train += ["--nproc-per-node", str(job.gpus_per_node), "checkpoint.resume=auto"]
-    train += ["--max-restarts", str(job.max_restarts)] * (job.max_restarts is not None)
-    lines = [
+    return [
         "#!/bin/bash",
         f"#SBATCH --job-name={job.job_name}",
         f"#SBATCH --nodes={job.nodes}",
-        "#SBATCH --ntasks-per-node=1",
-        *resources,
+        *tasks,
         *options,
         "#SBATCH --signal=B:USR1@120",
         "#SBATCH --requeue",
@@ -186,6 +176,23 @@ def render_sbatch(job: SlurmJob, *, workdir: Path, python: str = sys.executable)
         f"#SBATCH --chdir={workdir}",
         f"#SBATCH --output={job.output_dir}/slurm-%j.out",
         "",
+    ]
+
+
+def render_sbatch(job: SlurmJob, *, workdir: Path, python: str = sys.executable) -> str:
+    """The sbatch script: one launcher per node through srun; Slurm sends the batch shell USR1 two
+    minutes before the time limit (or on ``scancel --signal=USR1 --batch``), the shell passes it to the
+    launchers, which stop at an agreed step, save and exit 75, and the shell requeues the job."""
+    resources = [f"#SBATCH --gpus-per-node={job.gpus_per_node}"] * (job.device == "cuda")
+    train = [python, "-m", "paratrain.cli", "train", str(job.config), *job.overrides]
+    train += ["--nproc-per-node", str(job.gpus_per_node), "checkpoint.resume=auto"]
+    train += ["--max-restarts", str(job.max_restarts)] * (job.max_restarts is not None)
+    lines = [
+        *sbatch_header(
+            job,
+            ["#SBATCH --ntasks-per-node=1", *resources, f"#SBATCH --cpus-per-task={job.gpus_per_node}"],
+            workdir=workdir,
+        ),
         "# The launchers on every node; each reads its node rank and node 0's address from Slurm.",
         f"srun --kill-on-bad-exit=1 {shlex.join(train)} &",
         "launchers=$!",

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from paratrain.errors import ConfigError
-from paratrain.launch.slurm import SlurmJob
+from paratrain.launch.slurm import SlurmJob, sbatch_header
 
 LIGHTHOUSE_PORT_BASE = 40000  # above the rendezvous ports (29500 + job id % 10000)
 DEFAULT_GROUP_RESTARTS = 3
@@ -82,24 +82,8 @@ def render_group_sbatch(job: SlurmJob, *, workdir: Path, python: str = sys.execu
 
 def _header(job: SlurmJob, place: GroupPlacement, *, workdir: Path) -> list[str]:
     resources = [f"#SBATCH --gpus-per-node={job.gpus_per_node}"] * (job.device == "cuda")
-    options = [f"#SBATCH --time={job.time}"] * bool(job.time) + [f"#SBATCH --partition={job.partition}"] * bool(
-        job.partition
-    )
-    return [
-        "#!/bin/bash",
-        f"#SBATCH --job-name={job.job_name}",
-        f"#SBATCH --nodes={job.nodes}",
-        f"#SBATCH --ntasks-per-node={place.per_node}",
-        f"#SBATCH --cpus-per-task={place.processes}",
-        *resources,
-        *options,
-        "#SBATCH --signal=B:USR1@120",
-        "#SBATCH --requeue",
-        "#SBATCH --open-mode=append",
-        f"#SBATCH --chdir={workdir}",
-        f"#SBATCH --output={job.output_dir}/slurm-%j.out",
-        "",
-    ]
+    tasks = [f"#SBATCH --ntasks-per-node={place.per_node}", f"#SBATCH --cpus-per-task={place.processes}"]
+    return sbatch_header(job, [*tasks, *resources], workdir=workdir)
 
 
 def _lighthouse_step(python: str) -> list[str]:
