@@ -21,11 +21,41 @@ import pytest
 COUNTER = Path(__file__).resolve().parent / "launch_counter"
 LOG_ENV = "PARATRAIN_TEST_LAUNCH_LOG"
 DIRECTORY_ENV = "PARATRAIN_TEST_LAUNCH_DIR"
+# Kept by tests that run commands in a user's environment (PARATRAIN_* otherwise dropped): counting only.
+COUNTER_VARIABLES = (LOG_ENV, DIRECTORY_ENV)
 # A file left out of LAUNCHES may start this many processes (a CLI run or two).
 DEFAULT_LAUNCHES = 4
 # Python processes per file, as counted in a full `make test` (the session's last lines print them), with
 # about a fifth to spare: restarts after a kill land a process or two either way.
-LAUNCHES: dict[str, int] = {}
+LAUNCHES: dict[str, int] = {
+    "tests/distributed/test_auto_layout.py": 6,
+    "tests/distributed/test_layers.py": 6,
+    "tests/integration/test_bad_input.py": 9,
+    "tests/integration/test_cli.py": 18,
+    "tests/integration/test_combination_matrix.py": 10,
+    "tests/integration/test_disk_full.py": 8,
+    "tests/integration/test_documented_commands.py": 58,
+    "tests/integration/test_documented_commands_second_half.py": 75,
+    "tests/integration/test_lm_resume.py": 10,
+    "tests/integration/test_multinode.py": 18,
+    "tests/integration/test_replica_groups.py": 58,
+    "tests/integration/test_resume.py": 35,
+    "tests/parity/test_context_parallel_matches_single.py": 20,
+    "tests/parity/test_ddp_matches_single.py": 15,
+    "tests/parity/test_dpo.py": 12,
+    "tests/parity/test_expert_parallel_matches_single.py": 12,
+    "tests/parity/test_hf_experts_match_single.py": 15,
+    "tests/parity/test_hf_matches_single.py": 16,
+    "tests/parity/test_lora.py": 16,
+    "tests/parity/test_pipeline_matches_single.py": 20,
+    "tests/parity/test_resume_matrix.py": 21,
+    "tests/parity/test_sharded_matches_single.py": 21,
+    "tests/parity/test_target_token_loss.py": 6,
+    "tests/parity/test_tp_families_match_single.py": 6,
+    "tests/slurm/test_real_slurm.py": 30,
+    "tests/tools/test_plan.py": 6,
+    "tests/tools/test_verify.py": 10,
+}
 
 
 def configure(config: pytest.Config) -> None:

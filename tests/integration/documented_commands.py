@@ -93,13 +93,6 @@ COMMANDS: dict[str, Run | Elsewhere] = {
     "--replica-groups 2 --max-restarts 3": Elsewhere(REPLICA_GROUPS_WHY, REPLICA_GROUPS_TEST),
     "paratrain train examples/quickstart.yaml parallel.dp_shard=2 --nproc-per-node 2 --replica-group 1 "
     "--replica-groups 2 --max-restarts 3": Elsewhere(REPLICA_GROUPS_WHY, REPLICA_GROUPS_TEST),
-    "srun --nodes 1 --ntasks 1 paratrain lighthouse --bind 0.0.0.0:29510 &": Elsewhere(
-        "needs a Slurm cluster", REPLICA_GROUPS_TEST
-    ),
-    "srun --nodes 1 --ntasks 1 paratrain train CONFIG --nproc-per-node 8 --replica-group 0 --replica-groups 2 "
-    "--max-restarts 10 parallel.fault_tolerance.lighthouse=http://LIGHTHOUSE_NODE:29510 &": Elsewhere(
-        "needs a Slurm cluster with 8 GPUs per node", REPLICA_GROUPS_TEST
-    ),
     "paratrain train examples/quickstart.yaml parallel.dp_replicate=2 parallel.dp_shard=2 --nproc-per-node 4": short(
         output="layout hsdp"
     ),

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 
+from tests import suite_budget
 from tests.harness import REPO_ROOT, in_private_network, private_network_unavailable
 from tests.integration.documented_commands import COMMANDS, Elsewhere, Run, argv_of, commands_in_docs
 
@@ -85,9 +86,12 @@ def run_recipe(recipe: str, tmp_path: Path) -> None:
 
 def users_environment() -> dict[str, str]:
     """The environment of a user who activated the venv: its bin first on PATH (python, paratrain, torchrun),
-    and none of the variables paratrain, trackers or the suite's fixtures read."""
+    and none of the variables paratrain, trackers or the suite's fixtures read. The suite's launch counter
+    (tests/suite_budget.py) stays: it counts processes and changes nothing they do."""
     env = {
-        name: value for name, value in os.environ.items() if not name.startswith(("PARATRAIN_", "MLFLOW_", "WANDB_"))
+        name: value
+        for name, value in os.environ.items()
+        if not name.startswith(("PARATRAIN_", "MLFLOW_", "WANDB_")) or name in suite_budget.COUNTER_VARIABLES
     }
     env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
     return env
