@@ -21,10 +21,8 @@ full tensor:
    checkpoint every rank then reads its slices from (as from ``model.pretrained``). That one process
    briefly holds the whole model; the log says so. Unsharded layouts build such a model directly instead.
 
-A parameter or buffer that no source fills is an error naming it, never uninitialised memory.
-
-A factory that returns real weights itself (one calling ``from_pretrained``, which transformers 5 refuses
-on meta) is detected by ``build_on_meta``: its model is laid out as it is and nothing here runs.
+A parameter or buffer that no source fills is an error naming it, never uninitialised memory. A factory
+calling ``from_pretrained`` (refused on meta by transformers 5) returns real weights: laid out as they are.
 """
 
 from __future__ import annotations
@@ -58,8 +56,12 @@ SMALL_PARAMETER = 1 << 20
 
 
 def initialises_piecewise(model: nn.Module) -> bool:
-    """Whether each rank can draw its slice of the model's own initialisation (source 3 of the module docstring)."""
-    return declares_init(model) or is_transformers_model(model)
+    """Whether each rank can draw its slice of the model's own initialisation (source 3 of the module docstring);
+    not for a model ``from_pretrained`` returned on meta (4.x, under accelerate), whose loaded weights its init
+    would replace: it returns models in eval mode (a false alarm costs source 4's build, never other weights)."""
+    if is_transformers_model(model):
+        return model.training
+    return declares_init(model)
 
 
 def is_on_meta(model: nn.Module) -> bool:
