@@ -56,9 +56,8 @@ SMALL_PARAMETER = 1 << 20
 
 
 def initialises_piecewise(model: nn.Module) -> bool:
-    """Whether each rank can draw its slice of the model's own initialisation (source 3 of the module docstring);
-    not for a model ``from_pretrained`` returned on meta (4.x, under accelerate), whose loaded weights its init
-    would replace: it returns models in eval mode (a false alarm costs source 4's build, never other weights)."""
+    """Whether each rank can draw its slice of the model's own init (source 3); not where ``from_pretrained`` (in
+    eval mode) built on meta (4.x), as that init would replace what it loads: source 4 builds it for real."""
     if is_transformers_model(model):
         return model.training
     return declares_init(model)
