@@ -18,7 +18,7 @@ column is this checkout's (peak - runtime) over the largest tensor's bytes. The 
 compared tensor by tensor. Each export runs ``--repeats`` times per checkout, in turn; the table shows the
 fastest times and the highest peak. Run from the repository root:
 
-    python benchmarks/export_memory.py --before shape36
+    python benchmarks/export_memory.py --before 7d3e201
 """
 
 from __future__ import annotations
@@ -112,7 +112,9 @@ def best(runs: list[Measured]) -> Measured:
 
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--before", default="shape36", help="git revision to compare with (default shape36)")
+    parser.add_argument(
+        "--before", default="7d3e201", help="git revision to compare with (default: the last before streamed exports)"
+    )
     parser.add_argument("--work", help="directory for the checkouts, runs and exports (default: a new temp dir)")
     parser.add_argument("--repeats", type=int, default=3, help="runs of each export per checkout (default 3)")
     parser.add_argument("--hidden", type=int, default=1024)
