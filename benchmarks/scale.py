@@ -200,11 +200,16 @@ def plot(rows: list[dict], out: Path) -> None:
     import matplotlib.pyplot as plt
 
     figure, (ratio_axis, cpu_axis) = plt.subplots(1, 2, figsize=(11, 4))
+    # One colour per init path, one line style per layout (and per tree), so that no two series look alike.
+    colours = {path: f"C{index}" for index, path in enumerate(PATHS)}
+    dashes = {1: "-", 2: "--", 4: ":"}
     for (tree, path, ranks), series in _series(rows).items():
         sizes = [row["size"] for row in series]
         label = f"{path} x{ranks}" + ("" if tree == "this" else f" ({tree})")
-        ratio_axis.plot(sizes, [row["ratio"] for row in series], marker="o", label=label)
-        cpu_axis.plot(sizes, [row["init_cpu_s"] for row in series], marker="o", label=label)
+        style = {"color": colours[path], "linestyle": dashes.get(ranks, "-."), "label": label}
+        style["marker"] = "o" if tree == "this" else "x"
+        ratio_axis.plot(sizes, [row["ratio"] for row in series], **style)
+        cpu_axis.plot(sizes, [row["init_cpu_s"] for row in series], **style)
     ratio_axis.axhline(1.15, color="grey", linestyle="--", linewidth=1)
     ratio_axis.set(xlabel="parameters (billions)", ylabel="init peak / ideal, worst rank", xscale="log")
     cpu_axis.set(xlabel="parameters (billions)", ylabel="init CPU seconds per rank", xscale="log", yscale="log")
