@@ -19,7 +19,6 @@ from __future__ import annotations
 import logging
 import os
 import time
-import urllib.request
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from datetime import timedelta
@@ -36,6 +35,7 @@ from paratrain.launch.group_shares import Coverage, coverage, plan_shares, read_
 from paratrain.launch.lighthouse import import_torchft
 from paratrain.launch.preemption import announce_stop
 from paratrain.launch.quorum import join_quorum
+from paratrain.launch.torchft_adapters import remembering_quorum_members, weights_only_transport
 from paratrain.parallel.dims import ParallelDims
 from paratrain.tensors import local_part
 
@@ -307,7 +307,7 @@ def build_replica_group_sync(
     timeout = timedelta(seconds=options.timeout_s)
     # gloo for CPU tensors; NCCL where the gradients live on GPUs (torchtitan's choice too).
     base = torchft.ProcessGroupNCCL if device.type == "cuda" else torchft.ProcessGroupGloo
-    pg = _remembering_quorum_members(base)(timeout=timeout)
+    pg = remembering_quorum_members(base)(timeout=timeout)
     sync: ReplicaGroupSync | None = None
 
     def load_and_mark(state: dict[str, Any]) -> None:
@@ -330,7 +330,7 @@ def build_replica_group_sync(
         connect_timeout=timedelta(seconds=options.connect_timeout_s),
         lighthouse_addr=options.lighthouse,
         replica_id=f"paratrain_{options.replica_group}",
-        checkpoint_transport=_weights_only_transport(torchft, timeout),
+        checkpoint_transport=weights_only_transport(timeout),
         # Every group builds the same initial weights from train.seed: nothing to send at step 0.
         init_sync=False,
     )
@@ -344,46 +344,3 @@ def build_replica_group_sync(
         local_rank=int(os.environ.get("LOCAL_RANK", 0)),
     )
     return sync
-
-
-def _remembering_quorum_members(base: type) -> type:
-    """torchft's process group ``base`` that remembers which replica groups the quorum it was last configured
-    for holds. torchft reconfigures it whenever the quorum changes, with each member's global rank
-    (``group id x group world size + group rank``, the id read off ``replica_id``'s trailing digits)."""
-
-    class QuorumMembers(base):
-        quorum_members: tuple[int, ...] = ()
-
-        def configure(
-            self,
-            store_addr: str,
-            replica_id: str,
-            rank: int,
-            world_size: int,
-            quorum_id: int | None = None,
-            group_rank: int | None = None,
-            group_world_size: int | None = None,
-            global_ranks: list[int] | None = None,
-        ) -> None:
-            size = group_world_size or 1
-            self.quorum_members = tuple(sorted({member // size for member in global_ranks or ()}))
-            super().configure(
-                store_addr, replica_id, rank, world_size, quorum_id, group_rank, group_world_size, global_ranks
-            )
-
-    return QuorumMembers
-
-
-def _weights_only_transport(torchft: Any, timeout: timedelta) -> Any:
-    """torchft's HTTP checkpoint transport, reading what a peer sends with ``weights_only=True``: torchft
-    unpickles it (``weights_only=False``, for schedulers' non-tensor state); paratrain's state is tensors,
-    numbers and strings, and a peer's bytes are never unpickled into objects."""
-    from torchft.checkpointing import _serialization, http_transport  # lazy: torchft is an optional extra
-
-    class WeightsOnlyHTTPTransport(http_transport.HTTPTransport):
-        @classmethod
-        def _load_from_address(cls, address: str, timeout: timedelta) -> object:
-            with urllib.request.urlopen(address, timeout=timeout.total_seconds()) as stream:
-                return _serialization._streaming_load(stream, weights_only=True)
-
-    return WeightsOnlyHTTPTransport(timeout=timeout, num_chunks=0)
