@@ -14,6 +14,8 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 # The layouts ``parallel.strategy`` names (besides ``auto``, which the planner replaces by one of them).
 Strategy = Literal["single", "dp", "model_parallel", "ddp", "fsdp", "hsdp", "tp", "pp"]
+# What replica groups do with the slices of missing groups (FaultToleranceConfig.batch; launch/group_shares.py).
+ReplicaBatch = Literal["fixed", "shrink"]
 # Every degree a ``parallel`` section sets, in the mesh's rank order, outermost first; ep last, since it borrows
 # data-parallel ranks instead of being a mesh dimension of its own (parallel/dims.py).
 DEGREES = ("pp", "dp_replicate", "dp_shard", "cp", "tp", "ep")
@@ -184,7 +186,7 @@ class FaultToleranceConfig(Section):
     """This group's id, 0..replica_groups-1 (`--replica-group I` sets it). Required when replica_groups > 1."""
     lighthouse: str = "http://127.0.0.1:29510"
     """Address of the quorum server every group joins (`paratrain lighthouse --bind HOST:PORT` runs it)."""
-    batch: Literal["fixed", "shrink"] = "fixed"
+    batch: ReplicaBatch = "fixed"
     """What a step with groups missing trains on. fixed: the live groups also compute the missing groups'
     slices of the global batch (more accumulation steps, shared out in a fixed order), so every step is over
     the whole train.global_batch_size and a run with failures trains as one without (the same losses up to

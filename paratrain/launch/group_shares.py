@@ -22,9 +22,8 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Literal
 
-BatchMode = Literal["fixed", "shrink"]
+from paratrain.config.schema import ReplicaBatch
 
 
 @dataclass(frozen=True)
@@ -42,7 +41,7 @@ class GroupShares:
     live: int
 
 
-def plan_shares(live: Iterable[int], *, group: int, replica_groups: int, batch: BatchMode) -> GroupShares:
+def plan_shares(live: Iterable[int], *, group: int, replica_groups: int, batch: ReplicaBatch) -> GroupShares:
     """The slices ``group`` computes in a step whose quorum holds the groups ``live``.
 
     Raises:
@@ -74,7 +73,7 @@ class Coverage:
     repeated: tuple[int, ...]  # slices computed more than once
     missing: tuple[int, ...]  # slices nobody computed
 
-    def complete(self, *, batch: BatchMode) -> bool:
+    def complete(self, *, batch: ReplicaBatch) -> bool:
         """Whether the step may commit: no slice twice, and under ``fixed`` none left out."""
         return not self.repeated and (batch == "shrink" or not self.missing)
 
