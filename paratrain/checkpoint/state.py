@@ -61,6 +61,10 @@ class OptimizerState(Stateful):
         # except in a group this rank holds no parameter of (a pipeline stage without biases), whose
         # settings nothing saved names: it keeps its own.
         local = [{k: v for k, v in group.items() if k != "params"} for group in self.optimizer.param_groups]
+        # torch builds the state to load into by a zero-gradient step, but skips it when any gradient is
+        # left (a replica group's step that was not committed, before it heals), and then loads no moment
+        # at all: AdamW would go on as if new. Gradients mean nothing across a load.
+        self.optimizer.zero_grad(set_to_none=True)
         set_optimizer_state_dict(self.model, self.optimizer, state_dict, options=_PER_PARAMETER)
         for group, settings in zip(self.optimizer.param_groups, local, strict=True):
             group.update({k: settings[k] for k in _IMPLEMENTATION_FLAGS if k in settings})

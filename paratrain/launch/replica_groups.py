@@ -93,8 +93,10 @@ class ReplicaGroupSync:
         self.coverage: Coverage | None = None  # the newest step's, None when its all-reduce failed
 
     def heals_instead_of_resuming(self) -> bool:
-        """A restarted group first joins the quorum: a live peer's state (newer than any checkpoint) replaces
-        the resume, and only a group that finds none (every group died) reads its own checkpoint."""
+        """A started group first joins the quorum, checkpoint or not: a live peer's state (newer than any
+        checkpoint) replaces the resume, and only a group that finds none (every group died, or the run is
+        new) reads its own checkpoint, if it has one. No group steps in this quorum: those resuming from
+        checkpoints of different steps meet at the next, where the ones behind heal from the newest."""
         return self.start_step()
 
     def forward_backward(

@@ -299,3 +299,30 @@ def test_a_group_killed_while_it_heals_costs_the_live_group_a_retaken_step_and_h
     final = f"checkpoints/step-{steps}"
     for group in (healthy, tmp_path / "ft/replica-group-1"):
         assert max_weight_difference(checkpoint_weights(group / final), checkpoint_weights(single / final)) <= 1e-5
+
+
+def test_every_group_restarted_from_checkpoints_of_different_steps_trains_exactly_as_an_undisturbed_run(
+    tmp_path, lighthouse
+):
+    """Every group down at once, one with a checkpoint and one without: group 1 dies after step 3 (before
+    the first checkpoint), group 0 trains on alone, computing both slices, and dies after step 12 (its newest
+    checkpoint: step 10). Both started again: group 0 resumes at step 10, group 1 heals from it (its fresh
+    optimizer receiving every moment), and the run trains on as one process does undisturbed, no step of it
+    waiting out a failed all-reduce."""
+    steps = 20
+    ft = {"lighthouse": lighthouse, "quorum_timeout_s": QUORUM_TIMEOUT_S}
+    sections = {"parallel": {"fault_tolerance": ft}, "train": {"max_steps": steps}, "checkpoint": {"every_steps": 5}}
+    config = write_config(tmp_path / "c.yaml", tiny_config(tmp_path / "ft", **sections))
+    groups = start_groups(config, env={0: {"PARATRAIN_FAULT": "after_step:12"}, 1: {"PARATRAIN_FAULT": "after_step:3"}})
+    assert [group.process.wait(timeout=400) != 0 for group in groups] == [True, True], "both were to be killed"
+    logs = finish(start_groups(config))
+    assert "resumed from" in logs[0] and "step 10" in logs[0]
+    assert "healed from a live replica group" in logs[1] and "not committed" not in logs[1]
+    single = tmp_path / "single"
+    train(config, f"run.output_dir={single}")
+    reference = losses_by_step(single)
+    final = f"checkpoints/step-{steps}"
+    for group in (tmp_path / "ft/replica-group-0", tmp_path / "ft/replica-group-1"):
+        records = read_metrics(group)
+        assert max(abs(r["loss"] - reference[r["step"]]) / reference[r["step"]] for r in records) <= 1e-5
+        assert max_weight_difference(checkpoint_weights(group / final), checkpoint_weights(single / final)) <= 1e-5

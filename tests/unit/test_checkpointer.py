@@ -119,6 +119,25 @@ def test_a_fused_optimizer_resumed_from_a_foreach_checkpoint_keeps_its_step_coun
     fused.step()  # the fused kernel accepts the restored state
 
 
+def test_an_optimizer_state_loads_whole_into_an_optimizer_whose_parameters_hold_gradients():
+    """A replica group heals after a step it could not commit: its fresh optimizer's parameters still hold
+    that step's gradients. Every moment of the state it receives must load (torch loaded none there)."""
+    torch.manual_seed(0)
+    source = torch.nn.Linear(4, 3)
+    optimizer = torch.optim.AdamW(source.parameters())
+    source(torch.randn(2, 4)).sum().backward()
+    optimizer.step()
+    sent = OptimizerState(source, optimizer).state_dict()
+    receiver = torch.nn.Linear(4, 3)
+    fresh = torch.optim.AdamW(receiver.parameters())
+    receiver(torch.randn(2, 4)).sum().backward()  # the uncommitted step's gradients
+    OptimizerState(receiver, fresh).load_state_dict(sent)
+    for mine, theirs in zip(receiver.parameters(), source.parameters()):
+        assert mine.grad is None
+        for name in ("step", "exp_avg", "exp_avg_sq"):
+            torch.testing.assert_close(fresh.state[mine][name], optimizer.state[theirs][name], rtol=0, atol=0)
+
+
 def test_auto_resume_skips_a_damaged_latest_checkpoint(tmp_path, caplog):
     checkpointer = make_checkpointer(tmp_path, keep_last=3)
     checkpointer.save(1, state(1))
