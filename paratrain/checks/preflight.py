@@ -124,6 +124,12 @@ def _check_lora_layout(config: Config, dims: ParallelDims) -> None:
             f"with a wrapper that the tensor-parallel plan (which names the Linear itself) and the pipeline split "
             f"do not know; use ddp, fsdp or hsdp (LoRA's frozen base needs little memory sharded by fsdp)"
         )
+    if config.model.lora.target_parameters and dims.ep > 1:
+        raise ConfigError(
+            f"model.lora.target_parameters={config.model.lora.target_parameters} with parallel.ep={dims.ep}: each "
+            f"rank holds 1/{dims.ep} of the experts, and peft's adapter on a stacked expert weight holds every "
+            f"expert's; drop parallel.ep (fsdp shards the frozen experts), or adapt attention only (target_modules)"
+        )
 
 
 def _check_final_hf_export(config: Config, model_on_meta: Callable[[], nn.Module]) -> None:

@@ -454,6 +454,10 @@ class LoraConfig(Section):
     target_modules: list[str] | str = "all-linear"
     """Names (or name suffixes) of the Linear modules that get adapters, e.g. [q_proj, v_proj]; a string is
     a regular expression over full names; 'all-linear': every Linear but the output head."""
+    target_parameters: list[str] = []
+    """Name suffixes of parameters that get adapters themselves (peft's target_parameters), e.g. the stacked
+    experts of transformers' MoE families: [mlp.experts.gate_up_proj, mlp.experts.down_proj], one adapter of
+    rank r per expert. Not under parallel.ep (each rank holds some of the experts, the adapter all)."""
 
 
 class ModelConfig(FactoryConfig):

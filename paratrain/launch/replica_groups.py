@@ -90,14 +90,19 @@ class ReplicaGroupSync:
         self.replica_groups, self.group, self.batch = options.replica_groups, options.replica_group, options.batch
         self.counts, self.rank, self.local_rank = counts, rank, local_rank
         self.healed, self.started = False, False
+        # Healed in the start-up quorum: the live groups take that quorum's step, so this group's first is in it.
+        self.in_quorum_for_next_step = False
         self.coverage: Coverage | None = None  # the newest step's, None when its all-reduce failed
 
     def heals_instead_of_resuming(self) -> bool:
         """A started group first joins the quorum, checkpoint or not: a live peer's state (newer than any
         checkpoint) replaces the resume, and only a group that finds none (every group died, or the run is
-        new) reads its own checkpoint, if it has one. No group steps in this quorum: those resuming from
-        checkpoints of different steps meet at the next, where the ones behind heal from the newest."""
-        return self.start_step()
+        new) reads its own checkpoint, if it has one; then no group steps in this quorum (every one in it is
+        starting): those resuming from checkpoints of different steps meet at the next, where the ones behind
+        heal from the newest. A group that healed takes its first step in this quorum, as the live ones do:
+        joining another would leave them waiting for its all-reduce until ``timeout_s``."""
+        self.in_quorum_for_next_step = self.start_step()
+        return self.in_quorum_for_next_step
 
     def forward_backward(
         self, engine: Engine, micro_batches: list[Any], parameters: Iterable[nn.Parameter]
@@ -139,6 +144,9 @@ class ReplicaGroupSync:
     def start_step(self) -> bool:
         """Joins this step's quorum; True when this group was just healed from a live peer (the caller
         then reads data from the position it received)."""
+        if self.in_quorum_for_next_step:  # healed at start-up, in the quorum the live groups are stepping in
+            self.in_quorum_for_next_step = False
+            return True
         self.healed = False
         self._join_quorum()
         if not self.started:

@@ -26,6 +26,7 @@ from paratrain.models.hf import is_transformers_model
 
 ADAPTER_MARKER = ".lora_"
 """In the name of every adapter parameter, and of no base parameter."""
+_BASE_LAYERS = re.compile(r"(?:\.base_layer)+\.")
 
 
 def maybe_apply_lora(model: nn.Module, lora: LoraConfig | None) -> nn.Module:
@@ -58,10 +59,15 @@ def apply_lora(model: nn.Module, lora: LoraConfig) -> nn.Module:
             f"model.lora: {type(model).__name__} is not a transformers model, which peft's LoRA wraps; use a "
             f"model from paratrain.models.hf:causal_lm (or model.pretrained), or remove model.lora"
         )
-    _check_targets(model, lora.target_modules)
+    _check_targets(model, lora.target_modules, parameters_too=bool(lora.target_parameters))
+    _check_target_parameters(model, lora.target_parameters)
     peft = require_peft()
     config = peft.LoraConfig(
-        r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout, target_modules=lora.target_modules
+        r=lora.r,
+        lora_alpha=lora.alpha,
+        lora_dropout=lora.dropout,
+        target_modules=lora.target_modules,
+        target_parameters=lora.target_parameters or None,
     )
     return peft.inject_adapter_in_model(config, model)
 
@@ -73,6 +79,7 @@ def peft_config(lora: LoraConfig, *, base_model: str | None = None):
         lora_alpha=lora.alpha,
         lora_dropout=lora.dropout,
         target_modules=lora.target_modules,
+        target_parameters=lora.target_parameters or None,
         base_model_name_or_path=base_model,
         task_type="CAUSAL_LM",
     )
@@ -83,8 +90,9 @@ def is_adapter(name: str) -> bool:
 
 
 def base_name(name: str) -> str:
-    """A parameter's name in the base model's own files: peft's ``base_layer`` component left out."""
-    return name.replace(".base_layer.", ".")
+    """A parameter's name in the base model's own files: peft's ``base_layer`` components left out (one per
+    adapter wrapped around the module: a module with two adapted parameters is wrapped twice)."""
+    return _BASE_LAYERS.sub(".", name)
 
 
 def init_adapter(name: str, tensor: torch.Tensor, seed: int) -> torch.Tensor | None:
@@ -100,9 +108,9 @@ def init_adapter(name: str, tensor: torch.Tensor, seed: int) -> torch.Tensor | N
     return full
 
 
-def _check_targets(model: nn.Module, targets: list[str] | str) -> None:
+def _check_targets(model: nn.Module, targets: list[str] | str, *, parameters_too: bool) -> None:
     linear = [name for name, module in model.named_modules() if isinstance(module, nn.Linear)]
-    if targets == "all-linear":
+    if targets == "all-linear" or (targets == [] and parameters_too):
         return
     if isinstance(targets, str):
         matched = [name for name in linear if re.fullmatch(targets, name)]
@@ -114,3 +122,14 @@ def _check_targets(model: nn.Module, targets: list[str] | str) -> None:
             f"model.lora.target_modules={targets!r} matches no Linear module of {type(model).__name__}; its Linear "
             f"modules end in: {', '.join(names)}"
         )
+
+
+def _check_target_parameters(model: nn.Module, targets: list[str]) -> None:
+    names = [name for name, _ in model.named_parameters()]
+    for target in targets:
+        if not any(name == target or name.endswith(f".{target}") for name in names):
+            stacked = sorted({name.split(".", 3)[-1] for name, p in model.named_parameters() if p.ndim == 3})
+            raise ConfigError(
+                f"model.lora.target_parameters: {target!r} names no parameter of {type(model).__name__}"
+                + (f"; its stacked (expert) parameters end in: {', '.join(stacked)}" if stacked else "")
+            )

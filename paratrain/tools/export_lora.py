@@ -57,9 +57,17 @@ def merged_model(
 
 def merge_adapter(weight: torch.Tensor, *, down: torch.Tensor, up: torch.Tensor, scaling: float) -> torch.Tensor:
     """``weight + scaling * up @ down``, computed in float32, in ``weight``'s dtype (an fp32 weight is updated
-    in place: no second copy of it)."""
+    in place: no second copy of it). A stacked expert weight ``(experts, out, in)`` (peft's
+    ``target_parameters``) takes expert e's own update: A's rows ``e*r .. e*r+r`` and B's columns ``j*experts +
+    e``, as peft lays them out."""
     merged = weight.float()
-    merged.addmm_(up.float(), down.float(), alpha=scaling)
+    if weight.ndim == 3:
+        experts = weight.shape[0]
+        per_expert_down = down.float().reshape(experts, -1, down.shape[-1])  # (experts, r, in)
+        per_expert_up = up.float().reshape(up.shape[0], -1, experts).permute(2, 0, 1)  # (experts, out, r)
+        merged.baddbmm_(per_expert_up, per_expert_down, alpha=scaling)
+    else:
+        merged.addmm_(up.float(), down.float(), alpha=scaling)
     return merged.to(weight.dtype)
 
 
@@ -76,12 +84,43 @@ def _merged(reader: TensorReader, adapters: dict[str, tuple[str, ...]], *, scali
 
 def _adapter_of(key: str, reader: TensorReader) -> tuple[str, ...]:
     """The keys of the adapter (A, B) that adapts the weight ``key``; none for a weight not adapted."""
-    if not key.endswith(_ADAPTED_WEIGHT):
-        return ()
-    module = key.removesuffix(_ADAPTED_WEIGHT)
+    if key.endswith(_ADAPTED_WEIGHT):
+        return _adapter_at(key.removesuffix(_ADAPTED_WEIGHT), reader)
+    return _parameter_adapter_of(key, reader)
+
+
+def _adapter_at(module: str, reader: TensorReader) -> tuple[str, ...]:
     down, up = f"{module}.lora_A.{ADAPTER_NAME}.weight", f"{module}.lora_B.{ADAPTER_NAME}.weight"
     saved = reader.metadata.state_dict_metadata
     return (down, up) if down in saved and up in saved else ()
+
+
+def _parameter_adapter_of(key: str, reader: TensorReader) -> tuple[str, ...]:
+    """The adapter of a stacked expert weight ``M.base_layer[.base_layer...].NAME``: peft wraps module M once
+    per adapted parameter, so the adapter sits on one of those wrappers; the one whose A and B fit the
+    weight's ``(experts, out, in)``. Raises where two would fit (the checkpoint cannot say which)."""
+    module, _, _ = key.rpartition(".")
+    if not module.endswith(".base_layer"):
+        return ()
+    shape = reader.metadata.state_dict_metadata[key].size
+    if len(shape) != 3:
+        return ()
+    experts, out_features, in_features = shape
+    sizes = reader.metadata.state_dict_metadata
+    fitting = []
+    wrapper = module
+    while wrapper.endswith(".base_layer"):
+        wrapper = wrapper.removesuffix(".base_layer")
+        adapter = _adapter_at(wrapper, reader)
+        if (
+            adapter
+            and tuple(sizes[adapter[0]].size)[1] == in_features
+            and tuple(sizes[adapter[1]].size)[0] == out_features
+        ):
+            fitting.append(adapter)
+    if len(fitting) > 1:
+        raise ValueError(f"{key}: {len(fitting)} adapters fit its shape {tuple(shape)}; merge it with peft instead")
+    return fitting[0] if fitting else ()
 
 
 def _peft_name(key: str) -> str:

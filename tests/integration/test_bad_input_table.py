@@ -507,6 +507,25 @@ CASES: dict[str, Case] = {
         "model.lora={r: 4, target_modules: [qproj]}",
         expect=("matches no Linear module", "q_proj, up_proj"),
     ),
+    "model.lora on experts under expert parallel": train(
+        "model.factory=paratrain.models.hf:causal_lm",
+        "model.args={model_type: qwen3_moe, vocab_size: 128, hidden_size: 16, intermediate_size: 32, "
+        "moe_intermediate_size: 16, num_hidden_layers: 1, num_attention_heads: 2, num_key_value_heads: 2, "
+        "num_experts: 4, num_experts_per_tok: 2, max_position_embeddings: 16}",
+        "model.lora={r: 4, target_modules: [], target_parameters: [mlp.experts.down_proj]}",
+        "parallel.dp_shard=2",
+        "parallel.ep=2",
+        *TWO,
+        expect=("model.lora.target_parameters=['mlp.experts.down_proj'] with parallel.ep=2", "drop parallel.ep"),
+    ),
+    "model.lora target parameter naming none": train(
+        "model.factory=paratrain.models.hf:causal_lm",
+        "model.args={model_type: qwen3_moe, vocab_size: 128, hidden_size: 16, intermediate_size: 32, "
+        "moe_intermediate_size: 16, num_hidden_layers: 1, num_attention_heads: 2, num_key_value_heads: 2, "
+        "num_experts: 4, num_experts_per_tok: 2, max_position_embeddings: 16}",
+        "model.lora={r: 4, target_parameters: [mlp.experts.gate_proj]}",
+        expect=("'mlp.experts.gate_proj' names no parameter", "mlp.experts.down_proj, mlp.experts.gate_up_proj"),
+    ),
     "model.lora under tensor parallel": train(
         *TINY_LLAMA, "model.lora={r: 4}", "parallel.strategy=tp", *TWO, expect=("model.lora with parallel.tp=2", "fsdp")
     ),

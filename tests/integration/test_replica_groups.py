@@ -156,6 +156,8 @@ def test_under_shrink_a_killed_group_heals_from_its_live_peer_while_the_peer_kee
     healthy_log, healed_log = finish(groups)
     healthy, healed = tmp_path / "ft/replica-group-0", tmp_path / "ft/replica-group-1"
     assert "healed from a live replica group" in healed_log and "resumed from" not in healed_log
+    # The healed group took its first step in the quorum that healed it: group 0 never waited for it.
+    assert "not committed" not in healthy_log
     records = read_metrics(healthy)
     # The healthy group took every step once, none again: some alone while group 1 was away.
     assert [record["step"] for record in records] == list(range(1, steps + 1))
@@ -289,6 +291,7 @@ def test_a_group_killed_while_it_heals_costs_the_live_group_a_retaken_step_and_h
     groups[1] = start_group(config, 1, extra=["--max-restarts", "1"], env={"PARATRAIN_FAULT": f"mid_heal:6-{steps}"})
     healthy_log, healed_log = finish(groups)
     assert "exitcode: -9" in healed_log and "healed from a live replica group" in healed_log
+    assert healthy_log.count("not committed") == 1  # the step group 1 died in; its heal cost none
     single = tmp_path / "single"
     train(config, f"run.output_dir={single}")
     reference, healthy = losses_by_step(single), tmp_path / "ft/replica-group-0"

@@ -5,7 +5,9 @@ per tp rank) x2, against one process on the same seed and batch: every step's lo
 the tokens each expert computed and the family's own load-balancing loss; under context parallel x2 (each
 rank half of every sequence) the load-balancing loss too, from statistics over whole sequences; and
 DeepSeek-V3 balanced by its router bias (moe_balance: bias) under ep x2. A save_pretrained Qwen3-MoE loads
-sliced under ep x2 from its files and exports back in transformers' layout (issue 39).
+sliced under ep x2 from its files and exports back in transformers' layout; LoRA on its attention trains under
+fsdp x2 and ep x2, and LoRA on its stacked experts (peft's target_parameters) under fsdp x2, each adapter
+exported as peft loads it (issue 39).
 
 Every layout of a process count trains in one launch (tests/harness.LayoutRuns)."""
 
@@ -79,6 +81,9 @@ EP2_FSDP4 = ["parallel.dp_shard=4", "parallel.ep=2"]
 TP2 = ["parallel.tp=2"]
 BIAS = ["model.args.moe_balance=bias", "model.args.moe_bias_update_rate=0.01"]
 LORA = "model.lora={r: 4, alpha: 8, target_modules: [q_proj, v_proj]}"
+EXPERT_PARAMETERS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
+# LoRA on the stacked experts themselves (peft's target_parameters: one rank-4 adapter per expert) and attention.
+LORA_EXPERTS = f"model.lora={{r: 4, alpha: 8, target_modules: [q_proj, v_proj], target_parameters: [{', '.join(EXPERT_PARAMETERS)}]}}"
 
 
 def model_args(family: str) -> dict:
@@ -105,7 +110,7 @@ LAYOUTS = {
     "deepseek_v3_bias single": (_model("deepseek_v3") + BIAS, 1),
     "deepseek_v3_bias ep x2": (_model("deepseek_v3") + BIAS + EP2, 2),
     # Each rank holds half of every sequence: the load-balancing loss from both halves' statistics.
-    **{f"{family} cp x2": (_model(family) + ["parallel.cp=2"], 2) for family in ("qwen3_moe", "mixtral")},
+    **{f"{family} cp x2": (_model(family) + ["parallel.cp=2"], 2) for family in FAMILIES},
     "qwen3_moe ep x4": (_model("qwen3_moe") + ["parallel.dp_shard=4", "parallel.ep=4"], 4),
     "qwen3_moe ep x2 tp x2": (_model("qwen3_moe") + EP2 + TP2, 4),
     "pretrained ep x2": (FROM_PRETRAINED + EP2, 2),
@@ -113,6 +118,8 @@ LAYOUTS = {
     "lora single": (FROM_PRETRAINED + [LORA], 1),
     "lora fsdp x2": (FROM_PRETRAINED + [LORA, "parallel.dp_shard=2"], 2),
     "lora ep x2": (FROM_PRETRAINED + [LORA] + EP2, 2),
+    "lora_experts single": (FROM_PRETRAINED + [LORA_EXPERTS], 1),
+    "lora_experts fsdp x2": (FROM_PRETRAINED + [LORA_EXPERTS, "parallel.dp_shard=2"], 2),
 }
 CASES = [name for name in LAYOUTS if not name.startswith("pretrained") and not name.endswith("single")]
 GLOBAL_BATCH = 8
@@ -155,6 +162,9 @@ def test_the_familys_layout_matches_one_process_losses_and_first_gradients(runs,
     expected = assert_matches_single_process(runs.get(single_of(case)), runs.get(case), steps=STEPS)
     trained = ".lora_A." if case.startswith("lora") else ".mlp.experts.gate_up_proj"
     assert any(trained in name for name in expected)
+    if case.startswith("lora_experts"):  # both stacked weights adapted: the two wrappers' adapters trained
+        assert any(".mlp.experts.lora_A." in name for name in expected)
+        assert any(".mlp.experts.base_layer.lora_A." in name for name in expected)
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -240,11 +250,42 @@ def test_lora_under_ep_trains_the_adapters_alone_and_exports_an_adapter_peft_loa
         torch.testing.assert_close(loaded(input_ids=tokens).logits, ours, rtol=0, atol=1e-5)
 
 
-def adapted(model: torch.nn.Module, weights: dict[str, torch.Tensor]) -> torch.nn.Module:
+def test_lora_on_the_stacked_experts_exports_an_adapter_peft_loads_and_a_merged_model(runs, pretrained, tmp_path):
+    """Under fsdp x2 the adapters on the experts' stacked weights train and the experts stay as loaded; the
+    exported adapter (peft's target_parameters) loaded by peft onto the saved model, and the merged export
+    loaded by transformers, both give the logits of paratrain's trained model."""
+    peft = pytest.importorskip("peft")
+    transformers = pytest.importorskip("transformers")
+    checkpoint = runs.get("lora_experts fsdp x2") / f"checkpoints/step-{STEPS}"
+    weights = checkpoint_weights(checkpoint)
+    base = transformers.AutoModelForCausalLM.from_pretrained(pretrained)
+    from paratrain.models.lora import base_name
+
+    for name, tensor in weights.items():
+        if ".lora_" not in name:
+            assert torch.equal(tensor, base.state_dict()[base_name(name)]), f"{name} moved"
+    expert_adapters = [name for name in weights if ".mlp.experts." in name and ".lora_" in name]
+    assert len(expert_adapters) == 2 * 2 * 2  # A and B, gate_up and down, 2 layers
+    assert all(weights[name].any() for name in expert_adapters if ".lora_B." in name)  # B starts at zero: trained
+
+    for command, out in ((["--hf"], "adapter"), (["--hf", "--merge"], "merged")):
+        result = run_cli(["export", str(checkpoint), *command[:1], str(tmp_path / out), *command[1:]])
+        assert result.returncode == 0, result.stderr
+    tokens = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        lora = {"target_parameters": EXPERT_PARAMETERS}
+        ours = adapted(transformers.AutoModelForCausalLM.from_pretrained(pretrained), weights, **lora)(tokens).logits
+        loaded = peft.PeftModel.from_pretrained(base, str(tmp_path / "adapter")).eval()
+        torch.testing.assert_close(loaded(input_ids=tokens).logits, ours, rtol=0, atol=1e-5)
+        merged = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "merged").eval()
+        torch.testing.assert_close(merged(input_ids=tokens).logits, ours, rtol=0, atol=1e-5)
+
+
+def adapted(model: torch.nn.Module, weights: dict[str, torch.Tensor], **lora) -> torch.nn.Module:
     """``model`` with LoRA applied as training applies it and a checkpoint's tensors loaded."""
     from paratrain.config.schema import LoraConfig
     from paratrain.models.lora import apply_lora
 
-    model = apply_lora(model, LoraConfig(r=4, alpha=8, target_modules=["q_proj", "v_proj"]))
+    model = apply_lora(model, LoraConfig(r=4, alpha=8, target_modules=["q_proj", "v_proj"], **lora))
     model.load_state_dict(weights)
     return model.eval()

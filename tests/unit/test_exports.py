@@ -229,3 +229,26 @@ def test_save_final_hf_exports_past_a_damaged_optimizer_file_and_falls_back_past
         len(model.state_dict()),
     )
     assert f"checkpoint file {damaged} is corrupt" in caplog.text and "falling back" in caplog.text
+
+
+def test_a_stacked_expert_weight_merges_each_experts_own_adapter_as_peft_computes_it():
+    """peft's adapter on a stacked (experts, out, in) weight: expert e's update is B_e @ A_e, A's rows and B's
+    columns laid out as peft lays them; the merge adds exactly peft's delta weight."""
+    peft = pytest.importorskip("peft")
+    from paratrain.tools.export_lora import merge_adapter
+
+    class Experts(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.down_proj = torch.nn.Parameter(torch.randn(3, 5, 4))  # (experts, out, in)
+
+    torch.manual_seed(0)
+    config = peft.LoraConfig(r=2, lora_alpha=6, target_parameters=["down_proj"], init_lora_weights=False)
+    holder = peft.inject_adapter_in_model(config, torch.nn.Sequential(Experts()))
+    wrapper = holder[0]
+    weight, down, up = (
+        t.detach() for t in (wrapper.get_param(), wrapper.lora_A["default"].weight, wrapper.lora_B["default"].weight)
+    )
+    expected = weight + wrapper.get_delta_weight("default").detach()
+    merged = merge_adapter(weight.clone(), down=down, up=up, scaling=3.0)  # an fp32 weight is merged in place
+    torch.testing.assert_close(merged, expected, rtol=0, atol=1e-6)
