@@ -286,10 +286,7 @@ class Trainer:
         config, step = self.config, self.progress.step
         if not self._started:
             self._started = True
-            # Every replica group takes the start-up quorum, with a checkpoint or without: one that stepped in
-            # it while the others resumed would wait out its all-reduce alone.
-            healed = self.replicas.heals_instead_of_resuming()
-            if self.checkpoints.chosen is not None and not healed:
+            if not self.replicas.heals_instead_of_resuming() and self.checkpoints.chosen is not None:  # all groups join
                 self._resume()
             self.reference.maybe_compute()
             if self.ctx.is_main:
