@@ -124,7 +124,7 @@ def _check_lora_layout(config: Config, dims: ParallelDims) -> None:
             f"with a wrapper that the tensor-parallel plan (which names the Linear itself) and the pipeline split "
             f"do not know; use ddp, fsdp or hsdp (LoRA's frozen base needs little memory sharded by fsdp)"
         )
-    if config.model.lora.target_parameters and dims.ep > 1:
+    if config.model.lora.target_parameters and dims.ep_enabled:
         raise ConfigError(
             f"model.lora.target_parameters={config.model.lora.target_parameters} with parallel.ep={dims.ep}: each "
             f"rank holds 1/{dims.ep} of the experts, and peft's adapter on a stacked expert weight holds every "

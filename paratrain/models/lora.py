@@ -27,6 +27,7 @@ from paratrain.models.hf import is_transformers_model
 ADAPTER_MARKER = ".lora_"
 """In the name of every adapter parameter, and of no base parameter."""
 _BASE_LAYERS = re.compile(r"(?:\.base_layer)+\.")
+_IN_BLOCK = re.compile(r"^.*?\.\d+\.")  # a parameter's name up to its block's index
 
 
 def maybe_apply_lora(model: nn.Module, lora: LoraConfig | None) -> nn.Module:
@@ -62,27 +63,25 @@ def apply_lora(model: nn.Module, lora: LoraConfig) -> nn.Module:
     _check_targets(model, lora.target_modules, parameters_too=bool(lora.target_parameters))
     _check_target_parameters(model, lora.target_parameters)
     peft = require_peft()
-    config = peft.LoraConfig(
-        r=lora.r,
-        lora_alpha=lora.alpha,
-        lora_dropout=lora.dropout,
-        target_modules=lora.target_modules,
-        target_parameters=lora.target_parameters or None,
-    )
-    return peft.inject_adapter_in_model(config, model)
+    return peft.inject_adapter_in_model(peft.LoraConfig(**_adapter_settings(lora)), model)
 
 
 def peft_config(lora: LoraConfig, *, base_model: str | None = None):
     """peft's LoraConfig for the same adapters (what an exported adapter's adapter_config.json holds)."""
     return require_peft().LoraConfig(
-        r=lora.r,
-        lora_alpha=lora.alpha,
-        lora_dropout=lora.dropout,
-        target_modules=lora.target_modules,
-        target_parameters=lora.target_parameters or None,
-        base_model_name_or_path=base_model,
-        task_type="CAUSAL_LM",
+        **_adapter_settings(lora), base_model_name_or_path=base_model, task_type="CAUSAL_LM"
     )
+
+
+def _adapter_settings(lora: LoraConfig) -> dict:
+    """peft's LoraConfig arguments for ``model.lora``: the same for training and for the exported adapter."""
+    return {
+        "r": lora.r,
+        "lora_alpha": lora.alpha,
+        "lora_dropout": lora.dropout,
+        "target_modules": lora.target_modules,
+        "target_parameters": lora.target_parameters or None,
+    }
 
 
 def is_adapter(name: str) -> bool:
@@ -128,7 +127,8 @@ def _check_target_parameters(model: nn.Module, targets: list[str]) -> None:
     names = [name for name, _ in model.named_parameters()]
     for target in targets:
         if not any(name == target or name.endswith(f".{target}") for name in names):
-            stacked = sorted({name.split(".", 3)[-1] for name, p in model.named_parameters() if p.ndim == 3})
+            # Named within their block (``model.layers.3.mlp.experts.down_proj`` -> ``mlp.experts.down_proj``).
+            stacked = sorted({_IN_BLOCK.sub("", name) for name, p in model.named_parameters() if p.ndim == 3})
             raise ConfigError(
                 f"model.lora.target_parameters: {target!r} names no parameter of {type(model).__name__}"
                 + (f"; its stacked (expert) parameters end in: {', '.join(stacked)}" if stacked else "")

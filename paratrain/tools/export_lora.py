@@ -30,6 +30,7 @@ from paratrain.models.weights import canonical_name
 
 ADAPTER_NAME = "default"
 _ADAPTED_WEIGHT = ".base_layer.weight"  # peft's name for the weight of a module it adapted
+_WRAPPED = ".base_layer"  # peft's name for the module it wrapped, once per adapter around it
 
 
 def export_adapter(reader: TensorReader, lora: LoraConfig, out_dir: Path, *, base: str | None) -> int:
@@ -99,28 +100,28 @@ def _parameter_adapter_of(key: str, reader: TensorReader) -> tuple[str, ...]:
     """The adapter of a stacked expert weight ``M.base_layer[.base_layer...].NAME``: peft wraps module M once
     per adapted parameter, so the adapter sits on one of those wrappers; the one whose A and B fit the
     weight's ``(experts, out, in)``. Raises where two would fit (the checkpoint cannot say which)."""
-    module, _, _ = key.rpartition(".")
-    if not module.endswith(".base_layer"):
+    saved = reader.metadata.state_dict_metadata
+    module, shape = key.rpartition(".")[0], tuple(saved[key].size)
+    if not module.endswith(_WRAPPED) or len(shape) != 3:
         return ()
-    shape = reader.metadata.state_dict_metadata[key].size
-    if len(shape) != 3:
-        return ()
-    experts, out_features, in_features = shape
-    sizes = reader.metadata.state_dict_metadata
-    fitting = []
-    wrapper = module
-    while wrapper.endswith(".base_layer"):
-        wrapper = wrapper.removesuffix(".base_layer")
-        adapter = _adapter_at(wrapper, reader)
-        if (
-            adapter
-            and tuple(sizes[adapter[0]].size)[1] == in_features
-            and tuple(sizes[adapter[1]].size)[0] == out_features
-        ):
-            fitting.append(adapter)
+    _, out_features, in_features = shape
+    fitting = [
+        (down, up)
+        for down, up in filter(None, (_adapter_at(wrapper, reader) for wrapper in _wrappers_of(module)))
+        if saved[down].size[1] == in_features and saved[up].size[0] == out_features
+    ]
     if len(fitting) > 1:
-        raise ValueError(f"{key}: {len(fitting)} adapters fit its shape {tuple(shape)}; merge it with peft instead")
+        raise ValueError(f"{key}: {len(fitting)} adapters fit its shape {shape}; merge it with peft instead")
     return fitting[0] if fitting else ()
+
+
+def _wrappers_of(module: str) -> list[str]:
+    """``M.base_layer.base_layer`` -> ``[M.base_layer, M]``: every peft wrapper around the module, innermost first."""
+    wrappers = []
+    while module.endswith(_WRAPPED):
+        module = module.removesuffix(_WRAPPED)
+        wrappers.append(module)
+    return wrappers
 
 
 def _peft_name(key: str) -> str:

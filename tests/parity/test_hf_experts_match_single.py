@@ -236,18 +236,12 @@ def test_lora_under_ep_trains_the_adapters_alone_and_exports_an_adapter_peft_loa
     checkpoint = runs.get("lora ep x2") / f"checkpoints/step-{STEPS}"
     weights = checkpoint_weights(checkpoint)
     base = transformers.AutoModelForCausalLM.from_pretrained(pretrained)
-    for name, tensor in weights.items():
-        if ".lora_" not in name:
-            assert torch.equal(tensor, base.state_dict()[name.replace(".base_layer.", ".")]), f"{name} moved"
+    assert_base_as_loaded(weights, base)
     assert len([name for name in weights if ".lora_" in name]) == 2 * 2 * 2  # A and B, q and v, 2 layers
 
     result = run_cli(["export", str(checkpoint), "--hf", str(tmp_path / "adapter")])
     assert result.returncode == 0, result.stderr
-    tokens = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(0))
-    with torch.no_grad():
-        ours = adapted(transformers.AutoModelForCausalLM.from_pretrained(pretrained), weights)(tokens).logits
-        loaded = peft.PeftModel.from_pretrained(base, str(tmp_path / "adapter")).eval()
-        torch.testing.assert_close(loaded(input_ids=tokens).logits, ours, rtol=0, atol=1e-5)
+    assert_peft_gives_our_logits(peft.PeftModel, base, tmp_path / "adapter", adapted(pretrained, weights))
 
 
 def test_lora_on_the_stacked_experts_exports_an_adapter_peft_loads_and_a_merged_model(runs, pretrained, tmp_path):
@@ -259,11 +253,7 @@ def test_lora_on_the_stacked_experts_exports_an_adapter_peft_loads_and_a_merged_
     checkpoint = runs.get("lora_experts fsdp x2") / f"checkpoints/step-{STEPS}"
     weights = checkpoint_weights(checkpoint)
     base = transformers.AutoModelForCausalLM.from_pretrained(pretrained)
-    from paratrain.models.lora import base_name
-
-    for name, tensor in weights.items():
-        if ".lora_" not in name:
-            assert torch.equal(tensor, base.state_dict()[base_name(name)]), f"{name} moved"
+    assert_base_as_loaded(weights, base)
     expert_adapters = [name for name in weights if ".mlp.experts." in name and ".lora_" in name]
     assert len(expert_adapters) == 2 * 2 * 2  # A and B, gate_up and down, 2 layers
     assert all(weights[name].any() for name in expert_adapters if ".lora_B." in name)  # B starts at zero: trained
@@ -271,21 +261,42 @@ def test_lora_on_the_stacked_experts_exports_an_adapter_peft_loads_and_a_merged_
     for command, out in ((["--hf"], "adapter"), (["--hf", "--merge"], "merged")):
         result = run_cli(["export", str(checkpoint), *command[:1], str(tmp_path / out), *command[1:]])
         assert result.returncode == 0, result.stderr
+    ours = adapted(pretrained, weights, target_parameters=EXPERT_PARAMETERS)
+    tokens, logits = assert_peft_gives_our_logits(peft.PeftModel, base, tmp_path / "adapter", ours)
+    with torch.no_grad():
+        merged = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "merged").eval()
+        torch.testing.assert_close(merged(input_ids=tokens).logits, logits, rtol=0, atol=1e-5)
+
+
+def assert_base_as_loaded(weights: dict[str, torch.Tensor], base: torch.nn.Module) -> None:
+    """Every trained checkpoint tensor but the adapters' equals the saved model's, under its own name."""
+    from paratrain.models.lora import base_name
+
+    for name, tensor in weights.items():
+        if ".lora_" not in name:
+            assert torch.equal(tensor, base.state_dict()[base_name(name)]), f"{name} moved"
+
+
+def assert_peft_gives_our_logits(
+    peft_model: type, base: torch.nn.Module, adapter: Path, ours: torch.nn.Module
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The exported ``adapter`` loaded by peft onto ``base`` gives ``ours``'s logits; returns (tokens, logits)."""
     tokens = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
-        lora = {"target_parameters": EXPERT_PARAMETERS}
-        ours = adapted(transformers.AutoModelForCausalLM.from_pretrained(pretrained), weights, **lora)(tokens).logits
-        loaded = peft.PeftModel.from_pretrained(base, str(tmp_path / "adapter")).eval()
-        torch.testing.assert_close(loaded(input_ids=tokens).logits, ours, rtol=0, atol=1e-5)
-        merged = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "merged").eval()
-        torch.testing.assert_close(merged(input_ids=tokens).logits, ours, rtol=0, atol=1e-5)
+        logits = ours(tokens).logits
+        loaded = peft_model.from_pretrained(base, str(adapter)).eval()
+        torch.testing.assert_close(loaded(input_ids=tokens).logits, logits, rtol=0, atol=1e-5)
+    return tokens, logits
 
 
-def adapted(model: torch.nn.Module, weights: dict[str, torch.Tensor], **lora) -> torch.nn.Module:
-    """``model`` with LoRA applied as training applies it and a checkpoint's tensors loaded."""
+def adapted(pretrained: Path, weights: dict[str, torch.Tensor], **lora) -> torch.nn.Module:
+    """The saved model with LoRA applied as training applies it and a checkpoint's tensors loaded."""
+    import transformers
+
     from paratrain.config.schema import LoraConfig
     from paratrain.models.lora import apply_lora
 
+    model = transformers.AutoModelForCausalLM.from_pretrained(pretrained)
     model = apply_lora(model, LoraConfig(r=4, alpha=8, target_modules=["q_proj", "v_proj"], **lora))
     model.load_state_dict(weights)
     return model.eval()
