@@ -12,6 +12,7 @@ EXIT_REQUEUE = 75  # EX_TEMPFAIL: stopped on SIGTERM/SIGUSR1 after saving a chec
 EXIT_HANG = 124  # as timeout(1): a step exceeded debug.step_timeout_s; stacks in output_dir/hang/
 EXIT_NONFINITE = 3  # training diverged: non-finite gradients or weights (train.nonfinite); nothing bad was saved
 EXIT_SAVE_FAILED = 74  # EX_IOERR: a checkpoint could not be written (disk full, quota, read-only, permissions)
+EXIT_PEER_RESTARTED = 76  # a worker on another node restarted; this one ends so torchrun restarts it too
 
 
 class ConfigError(ValueError):

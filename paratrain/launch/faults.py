@@ -15,6 +15,9 @@ NaN after the backward of the step (every rank by default), as a diverging model
 wait at the start of the step until every group is back in the quorum (a test's fixed point: a killed
 group's restart, however slow the machine, rejoins before the live group can finish). ``mid_heal`` kills a
 replica group that has received a live peer's state and not yet applied it (the step is the peer's). A step
+``late_manager_on_restart:0`` is the one fault that fires only in a restarted attempt: that rank waits
+``LATE_MANAGER_S`` before building its replica group's torchft Manager, so a group's rank 0 comes back
+after its peers (the order that once let them read the failed attempt's address). A step
 may be a range ``A-B``
 (``slow_step:6-40``). Several faults are separated by commas
 (``sigterm_mid_async_save:20:1,slow_async_save:20``). With the variable unset, nothing happens. A
@@ -34,6 +37,7 @@ ENV_VAR = "PARATRAIN_FAULT"
 STALL_S = 3600.0
 SLOW_WRITE_S = 2.0
 SLOW_STEP_S = 0.5
+LATE_MANAGER_S = 8.0
 
 
 def maybe_stall(point: str, *, step: int, rank: int) -> None:
@@ -45,6 +49,14 @@ def maybe_stall(point: str, *, step: int, rank: int) -> None:
 def maybe_slow_down(point: str, *, step: int, rank: int, seconds: float = SLOW_WRITE_S) -> None:
     """Sleeps ``seconds`` at ``point`` (e.g. ``slow_async_save``), as slow storage would."""
     if _fires(point, step=step, rank=rank):
+        time.sleep(seconds)
+
+
+def maybe_late_on_restart(point: str, *, rank: int, seconds: float = LATE_MANAGER_S) -> None:
+    """Sleeps ``seconds`` at ``point`` (``late_manager_on_restart``) in a restarted attempt only."""
+    spec = os.environ.get(ENV_VAR)
+    restarted = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0"
+    if spec and restarted and any(_matches(one, point=point, step=0, rank=rank) for one in spec.split(",")):
         time.sleep(seconds)
 
 

@@ -16,15 +16,17 @@ torchft is an optional dependency (``pip install 'paratrain[ft]'``): imported on
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from paratrain.config.schema import FaultToleranceConfig
@@ -326,9 +328,34 @@ def build_replica_group_sync(
         load_state_dict(state)
         sync.healed = True
 
-    manager = torchft.Manager(
+    rank = int(os.environ.get("RANK", 0))
+    faults.maybe_late_on_restart("late_manager_on_restart", rank=rank)
+    with manager_address_published(rank):
+        manager = _new_manager(torchft, options, pg=pg, load_state_dict=load_and_mark, state_dict=state_dict)
+    sync = ReplicaGroupSync(
+        manager,
+        options=options,
+        members=lambda: pg.quorum_members,
+        read_slice=read_slice,
+        counts=counts,
+        rank=rank,
+        local_rank=int(os.environ.get("LOCAL_RANK", 0)),
+    )
+    return sync
+
+
+def _new_manager(
+    torchft: Any,
+    options: FaultToleranceConfig,
+    *,
+    pg: Any,
+    load_state_dict: Callable[[dict[str, Any]], None],
+    state_dict: Callable[[], dict[str, Any]],
+) -> Any:
+    timeout = timedelta(seconds=options.timeout_s)
+    return torchft.Manager(
         pg=pg,
-        load_state_dict=load_and_mark,
+        load_state_dict=load_state_dict,
         state_dict=state_dict,
         min_replica_size=options.min_replica_groups,
         # Synchronous quorum: healing is applied before the step's batch is read, so the data position
@@ -344,13 +371,23 @@ def build_replica_group_sync(
         # Every group builds the same initial weights from train.seed: nothing to send at step 0.
         init_sync=False,
     )
-    sync = ReplicaGroupSync(
-        manager,
-        options=options,
-        members=lambda: pg.quorum_members,
-        read_slice=read_slice,
-        counts=counts,
-        rank=int(os.environ.get("RANK", 0)),
-        local_rank=int(os.environ.get("LOCAL_RANK", 0)),
-    )
-    return sync
+
+
+@contextlib.contextmanager
+def manager_address_published(rank: int) -> Iterator[None]:
+    """Holds the group's other ranks back until rank 0's Manager has written its address to the store.
+
+    torchft's Manager publishes rank 0's server address under a fixed key of the torchrun store, and
+    every other rank reads that key at once. A multi-node torchrun (static rendezvous) keeps its first
+    store across ``--max-restarts``, so a restarted rank could read the failed attempt's address and
+    never connect. The group's own process group is fresh per attempt (``init_distributed``), so its
+    barrier orders the write before the reads.
+    """
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        yield
+        return
+    if rank != 0:
+        dist.barrier()
+    yield
+    if rank == 0:
+        dist.barrier()

@@ -4,6 +4,7 @@ namespace has only its loopback and its end of the pair."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import shutil
@@ -199,3 +200,90 @@ def test_worker_killed_on_node_1_is_restarted_on_both_nodes_and_ends_bit_identic
     assert expected.keys() == actual.keys()
     for name in expected:
         assert torch.equal(actual[name], expected[name]), f"{name} differs from the uninterrupted run"
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("killed", ["on both hosts", "on host 1 only"])
+def test_replica_groups_spanning_two_nodes_heal_node_to_node_and_train_as_one_process(hosts, tmp_path, killed):
+    """Two replica groups of fsdp x2, each spanning both hosts (one process per node: its own torchrun over
+    both, its own rendezvous port), a lighthouse on host 0. Group 1 dies after step 6 on both hosts (as a
+    group does when its job is preempted), or only its worker on host 1 dies (its worker on host 0 must then
+    end too, to be restarted beside it), and each host's torchrun restarts its part; group 0 computes both
+    groups' slices meanwhile, and group 1 heals from it rank by rank across the hosts (each host advertises
+    its own name, as cluster nodes do). Every logged loss and the final weights are those of one process
+    training the same global batch."""
+    pytest.importorskip("torchft", reason="replica groups need the ft extra: pip install 'paratrain[ft]'")
+    lighthouse_port, steps = 29610, 20
+    ft = {"lighthouse": f"http://{hosts[0].address}:{lighthouse_port}", "quorum_timeout_s": 360}
+    sections = {"parallel": {"dp_shard": 2, "fault_tolerance": ft}, "train": {"max_steps": steps}}
+    config = write_config(tmp_path / "c.yaml", tiny_config(tmp_path / "ft", **sections))
+    with named_hosts(hosts):
+        started = [on_host(hosts[0], ["lighthouse", "--bind", f"{hosts[0].address}:{lighthouse_port}"], tmp_path)]
+        try:
+            # Group 0 takes half a second a step while group 1 is away and waits for it at step 15, so that
+            # group 1 heals from a group still training however slow its restart is here.
+            # Group 1's rank 0 comes back 8 s after its peer: the peer must wait for the new Manager's
+            # address, not read the one its failed attempt left in the store.
+            kill = "after_step:6" if killed == "on both hosts" else "after_step:6:1"
+            faults = {0: "slow_step:7-20,wait_for_groups:15", 1: f"{kill},late_manager_on_restart:0:0"}
+            for group in (0, 1):
+                for rank, host in enumerate(hosts):
+                    args = ["train", str(config), "--replica-group", str(group), "--replica-groups", "2",
+                            "--nnodes", "2", "--nproc-per-node", "1", "--node-rank", str(rank),
+                            "--rdzv-endpoint", f"{hosts[0].address}:{29620 + group}", "--max-restarts", "1"]  # fmt: skip
+                    started.append(on_host(host, args, tmp_path, fault=faults[group]))
+            logs = [wait_for(process, log) for process, log in started[1:]]
+        finally:
+            for process, _ in started:
+                if process.poll() is None:
+                    process.kill()
+    assert "healed from a live replica group" in logs[2] + logs[3]
+    if killed == "on host 1 only":
+        assert "a worker on another node restarted" in logs[2]  # group 1's worker on host 0 followed it
+    single = tmp_path / "single"
+    train(config, f"run.output_dir={single}", "parallel.dp_shard=1")
+    reference, final = losses_by_step(single), f"checkpoints/step-{steps}"
+    groups = [tmp_path / "ft/replica-group-0", tmp_path / "ft/replica-group-1"]
+    assert [record["step"] for record in read_metrics(groups[0])] == list(range(1, steps + 1))  # each step once
+    for group in groups:  # group 1 logs none of the steps it was away for
+        records = read_metrics(group)
+        assert max(abs(r["loss"] - reference[r["step"]]) / reference[r["step"]] for r in records) <= LOSS_RTOL
+        assert {record["skipped_samples"] for record in records} == {0}
+        difference = max_weight_difference(checkpoint_weights(group / final), checkpoint_weights(single / final))
+        assert difference <= WEIGHT_ATOL
+
+
+@contextlib.contextmanager
+def named_hosts(hosts: list[Host]):
+    """Each namespace's own /etc/hosts (``ip netns exec`` mounts /etc/netns/NAME/hosts over it) naming every
+    host by its namespace's name: torchft advertises its servers by host name."""
+    lines = ["127.0.0.1 localhost", *(f"{host.address} {host.namespace}" for host in hosts)]
+    for host in hosts:
+        directory = Path("/etc/netns") / host.namespace
+        directory.mkdir(parents=True, exist_ok=True)
+        (directory / "hosts").write_text("\n".join(lines) + "\n")
+    try:
+        yield
+    finally:
+        for host in hosts:
+            shutil.rmtree(Path("/etc/netns") / host.namespace, ignore_errors=True)
+
+
+def on_host(host: Host, args: list[str], directory: Path, fault: str | None = None) -> tuple[subprocess.Popen, Path]:
+    """``paratrain ARGS`` inside ``host``'s namespace under its own host name (a UTS namespace), its output to a
+    file (an unread pipe would fill and stall it)."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": host.interface}
+    if fault:
+        env["PARATRAIN_FAULT"] = fault
+    log = directory / f"{host.namespace}-{args[0]}-{len(list(directory.glob('*.log')))}.log"
+    named = ["unshare", "--uts", "sh", "-c", 'hostname "$0" && exec "$@"', host.namespace]
+    argv = ["ip", "netns", "exec", host.namespace, *named, sys.executable, "-m", "paratrain.cli", *args]
+    with log.open("w") as stream:
+        process = subprocess.Popen(argv, stdout=stream, stderr=subprocess.STDOUT, env=env, cwd=REPO_ROOT)
+    return process, log
+
+
+def wait_for(process: subprocess.Popen, log: Path) -> str:
+    code = process.wait(timeout=400)
+    assert code == 0, f"{log.name} failed ({code}):\n{log.read_text()[-4000:]}"
+    return log.read_text()

@@ -1,0 +1,49 @@
+"""Multi-node restarts that reach every node: a worker ends when a peer on another node has restarted.
+
+paratrain's multi-node runs use torchrun's static rendezvous, where each node's agent restarts only its
+own workers, and only when one of them fails. A worker that dies on node 1 is restarted there, while
+node 0's workers may go on waiting for it: in a collective that does not notice a lost peer (NCCL until
+its timeout), or in a replica group's torchft quorum, which waits for every rank of the group. The
+restarted worker waits for them in turn, in the next attempt's store, and the job stalls.
+
+So each worker marks its attempt in the agent's store (shared by every node for the whole job) and
+watches for the next one. A worker that sees a newer attempt exits, its agent restarts it into that
+attempt, and every node's attempt number stays the same (one restart each), as after a failure on all
+of them.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+
+import torch.distributed as dist
+
+from paratrain.errors import EXIT_PEER_RESTARTED
+
+logger = logging.getLogger("paratrain")
+
+POLL_S = 1.0
+_KEY = "paratrain/attempt_started/{attempt}"
+
+
+def follow_peer_restarts(store: dist.Store, attempt: int) -> None:
+    """Marks ``attempt`` as started, then ends this process once any worker has started ``attempt + 1``.
+
+    Args:
+        store: The agent's store, without a prefix (every node's workers see the same keys).
+        attempt: This worker's ``TORCHELASTIC_RESTART_COUNT``.
+    """
+    store.set(_KEY.format(attempt=attempt), str(os.getpid()))
+    newer = _KEY.format(attempt=attempt + 1)
+    threading.Thread(target=_exit_once_set, args=(store, newer), name="paratrain-peer-restarts", daemon=True).start()
+
+
+def _exit_once_set(store: dist.Store, key: str) -> None:
+    while not store.check([key]):
+        time.sleep(POLL_S)
+    logger.error("a worker on another node restarted: this worker ends so that torchrun restarts it beside it")
+    # os._exit: the main thread may be inside a collective or a quorum that no exception reaches.
+    os._exit(EXIT_PEER_RESTARTED)
