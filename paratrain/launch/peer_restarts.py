@@ -42,8 +42,11 @@ def follow_peer_restarts(store: dist.Store, attempt: int) -> None:
 
 
 def _exit_once_set(store: dist.Store, key: str) -> None:
-    while not store.check([key]):
-        time.sleep(POLL_S)
+    try:
+        while not store.check([key]):
+            time.sleep(POLL_S)
+    except RuntimeError:  # DistStoreError: node 0's launcher is gone (the job ended, or node 0 failed)
+        return
     logger.error("a worker on another node restarted: this worker ends so that torchrun restarts it beside it")
     # os._exit: the main thread may be inside a collective or a quorum that no exception reaches.
     os._exit(EXIT_PEER_RESTARTED)
