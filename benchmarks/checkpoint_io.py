@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import gc
 import json
 import os
 import shutil
@@ -373,6 +374,9 @@ def parse_args() -> argparse.Namespace:
 def main() -> None:
     args = parse_args()
     torch.set_num_threads(1)
+    # As a training process does after its imports (paratrain.train.freeze_imported_objects): a garbage
+    # collection then walks what the run made, not torch's modules.
+    gc.freeze()
     if args.worker:
         worker(args)
         return

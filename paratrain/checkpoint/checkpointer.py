@@ -12,6 +12,7 @@ import torch
 from torch.distributed.checkpoint.stateful import Stateful
 
 from paratrain.checkpoint import selection
+from paratrain.checkpoint.gc_pause import collections_paused
 from paratrain.checkpoint.reader import load_checkpoint
 from paratrain.checkpoint.writer import CheckpointWriter
 
@@ -55,7 +56,8 @@ class Checkpointer:
         self, step: int, state: dict[str, Stateful], *, blocking: bool = True, weights_finite: bool | None = None
     ) -> Path:
         """Writes ``step-<step>``; returns its path (see CheckpointWriter.save). Every rank calls it at the same step."""
-        return self.writer.save(step, state, blocking=blocking, weights_finite=weights_finite)
+        with collections_paused():
+            return self.writer.save(step, state, blocking=blocking, weights_finite=weights_finite)
 
     def wait(self) -> Path | None:
         """Blocks until the save in flight, if any, is complete on every rank; returns its path."""
@@ -71,7 +73,8 @@ class Checkpointer:
 
     def load(self, path: Path, state: dict[str, Stateful], *, optional: tuple[str, ...] = ()) -> None:
         """Loads ``path`` into ``state`` under this layout, every file verified (see reader.load_checkpoint)."""
-        load_checkpoint(path, state, rank=self.rank, optional=optional)
+        with collections_paused():
+            load_checkpoint(path, state, rank=self.rank, optional=optional)
 
     def choose_resume(self, resume: str) -> Path | None:
         """The checkpoint to resume from (see selection.choose_resume)."""
