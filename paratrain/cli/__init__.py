@@ -6,8 +6,11 @@ from __future__ import annotations
 import os
 import sys
 
-from paratrain.cli.parser import build_parser, parse_args
 from paratrain.errors import RUN_ENDINGS, CheckpointWriteError, Preempted, exit_code_of
+from paratrain.gc_pause import collections_paused
+
+with collections_paused():  # the commands import torch: ~300k objects, none of them garbage (paratrain.gc_pause)
+    from paratrain.cli.parser import build_parser, parse_args
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -42,7 +42,7 @@ class LaunchOptions:
 
 
 def torchrun_argv(
-    options: LaunchOptions, worker_args: list[str], *, worker_module: str = "paratrain.train"
+    options: LaunchOptions, worker_args: list[str], *, worker_module: str = "paratrain.worker"
 ) -> list[str]:
     """torchrun's arguments for running ``python -m WORKER_MODULE WORKER_ARGS`` on this node."""
     # lazy: torchrun's modules load only once the launch is decided (not for a one-process run)
@@ -83,7 +83,7 @@ def torchrun_argv(
 
 
 def launch(
-    options: LaunchOptions, worker_args: list[str], *, env: dict[str, str], worker_module: str = "paratrain.train"
+    options: LaunchOptions, worker_args: list[str], *, env: dict[str, str], worker_module: str = "paratrain.worker"
 ) -> int:
     """Runs the workers (``python -m WORKER_MODULE WORKER_ARGS``) under torchrun in this process; returns
     an exit code for the CLI. Other worker modules get the same loopback-only stores (tests use them)."""

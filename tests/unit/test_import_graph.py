@@ -24,6 +24,7 @@ LAYERS = (
     "precision",
     "gradients",
     "cuda_settings",
+    "gc_pause",
     # the typed config tree: schema, loading, reference docs, factories
     "config",
     # models and their plans as data; then the layouts' transforms, meshes and collectives
@@ -48,6 +49,7 @@ LAYERS = (
     "training",
     # the per-rank entry, the tools, the command line, the public API
     "train",
+    "worker",
     "tools",
     "cli",
     "paratrain",
