@@ -180,6 +180,8 @@ def build_rank_model(
         seed_checkpoint_dir=output_dir,
     )
     layout = build_layout(request)
+    # transformers' from_pretrained returns its model in eval mode; it trains with dropout on, as under the HF Trainer.
+    layout.bare.train()
     if sections.debug.dump_initial_weights and resuming:
         logger.info("debug.dump_initial_weights: resuming, so there are no initial weights to write")
     elif sections.debug.dump_initial_weights:

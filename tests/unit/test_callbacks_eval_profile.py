@@ -256,3 +256,14 @@ def test_eval_and_profile_options_without_their_switch_are_warned_about():
     warnings = ineffective_options(config, resolve_parallel_dims(config.parallel, world_size=1))
     assert "eval.every_steps has no effect without eval.factory (Python API: Trainer(eval_dataset=...))" in warnings
     assert "profile.active has no effect without profile.enabled=true" in warnings
+
+
+def test_a_model_its_factory_returns_in_eval_mode_trains_in_training_mode(tmp_path):
+    """transformers' from_pretrained returns a model in eval mode: paratrain trains it with dropout on, as the HF
+    Trainer does, and evaluation still runs in eval mode."""
+    config = load_config(None, [*mlp_overrides(tmp_path / "run"), *RUN_OVERRIDES])
+    trainer = paratrain.Trainer(config, model_factory=lambda: build_mlp(**MODEL_ARGS).eval())
+    try:
+        assert all(module.training for module in trainer.bare_model.modules())
+    finally:
+        trainer.close()
