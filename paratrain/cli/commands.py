@@ -31,6 +31,7 @@ def lighthouse_command(args: argparse.Namespace) -> int:
         min_replicas=args.min_replicas,
         join_timeout_ms=args.join_timeout_ms,
         heartbeat_timeout_ms=args.heartbeat_timeout_ms,
+        address_file=args.address_file,
     )
 
 

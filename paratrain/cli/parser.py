@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 from paratrain.cli import commands, train_handoff
 
@@ -86,7 +87,13 @@ def add_lighthouse_parser(subparsers: argparse._SubParsersAction) -> None:
     lighthouse.add_argument(
         "--bind",
         default="127.0.0.1:29510",
-        help="HOST:PORT to listen on (default loopback; a cluster: the node's address)",
+        help="HOST:PORT to listen on (default loopback; a cluster: the node's address; PORT 0: a free one)",
+    )
+    lighthouse.add_argument(
+        "--address-file",
+        type=Path,
+        default=None,
+        help="write the address it serves at to this file once it listens (how a script learns a PORT 0 bind)",
     )
     lighthouse.add_argument("--min-replicas", type=int, default=1, help="groups a quorum needs (default 1)")
     # A live group that is slow to ask for the next quorum must be waited for, or the others form a quorum

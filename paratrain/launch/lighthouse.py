@@ -9,6 +9,7 @@ import signal
 import socket
 import time
 import urllib.parse
+from pathlib import Path
 from typing import Any
 
 from paratrain.config.schema import FaultToleranceConfig
@@ -61,8 +62,11 @@ def check_lighthouse_reachable(options: FaultToleranceConfig) -> None:
         time.sleep(0.2)
 
 
-def run_lighthouse(*, bind: str, min_replicas: int, join_timeout_ms: int, heartbeat_timeout_ms: int) -> int:
-    """Serves torchft's lighthouse until SIGINT or SIGTERM (``paratrain lighthouse``)."""
+def run_lighthouse(
+    *, bind: str, min_replicas: int, join_timeout_ms: int, heartbeat_timeout_ms: int, address_file: Path | None = None
+) -> int:
+    """Serves torchft's lighthouse until SIGINT or SIGTERM (``paratrain lighthouse``); writes the address it serves
+    at to ``address_file`` once it listens, whole or not at all (a reader never sees half of it)."""
     lighthouse_server = import_torchft("the lighthouse")._torchft.LighthouseServer
     lighthouse_host_port(bind, key="--bind")
     server = lighthouse_server(
@@ -72,6 +76,10 @@ def run_lighthouse(*, bind: str, min_replicas: int, join_timeout_ms: int, heartb
         heartbeat_timeout_ms=heartbeat_timeout_ms,
     )
     print(f"paratrain: lighthouse serving at {server.address()} (min_replicas={min_replicas})", flush=True)
+    if address_file is not None:
+        partial = address_file.with_name(address_file.name + ".partial")
+        partial.write_text(server.address() + "\n")
+        partial.replace(address_file)
     stopped = []
     for signum in (signal.SIGINT, signal.SIGTERM):
         signal.signal(signum, lambda number, frame: stopped.append(number))

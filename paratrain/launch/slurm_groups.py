@@ -6,8 +6,8 @@ A group is one ``paratrain train --replica-group I`` per node of its own, as a p
 its torchrun restarts its workers (``--max-restarts``) while the other groups step on. USR1 (the time limit
 near, or ``scancel --signal=USR1 --batch``) goes to every group's launchers; each group stops at a step its
 ranks agree on, saves and exits 75, and the script requeues the job when a group asked for it. The requeued
-job starts a new lighthouse at the same address; each group resumes from its newest checkpoint and a group
-behind heals from the newest.
+job starts a new lighthouse (on a port free then, as every lighthouse of these scripts); each group resumes
+from its newest checkpoint and a group behind heals from the newest.
 """
 
 from __future__ import annotations
@@ -20,7 +20,6 @@ from pathlib import Path
 from paratrain.errors import ConfigError
 from paratrain.launch.slurm import SlurmJob, sbatch_header
 
-LIGHTHOUSE_PORT_BASE = 40000  # above the rendezvous ports (29500 + job id % 10000)
 DEFAULT_GROUP_RESTARTS = 3
 LIGHTHOUSE_START_S = 120  # how long the script waits for the lighthouse to answer before starting groups
 
@@ -71,7 +70,7 @@ def render_group_sbatch(job: SlurmJob, *, workdir: Path, python: str = sys.execu
     """The sbatch script of ``job.replica_groups`` groups (see the module docstring)."""
     place = place_groups(nodes=job.nodes, gpus_per_node=job.gpus_per_node, replica_groups=job.replica_groups)
     restarts = DEFAULT_GROUP_RESTARTS if job.max_restarts is None else job.max_restarts
-    lines = [*_header(job, place, workdir=workdir), *_lighthouse_step(python), "groups=()"]
+    lines = [*_header(job, place, workdir=workdir), *_lighthouse_step(python, job.output_dir), "groups=()"]
     for group in range(job.replica_groups):
         lines += [
             f"{shlex.join(_group_step(job, place, group=group))} {_group_train(job, place, group, restarts, python)} &",
@@ -86,20 +85,25 @@ def _header(job: SlurmJob, place: GroupPlacement, *, workdir: Path) -> list[str]
     return sbatch_header(job, [*tasks, *resources], workdir=workdir)
 
 
-def _lighthouse_step(python: str) -> list[str]:
+def _lighthouse_step(python: str, output_dir: Path) -> list[str]:
     lighthouse = shlex.join([python, "-m", "paratrain.cli", "lighthouse"])
+    address_file = shlex.quote(str(output_dir)) + '/"lighthouse-$SLURM_JOB_ID.address"'
     return [
         "# The lighthouse on the job's first node; --overlap: it shares that node's CPUs with the groups there.",
+        "# It binds a port the node has free (a fixed one may be taken) and writes its address for this script.",
         'lighthouse_host=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)',
-        f"lighthouse_port=$(({LIGHTHOUSE_PORT_BASE} + SLURM_JOB_ID % 10000))",
+        f"address_file={address_file}",
+        'rm -f "$address_file"  # a requeued job keeps its id: never read the previous run\'s address',
         f'srun --nodes=1 --ntasks=1 --overlap --nodelist="$lighthouse_host" {lighthouse} '
-        '--bind "$lighthouse_host:$lighthouse_port" &',
+        '--bind "$lighthouse_host:0" --address-file "$address_file" &',
         "lighthouse=$!",
         "# Groups give up on a lighthouse that does not answer within connect_timeout_s: wait for it here first.",
         f"for attempt in $(seq {LIGHTHOUSE_START_S}); do",
-        '  (exec 3<>"/dev/tcp/$lighthouse_host/$lighthouse_port") 2>/dev/null && break',
+        '  [ -s "$address_file" ] && break',
         "  sleep 1",
         "done",
+        'lighthouse_address=$(cat "$address_file")',
+        "lighthouse_port=${lighthouse_address##*:}",
         "",
     ]
 

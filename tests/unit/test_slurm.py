@@ -147,7 +147,7 @@ def test_slurm_with_replica_groups_writes_a_lighthouse_step_and_one_step_per_gro
     ]:
         assert line in lines, line
     (lighthouse,) = [line for line in lines if line.startswith("srun") and " lighthouse " in line]
-    assert "--overlap" in lighthouse and '--bind "$lighthouse_host:$lighthouse_port"' in lighthouse
+    assert "--overlap" in lighthouse and '--bind "$lighthouse_host:0" --address-file "$address_file"' in lighthouse
     groups = [line for line in lines if line.startswith("srun") and " train " in line]
     assert len(groups) == 2
     for group, line in enumerate(groups):
