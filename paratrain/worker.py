@@ -1,5 +1,5 @@
 """The worker process paratrain's launcher starts under torchrun: ``paratrain.train`` imported with automatic
-garbage collection paused (``paratrain.gc_pause``).
+garbage collection paused (``paratrain.launch.gc_pause``).
 
 Those imports (torch, DTensor, DCP, FSDP, sympy) make about 300k objects, none of them garbage. Collection is
 back on before ``main`` runs, and ``main`` freezes those objects out of its reach before training.
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import sys
 
-from paratrain.gc_pause import collections_paused
+from paratrain.launch.gc_pause import collections_paused
 
 if __name__ == "__main__":
     with collections_paused():

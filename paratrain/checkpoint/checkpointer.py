@@ -14,7 +14,7 @@ from torch.distributed.checkpoint.stateful import Stateful
 from paratrain.checkpoint import selection
 from paratrain.checkpoint.reader import load_checkpoint
 from paratrain.checkpoint.writer import CheckpointWriter
-from paratrain.gc_pause import collections_paused
+from paratrain.launch.gc_pause import collections_paused
 
 
 class Checkpointer:

@@ -7,9 +7,9 @@ import os
 import sys
 
 from paratrain.errors import RUN_ENDINGS, CheckpointWriteError, Preempted, exit_code_of
-from paratrain.gc_pause import collections_paused
+from paratrain.launch.gc_pause import collections_paused
 
-with collections_paused():  # the commands import torch: ~300k objects, none of them garbage (paratrain.gc_pause)
+with collections_paused():  # the commands import torch: ~300k objects, none of them garbage (paratrain.launch.gc_pause)
     from paratrain.cli.parser import build_parser, parse_args
 
 

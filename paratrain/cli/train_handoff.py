@@ -18,7 +18,7 @@ from paratrain.cli.commands import dry_run_command
 from paratrain.config.loading import load_config
 from paratrain.config.schema import Config
 from paratrain.errors import ConfigError
-from paratrain.gc_pause import collections_paused
+from paratrain.launch.gc_pause import collections_paused
 from paratrain.launch.launcher import LaunchOptions, launch
 from paratrain.launch.lighthouse import check_lighthouse_reachable
 from paratrain.launch.process_group import pick_device
@@ -95,7 +95,7 @@ def run_or_launch(
     """Trains in this process (one process, no restarts), or launches the workers under torchrun."""
     # Replica groups always run under torchrun: torchft's managers meet in the group's store.
     if options.world_size == 1 and options.max_restarts == 0 and not dims.ft_enabled:
-        with collections_paused():  # ~300k objects imported, none of them garbage (paratrain.gc_pause)
+        with collections_paused():  # ~300k objects imported, none of them garbage (paratrain.launch.gc_pause)
             from paratrain.train import freeze_imported_objects, run  # lazy: the trainer's DTensor, DCP and FSDP
 
         configure_logging(rank=0)

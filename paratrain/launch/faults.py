@@ -14,7 +14,7 @@ NaN after the backward of the step (every rank by default), as a diverging model
 ``SLOW_STEP_S`` at the start of the step, a slow group beside fast ones. ``wait_for_groups`` makes a replica group
 wait at the start of the step until every group is back in the quorum (a test's fixed point: a killed
 group's restart, however slow the machine, rejoins before the live group can finish). ``mid_heal`` kills a
-replica group that has received a live peer's state and not yet applied it (the step is the peer's). A step
+replica group that has received a live peer's state and not yet applied it (the step is the peer's).
 ``late_manager_on_restart:0`` is the one fault that fires only in a restarted attempt: that rank waits
 ``LATE_MANAGER_S`` before building its replica group's torchft Manager, so a group's rank 0 comes back
 after its peers (the order that once let them read the failed attempt's address). A step
@@ -54,9 +54,7 @@ def maybe_slow_down(point: str, *, step: int, rank: int, seconds: float = SLOW_W
 
 def maybe_late_on_restart(point: str, *, rank: int, seconds: float = LATE_MANAGER_S) -> None:
     """Sleeps ``seconds`` at ``point`` (``late_manager_on_restart``) in a restarted attempt only."""
-    spec = os.environ.get(ENV_VAR)
-    restarted = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0"
-    if spec and restarted and any(_matches(one, point=point, step=0, rank=rank) for one in spec.split(",")):
+    if _fires(point, step=0, rank=rank, in_restart=True):
         time.sleep(seconds)
 
 
@@ -82,10 +80,11 @@ def fires(point: str, *, step: int, rank: int) -> bool:
     return _fires(point, step=step, rank=rank)
 
 
-def _fires(point: str, *, step: int, rank: int) -> bool:
+def _fires(point: str, *, step: int, rank: int, in_restart: bool = False) -> bool:
+    """Whether ``point`` is set for this step and rank, in the first attempt (or, ``in_restart``, a later one)."""
     spec = os.environ.get(ENV_VAR)
-    first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
-    if not (spec and first_attempt):
+    restarted = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0"
+    if not spec or restarted != in_restart:
         return False
     return any(_matches(one, point=point, step=step, rank=rank) for one in spec.split(","))
 

@@ -14,6 +14,7 @@ of them.
 
 from __future__ import annotations
 
+import datetime
 import logging
 import os
 import threading
@@ -27,6 +28,16 @@ logger = logging.getLogger("paratrain")
 
 POLL_S = 1.0
 _KEY = "paratrain/attempt_started/{attempt}"
+
+
+def maybe_follow_peer_restarts(timeout: datetime.timedelta) -> None:
+    """``follow_peer_restarts`` on a client of the agent's store of its own (the watching thread polls while the
+    main thread uses the other), when the job spans several nodes, each with its own agent."""
+    if int(os.environ.get("GROUP_WORLD_SIZE", "1")) > 1:
+        store = dist.TCPStore(
+            os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False, timeout=timeout
+        )
+        follow_peer_restarts(store, int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")))
 
 
 def follow_peer_restarts(store: dist.Store, attempt: int) -> None:

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from paratrain.errors import ConfigError
-from paratrain.launch.peer_restarts import follow_peer_restarts
+from paratrain.launch.peer_restarts import maybe_follow_peer_restarts
 
 
 @dataclass(frozen=True)
@@ -107,6 +107,7 @@ def init_distributed(
         if store is None:
             dist.init_process_group(backend, timeout=timeout, device_id=device_id)
         else:
+            maybe_follow_peer_restarts(timeout)  # the agent's store outlives an attempt: a peer's restart shows there
             dist.init_process_group(
                 backend, store=store, rank=rank, world_size=world_size, timeout=timeout, device_id=device_id
             )
@@ -136,10 +137,6 @@ def _attempt_store(timeout: datetime.timedelta) -> dist.Store | None:
         return None
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
     client = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False, timeout=timeout)
-    if int(os.environ.get("GROUP_WORLD_SIZE", "1")) > 1:  # several nodes, each with its own agent
-        # A client of its own: the watching thread polls while the main thread uses the other.
-        watcher = dist.TCPStore(client.host, client.port, is_master=False, timeout=timeout)
-        follow_peer_restarts(watcher, int(attempt))
     return dist.PrefixStore(f"paratrain/attempt_{attempt}/", client)
 
 

@@ -24,7 +24,6 @@ LAYERS = (
     "precision",
     "gradients",
     "cuda_settings",
-    "gc_pause",
     # the typed config tree: schema, loading, reference docs, factories
     "config",
     # models and their plans as data; then the layouts' transforms, meshes and collectives
