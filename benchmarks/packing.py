@@ -1,6 +1,7 @@
 """Packed chat samples against padded ones, and attention within documents against plain causal attention.
 
     .venv/bin/python benchmarks/packing.py [--samples 600] [--seq-len 2048] [--steps 6]
+    python3 benchmarks/packing.py --device cuda --width 2048 --layers 8 --rows 8 --steps 30   # on a GPU (bf16)
 
 1. **Fine-tuning throughput.** A chat set with a realistic spread of lengths (log-normal, median ~300 tokens,
    a tail past 2k; the last 40 % of each sample, its reply, are targets) at ``seq_len``, trained as
@@ -11,7 +12,8 @@
    log-normal lengths), with attention over each whole row (causal) and within each document
    (``document_mask``), forward and backward: seconds per step and their ratio (goal <= 1.1 at 2k).
 
-Both alternate their two sides step by step, so a busy machine slows both alike; one intra-op thread.
+Both alternate their two sides step by step, so a busy machine slows both alike; one intra-op thread on
+CPU. On ``--device cuda`` the models run under bf16 autocast and each step is timed to its last kernel.
 """
 
 from __future__ import annotations
@@ -35,23 +37,23 @@ VOCAB = 1024
 EOS = 1
 
 
-def model_pair(seq_len: int):
-    """Two identical small Llamas: one with paratrain's attention within documents installed, one plain."""
+def model_pair(args):
+    """Two identical Llamas (``--width``, ``--layers``; 64-wide heads) on ``--device``: one with paratrain's
+    attention within documents installed, one plain."""
     models = []
     for _ in range(2):
         torch.manual_seed(0)
-        models.append(
-            causal_lm(
-                model_type="llama",
-                vocab_size=VOCAB,
-                hidden_size=256,
-                intermediate_size=512,
-                num_hidden_layers=4,
-                num_attention_heads=4,
-                num_key_value_heads=2,
-                max_position_embeddings=seq_len,
-            )  # fmt: skip
+        model = causal_lm(
+            model_type="llama",
+            vocab_size=VOCAB,
+            hidden_size=args.width,
+            intermediate_size=2 * args.width,
+            num_hidden_layers=args.layers,
+            num_attention_heads=args.width // 64,
+            num_key_value_heads=max(1, args.width // 128),
+            max_position_embeddings=args.seq_len,
         )
+        models.append(model.to(args.device))
     return models
 
 
@@ -66,16 +68,27 @@ def chat_samples(count: int, seq_len: int, rng: random.Random) -> list[ChatSampl
 
 
 def step_seconds(model, sharding, inputs, targets) -> float:
+    """Seconds of one forward and backward (bf16 autocast on CUDA), to its last kernel."""
     loss_fn = cross_entropy()
+    device = next(model.parameters()).device
+    inputs, targets = inputs.to(device), targets.to(device)
+    synchronize(device)
     started = time.perf_counter()
     if sharding is not None:
         inputs, targets = sharding.shard(inputs, targets)
-    loss = loss_fn(model(inputs), targets)
+    with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
+        loss = loss_fn(model(inputs), targets)
     loss.backward()
     if sharding is not None:
         sharding.release()
     model.zero_grad(set_to_none=True)
+    synchronize(device)
     return time.perf_counter() - started
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def fine_tuning(args) -> None:
@@ -83,7 +96,7 @@ def fine_tuning(args) -> None:
     samples = chat_samples(args.samples, args.seq_len, rng)
     padded = ChatSamples(samples, seq_len=args.seq_len, pad_id=0, vocab_size=VOCAB)
     packed = PackedSamples(samples, seq_len=args.seq_len, pad_id=0, vocab_size=VOCAB)
-    packed_model, padded_model = model_pair(args.seq_len)
+    packed_model, padded_model = model_pair(args)
     sharding = SequenceSharding(cp=1, cp_rank=0, cp_group=None, documents=MarkedStarts())
     install_sequence_functions(packed_model, attention=sharding.attention, positions=sharding.positions)
     rows = args.rows
@@ -122,7 +135,7 @@ def document_rows(count: int, seq_len: int, rng: random.Random) -> torch.Tensor:
 
 def document_attention_cost(args) -> None:
     rng = random.Random(1)
-    masked_model, causal_model = model_pair(args.seq_len)
+    masked_model, causal_model = model_pair(args)
     sharding = SequenceSharding(cp=1, cp_rank=0, cp_group=None, documents=EndToken(EOS))
     install_sequence_functions(masked_model, attention=sharding.attention, positions=sharding.positions)
     times = {"causal": [], "documents": []}
@@ -142,8 +155,13 @@ def main() -> None:
     parser.add_argument("--seq-len", type=int, default=2048)
     parser.add_argument("--rows", type=int, default=2)
     parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--device", default="cpu", help="cpu, or cuda (bf16 autocast)")
+    parser.add_argument("--width", type=int, default=256, help="hidden size (heads of 64)")
+    parser.add_argument("--layers", type=int, default=4)
     args = parser.parse_args()
-    torch.set_num_threads(1)
+    if args.device == "cpu":
+        torch.set_num_threads(1)
+    print(f"device {args.device}: Llama width {args.width}, {args.layers} layers, vocabulary {VOCAB}")
     fine_tuning(args)
     document_attention_cost(args)
 

@@ -18,6 +18,13 @@ paper's), MFU against the GPU's dense bf16 peak, and the peak reserved GPU memor
 paratrain / torchtitan of tokens/s (goal >= 1.0). It prints the exact command of each run. GPU only
 (paratrain's half needs CUDA for bf16 compile). Prints, never asserts; results go in docs/benchmarks.md.
 
+Start-up: every output line is stamped with the seconds since its process was launched as it arrives
+(the logs keep the stamps), and each run prints when its milestones came, the last being the end of step 1
+(launch to end of step 1 / torchtitan's is the start-up ratio): torchtitan's "Starting job" (imports
+done), "Building" (process group, tokenizer and data loader up), "Trainer is initialized" (model built on
+meta, compiled, initialised on the GPU, optimizer); paratrain's memory check (imports, config, preflight),
+"layout" (process group), "model ready" (data loaded, model built, initialised, laid out).
+
     python3 benchmarks/vs_torchtitan.py --steps 30 --skip-steps 10     # on the GPU machine
 """
 
@@ -32,7 +39,8 @@ import statistics
 import subprocess
 import sys
 import tempfile
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -46,6 +54,22 @@ LLAMA_ARGS = (
 )
 TITAN_STEP = re.compile(r"step:\s*(\d+).*?memory:\s*(-?[\d.]+)GiB.*?tps:\s*([\d,]+)")
 ANSI = re.compile(r"\x1b\[[0-9;]*m")
+STAMP = re.compile(r"^\[\+\s*([\d.]+)s\] ")
+# Start-up milestones, in the order each framework reaches them; "step 1" ends each list.
+MILESTONES = {
+    "torchtitan": {
+        "started": re.compile(r"Starting job"),
+        "data ready": re.compile(r"Building llama3 "),
+        "model ready": re.compile(r"Trainer is initialized"),
+        "step 1": re.compile(r"step:\s*1\s"),
+    },
+    "paratrain": {
+        "started": re.compile(r"paratrain: memory check"),
+        "process group": re.compile(r"paratrain: layout "),
+        "model ready": re.compile(r"paratrain: model ready"),
+        "step 1": re.compile(r"paratrain: step 1/"),
+    },
+}
 
 
 @dataclass(frozen=True)
@@ -54,6 +78,11 @@ class Result:
     tokens_per_s: float
     peak_reserved_gib: float
     steps_kept: int
+    milestones: dict[str, float] = field(default_factory=dict)  # seconds from launch, MILESTONES' names
+
+    def startup_line(self) -> str:
+        reached = ", ".join(f"{name} {seconds:.1f} s" for name, seconds in self.milestones.items())
+        return f"{self.framework} start-up (from launch): {reached or 'no milestone seen'}"
 
     def line(self, peak_flops: float | None) -> str:
         flops = self.tokens_per_s * FLOPS_PER_TOKEN
@@ -94,16 +123,45 @@ def titan_command(dump: Path, corpus: Path, tokenizer: Path, *, steps: int, micr
     ]  # fmt: skip
 
 
+def run_stamped(command: list[str], log: Path, *, cwd: Path, env: dict[str, str] | None = None) -> int:
+    """Runs ``command`` with its output (stdout and stderr) written to ``log`` line by line, each line
+    stamped ``[+SECONDS s]`` with the time since launch at which it arrived. Returns the exit code."""
+    start = time.perf_counter()
+    with (
+        log.open("w") as out,
+        subprocess.Popen(
+            command, env=env, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, errors="replace"
+        ) as process,
+    ):
+        for line in process.stdout:
+            out.write(f"[+{time.perf_counter() - start:8.2f}s] {line}")
+            out.flush()
+    return process.returncode
+
+
+def milestones_of(log: Path, framework: str) -> dict[str, float]:
+    """{milestone: seconds from launch} of the first line matching each of ``framework``'s MILESTONES."""
+    seen: dict[str, float] = {}
+    for line in log.read_text().splitlines():
+        stamp = STAMP.match(line)
+        if not stamp:
+            continue
+        text = ANSI.sub("", line[stamp.end() :])
+        for name, pattern in MILESTONES[framework].items():
+            if name not in seen and pattern.search(text):
+                seen[name] = float(stamp[1])
+    return {name: seen[name] for name in MILESTONES[framework] if name in seen}
+
+
 def run_torchtitan(work: Path, corpus: Path, tokenizer: Path, *, steps: int, micro_batch: int) -> Path:
     path = os.pathsep.join(filter(None, [str(REPO_ROOT / "benchmarks"), os.environ.get("PYTHONPATH")]))
     env = dict(os.environ, PYTHONPATH=path)
     command = titan_command(work / "torchtitan", corpus, tokenizer, steps=steps, micro_batch=micro_batch)
     print("torchtitan:", " ".join(command), flush=True)
     log = work / "torchtitan.log"
-    with log.open("w") as out:
-        finished = subprocess.run(command, env=env, stdout=out, stderr=subprocess.STDOUT, cwd=work)
-    if finished.returncode != 0:
-        raise RuntimeError(f"torchtitan exited with {finished.returncode}:\n{log.read_text()[-4000:]}")
+    returncode = run_stamped(command, log, env=env, cwd=work)
+    if returncode != 0:
+        raise RuntimeError(f"torchtitan exited with {returncode}:\n{log.read_text()[-4000:]}")
     return log
 
 
@@ -116,7 +174,8 @@ def torchtitan_result(log: Path, *, skip_steps: int) -> Result:
     kept = [value for step, value in steps.items() if step > skip_steps]
     if not kept:
         raise RuntimeError(f"no torchtitan step after {skip_steps} in {log}")
-    return Result("torchtitan", statistics.median(t for t, _ in kept), max(m for _, m in steps.values()), len(kept))
+    tokens_per_s, peak = statistics.median(t for t, _ in kept), max(m for _, m in steps.values())
+    return Result("torchtitan", tokens_per_s, peak, len(kept), milestones_of(log, "torchtitan"))
 
 
 PARATRAIN_LAYOUTS = {
@@ -152,20 +211,21 @@ def run_paratrain(work: Path, corpus: Path, tokenizer: Path, *, layout: str, ste
     command = paratrain_command(run_dir, corpus, tokenizer, layout=layout, steps=steps, micro_batch=micro_batch)
     print(f"paratrain {layout}:", " ".join(command), flush=True)
     log = work / f"paratrain-{layout}.log"
-    with log.open("w") as out:
-        finished = subprocess.run(command, stdout=out, stderr=subprocess.STDOUT, cwd=REPO_ROOT)
-    if finished.returncode != 0:
-        raise RuntimeError(f"paratrain exited with {finished.returncode}:\n{log.read_text()[-4000:]}")
+    returncode = run_stamped(command, log, cwd=REPO_ROOT)
+    if returncode != 0:
+        raise RuntimeError(f"paratrain exited with {returncode}:\n{log.read_text()[-4000:]}")
     return run_dir / "metrics.jsonl"
 
 
-def paratrain_result(layout: str, metrics: Path, *, skip_steps: int) -> Result:
+def paratrain_result(layout: str, metrics: Path, *, skip_steps: int, log: Path | None = None) -> Result:
     records = [json.loads(line) for line in metrics.read_text().splitlines()]
     kept = [record for record in records if record.get("step", 0) > skip_steps and "tokens_per_s" in record]
     if not kept:
         raise RuntimeError(f"no paratrain step after {skip_steps} in {metrics}")
     peak_mb = max(record.get("mem_peak_reserved_mb_max", 0) for record in records)
-    return Result(f"paratrain {layout}", statistics.median(r["tokens_per_s"] for r in kept), peak_mb / 1024, len(kept))
+    tokens_per_s = statistics.median(r["tokens_per_s"] for r in kept)
+    milestones = milestones_of(log, "paratrain") if log is not None and log.exists() else {}
+    return Result(f"paratrain {layout}", tokens_per_s, peak_mb / 1024, len(kept), milestones)
 
 
 def gpu_peak_bf16() -> tuple[str, float | None]:
@@ -184,7 +244,7 @@ def measure(run: str, work: Path, corpus: Path, tokenizer: Path, args: argparse.
         return torchtitan_result(run_torchtitan(work, corpus, tokenizer, **size), skip_steps=args.skip_steps)
     layout = run.removeprefix("paratrain-")
     metrics = run_paratrain(work, corpus, tokenizer, layout=layout, **size)
-    return paratrain_result(layout, metrics, skip_steps=args.skip_steps)
+    return paratrain_result(layout, metrics, skip_steps=args.skip_steps, log=work / f"paratrain-{layout}.log")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -211,10 +271,15 @@ def main(argv: list[str] | None = None) -> None:
     print(f"device: {name}; FLOPs per token {FLOPS_PER_TOKEN:.3e}; sequence {SEQUENCE}, micro-batch {args.micro_batch}")
     for result in results.values():
         print(result.line(peak))
+        print(result.startup_line())
     titan = results.get("torchtitan")
     for run, result in results.items():
         if titan and run != "torchtitan":
             print(f"{result.framework} / torchtitan tokens/s: {result.tokens_per_s / titan.tokens_per_s:.3f}")
+            first_steps = result.milestones.get("step 1"), titan.milestones.get("step 1")
+            if all(first_steps):
+                ratio = first_steps[0] / first_steps[1]
+                print(f"{result.framework} / torchtitan launch to end of step 1: {ratio:.2f}")
 
 
 if __name__ == "__main__":

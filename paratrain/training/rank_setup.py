@@ -6,6 +6,7 @@ the root config."""
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -156,6 +157,7 @@ def build_rank_model(
         output_dir: ``run.output_dir``: the pipeline's timelines and the initial weights go under it.
         resuming: A checkpoint's load fills the weights next: nothing is initialised (models/init.py).
     """
+    started = time.perf_counter()
     model_factory = with_lora(model_factory, sections.model.lora)
     if not isinstance(dataset, StreamedTokens):  # a stream's samples cannot be read by index
         sources = describe_sources(data=sections.data, model=sections.model, loss=sections.loss, given=given)
@@ -182,6 +184,8 @@ def build_rank_model(
     layout = build_layout(request)
     # transformers' from_pretrained returns its model in eval mode; it trains with dropout on, as under the HF Trainer.
     layout.bare.train()
+    # Start-up's largest part at scale, so users (and benchmarks/vs_torchtitan.py) can see it apart.
+    logger.info("model ready in %.1f s (built, initialised, laid out)", time.perf_counter() - started)
     if sections.debug.dump_initial_weights and resuming:
         logger.info("debug.dump_initial_weights: resuming, so there are no initial weights to write")
     elif sections.debug.dump_initial_weights:

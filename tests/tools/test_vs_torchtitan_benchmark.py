@@ -4,6 +4,7 @@ reproduces the TFLOP/s torchtitan itself printed (so the MFU columns of both com
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import pytest
@@ -19,6 +20,13 @@ TITAN_LINES = (
     "[titan] 2026-11-26 01:52:58,047 - root - INFO - \x1b[31mstep: 21  \x1b[32mloss:  5.78514  "
     "\x1b[38;2;180;60;0mgrad_norm:  2.3687  \x1b[38;2;54;234;195mmemory: 50.71GiB(36.27%)  "
     "\x1b[34mtps: 57,722  \x1b[36mtflops: 474.48  \x1b[35mmfu: 47.98%\x1b[39m\n"
+)
+# torchtitan 0.2.2's start-up lines (train.py), as its logger writes them; "Building logger" must not count.
+TITAN_START = (
+    "[titan] 2026-11-26 01:52:40,000 - root - INFO - Starting job: Llama 3 debug training",
+    "[titan] 2026-11-26 01:52:41,000 - root - INFO - Building logger with config: wandb=False, tensorboard=False",
+    "[titan] 2026-11-26 01:52:44,000 - root - INFO - Building llama3 1B_matched with {",
+    "[titan] 2026-11-26 01:52:50,000 - root - INFO - Trainer is initialized with local batch size 8, global batch size 8",
 )
 
 
@@ -58,3 +66,23 @@ def test_a_log_without_steps_past_the_warm_up_is_an_error(script, tmp_path):
     log.write_text(TITAN_LINES.splitlines()[0])
     with pytest.raises(RuntimeError, match="no torchtitan step after 10"):
         script.torchtitan_result(log, skip_steps=10)
+
+
+def test_start_up_milestones_are_read_from_the_stamped_output_of_a_real_run(script, tmp_path):
+    """run_stamped stamps each line of a real paratrain run (the quickstart, 2 steps on CPU) as it arrives;
+    the milestones come in order and end with step 1, and torchtitan's are read from its own lines."""
+    log = tmp_path / "paratrain.log"
+    command = [
+        sys.executable, "-m", "paratrain.cli", "train", "examples/quickstart.yaml", "train.max_steps=2",
+        "log.every_steps=1", f"run.output_dir={tmp_path / 'run'}", "checkpoint.save_final=false",
+    ]  # fmt: skip
+    assert script.run_stamped(command, log, cwd=Path(script.REPO_ROOT)) == 0
+    milestones = script.milestones_of(log, "paratrain")
+    assert list(milestones) == ["started", "process group", "model ready", "step 1"]
+    assert list(milestones.values()) == sorted(milestones.values()) and milestones["started"] > 0
+    titan = tmp_path / "torchtitan.log"
+    stamped = [f"[+{seconds:8.2f}s] {line}" for seconds, line in zip((2.5, 6.0, 12.25, 14.0), TITAN_START)]
+    titan.write_text("\n".join([*stamped, f"[+   15.00s] {TITAN_LINES.splitlines()[0]}"]) + "\n")
+    assert script.milestones_of(titan, "torchtitan") == {
+        "started": 2.5, "data ready": 12.25, "model ready": 14.0, "step 1": 15.0,
+    }  # fmt: skip

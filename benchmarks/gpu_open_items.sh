@@ -1,0 +1,41 @@
+#!/usr/bin/env bash
+# The GPU measurements still open, in one call that fits a 15-minute lease, most wanted first, each part
+# under its own limit so that a slow one still leaves the others' results:
+#   1. float8 (tensorwise) against bf16 on the 1.5B Llama, 300 steps each: tokens/s and the loss trace;
+#   2. start-up and tokens/s against torchtitan (torchtitan, then paratrain fsdp), with milestones;
+#   3. selective and full activation checkpointing, 30 steps each (part 1's bf16 run is "none");
+#   4. packed against padded chat fine-tuning, and attention within documents, on the GPU (bf16).
+# Wheels the image lacks travel in .whl/ (pydantic's four, torchao, torchtitan and its needs; docs/benchmarks.md).
+# Logs go to $OUT (or ./gpu-lease-out); each part's table is printed at its end.
+#
+#   bash benchmarks/gpu_open_items.sh          # on the GPU machine, from the repository root
+set -uo pipefail
+cd "$(dirname "$0")/.."
+source benchmarks/gpu_env.sh
+started=$SECONDS
+
+{
+  nvidia-smi --query-gpu=name,memory.total,driver_version,compute_cap --format=csv
+  python3 -c 'import torch, transformers, torchao, torchtitan; print("torch", torch.__version__, "cuda", torch.version.cuda,
+"transformers", transformers.__version__, "torchao", torchao.__version__, "torchtitan", torchtitan.__version__,
+torch.cuda.get_device_name(), torch.cuda.get_device_capability())' 2>&1 | grep -v -i -E "warn|failed to load"
+} 2>&1 | tee "$OUT/versions.txt"
+
+part() {  # part NAME LIMIT COMMAND...: runs COMMAND under LIMIT seconds, its output in $OUT/NAME.log
+  local name=$1 limit=$2; shift 2
+  echo "=== $name (limit ${limit} s, at $((SECONDS - started)) s)"
+  timeout "$limit" "$@" >"$OUT/$name.log" 2>&1
+  echo "exit $? after $((SECONDS - started)) s"
+  tail -n 9 "$OUT/$name.log" | cut -c1-400
+}
+
+part float8 "${FLOAT8_LIMIT:-270}" python3 benchmarks/float8_checkpointing.py --runs bf16,float8-tensorwise --out-dir /tmp/f8
+part vs_torchtitan "${TITAN_LIMIT:-140}" python3 benchmarks/vs_torchtitan.py --runs torchtitan,paratrain-fsdp \
+  --steps 16 --skip-steps 8 --out-dir /tmp/titan
+part checkpointing "${CKPT_LIMIT:-110}" python3 benchmarks/float8_checkpointing.py --runs selective,full --out-dir /tmp/ac
+part packing "${PACKING_LIMIT:-50}" python3 benchmarks/packing.py --device cuda --width 2048 --layers 8 --rows 8 --steps 20
+
+# The runs' per-step records and stamped logs, for the write-up (at most 8 files come back).
+for run in bf16 float8-tensorwise; do echo "# $run"; cat "/tmp/f8/$run/metrics.jsonl"; done >"$OUT/loss_runs.jsonl" 2>/dev/null
+cat /tmp/titan/torchtitan.log /tmp/titan/paratrain-fsdp.log >"$OUT/startup_logs.txt" 2>/dev/null
+echo "=== done after $((SECONDS - started)) s"
