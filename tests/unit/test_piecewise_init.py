@@ -12,11 +12,13 @@
 from __future__ import annotations
 
 import math
+import os
 
 import pytest
 import torch
 from torch import nn
 
+from paratrain.models import init_replay
 from paratrain.models.gpt import build_gpt
 from paratrain.models.hf import causal_lm
 from paratrain.models.init import build_on_meta, materialize
@@ -172,3 +174,33 @@ def test_blocks_drawn_in_place_into_a_shard_equal_the_blocks_drawn_apart():
         shard = torch.empty(box.lengths)
         replay(record, name="w", seed=1, shape=shape, box=box, out=shard)
         assert torch.equal(shard, whole[box.slices()])
+
+
+def test_blocks_drawn_on_several_threads_equal_the_blocks_drawn_on_one(monkeypatch):
+    """A tensor's blocks are drawn on a thread pool (each block its own generator and rows): the values do not
+    depend on how many threads draw them, for whole blocks drawn in place and for parts of blocks alike."""
+    model = nn.Linear(1, 1)
+    model.init_parameter = lambda name, tensor, generator: nn.init.trunc_normal_(tensor, std=0.02)
+    shape = (8192, 256)  # 8 blocks
+    record = record_declared_init(model, "w", torch.empty(shape, device="meta"))
+    drawn = {}
+    for threads in (1, 4):
+        monkeypatch.setattr(init_replay, "draw_threads", lambda threads=threads: threads)
+        drawn[threads] = [
+            replay(record, name="w", seed=5, shape=shape, box=box, dtype=torch.float32)
+            for box in (Box.whole(shape), Box((1000, 0), (5000, 256)), Box((0, 100), (8192, 100)))
+        ]
+        parameter = nn.Parameter(torch.empty(shape))  # materialize fills parameters in place, under no_grad
+        with torch.no_grad():
+            replay(record, name="w", seed=5, shape=shape, box=Box.whole(shape), out=parameter)
+        drawn[threads].append(parameter.detach())
+    assert all(torch.equal(one, four) for one, four in zip(drawn[1], drawn[4], strict=True))
+    assert torch.equal(drawn[1][0], drawn[1][-1]) and drawn[1][0].std() > 0.015
+
+
+def test_each_local_process_draws_on_its_share_of_the_cpus(monkeypatch):
+    cpus = len(os.sched_getaffinity(0))
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
+    assert init_replay.draw_threads() == cpus
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", str(cpus * 2))
+    assert init_replay.draw_threads() == 1
