@@ -42,7 +42,7 @@ from paratrain.errors import ConfigError
 from paratrain.models.contract import declares_init
 from paratrain.models.hf import is_transformers_model
 from paratrain.models.init_recording import initialise_whole, record_declared_init, record_transformers_init
-from paratrain.models.init_replay import Box, box_of, replay
+from paratrain.models.init_replay import Box, box_of, release_draw_threads, replay
 from paratrain.models.lora import init_adapter, is_adapter
 from paratrain.models.meta import build_with_parameters_on_meta, on_meta, real_tensors
 from paratrain.models.seed_checkpoint import seed_checkpoint
@@ -118,7 +118,10 @@ def materialize(
         for module in allocate_via if allocate_via is not None else [model]:
             module.to_empty(device=device)
         _tie_again(tied)
-        _fill(model, source, pretrained=pretrained)
+        try:
+            _fill(model, source, pretrained=pretrained)
+        finally:
+            release_draw_threads()
 
 
 def _fill(model: nn.Module, source: WeightSource, *, pretrained: Path | None) -> None:

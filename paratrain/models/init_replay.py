@@ -19,7 +19,6 @@ made a 1.5B model's init 12 s of one core in a one-GPU run; the values do not de
 
 from __future__ import annotations
 
-import functools
 import hashlib
 import math
 import os
@@ -144,9 +143,20 @@ def draw_threads() -> int:
     return max(1, cpus // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
 
 
-@functools.cache
+_POOLS: dict[int, ThreadPoolExecutor] = {}  # by thread count; kept across the tensors of one init
+
+
 def _block_pool(threads: int) -> ThreadPoolExecutor:
-    return ThreadPoolExecutor(threads, thread_name_prefix="paratrain-init")
+    if threads not in _POOLS:
+        _POOLS[threads] = ThreadPoolExecutor(threads, thread_name_prefix="paratrain-init")
+    return _POOLS[threads]
+
+
+def release_draw_threads() -> None:
+    """Ends the drawing threads once a model is initialised: none outlives it into the forks that follow
+    (data loader workers), where a copied pool would wait for threads the child does not have."""
+    while _POOLS:
+        _POOLS.popitem()[1].shutdown(wait=True)
 
 
 def blocks_meeting(shape: tuple[int, ...], box: Box) -> list[tuple[int, int, int]]:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 import os
+import threading
 
 import pytest
 import torch
@@ -204,3 +205,18 @@ def test_each_local_process_draws_on_its_share_of_the_cpus(monkeypatch):
     assert init_replay.draw_threads() == cpus
     monkeypatch.setenv("LOCAL_WORLD_SIZE", str(cpus * 2))
     assert init_replay.draw_threads() == 1
+
+
+def test_no_drawing_thread_outlives_the_init_into_the_data_loaders_forks(monkeypatch):
+    monkeypatch.setattr(init_replay, "draw_threads", lambda: 2)
+    factory = lambda: build_gpt(vocab_size=4096, n_layer=1, n_embd=128, n_head=4)  # noqa: E731 - a 2-block embedding
+    drawing = []
+    fill_block = init_replay._fill_block
+    monkeypatch.setattr(
+        init_replay,
+        "_fill_block",
+        lambda *a, **k: (drawing.append(threading.current_thread().name), fill_block(*a, **k)),
+    )
+    replayed(factory)
+    assert any(name.startswith("paratrain-init") for name in drawing)  # the pool drew
+    assert not [thread.name for thread in threading.enumerate() if thread.name.startswith("paratrain-init")]
