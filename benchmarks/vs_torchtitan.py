@@ -38,6 +38,7 @@ import shutil
 import statistics
 import subprocess
 import sys
+import sysconfig
 import tempfile
 import time
 from dataclasses import dataclass, field
@@ -93,10 +94,15 @@ class Result:
         )
 
 
-def make_data(directory: Path) -> tuple[Path, Path]:
-    """(corpus folder, tokenizer folder): 8 long documents and a tokenizer both frameworks read."""
+def make_data(directory: Path, *, source_mb: float = 0) -> tuple[Path, Path]:
+    """(corpus folder, tokenizer folder): 8 long documents and a tokenizer both frameworks read. The documents
+    join the standard library's docstrings (about 100k tokens), or with ``source_mb`` its source files up to
+    that many MB (a corpus a 300-step run does not memorise: 24 MB is about one pass)."""
     subprocess.run([sys.executable, "-m", "paratrain.data.stdlib_corpus", str(directory)], check=True, cwd=REPO_ROOT)
-    documents = [json.loads(line)["text"] for line in (directory / "corpus.jsonl").read_text().splitlines()]
+    if source_mb:
+        documents = stdlib_sources(int(source_mb * 1e6))
+    else:
+        documents = [json.loads(line)["text"] for line in (directory / "corpus.jsonl").read_text().splitlines()]
     corpus = directory / "long"
     corpus.mkdir()
     share = len(documents) // 8
@@ -108,6 +114,21 @@ def make_data(directory: Path) -> tuple[Path, Path]:
     special = {"bos_token": "<|endoftext|>", "eos_token": "<|endoftext|>"}
     (tokenizer / "tokenizer_config.json").write_text(json.dumps(special))
     return corpus, tokenizer
+
+
+def stdlib_sources(budget_bytes: int) -> list[str]:
+    """The standard library's own .py files (installed packages left out), in path order, up to the budget."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    texts, total = [], 0
+    for path in sorted(root.rglob("*.py")):
+        if {"site-packages", "dist-packages"} & set(path.parts):
+            continue
+        text = path.read_text(encoding="utf-8", errors="replace")
+        texts.append(text)
+        total += len(text.encode())
+        if total >= budget_bytes:
+            break
+    return texts
 
 
 def titan_command(dump: Path, corpus: Path, tokenizer: Path, *, steps: int, micro_batch: int) -> list[str]:

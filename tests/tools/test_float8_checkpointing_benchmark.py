@@ -80,3 +80,12 @@ def test_the_tables_compare_float8_and_checkpointing_with_the_bf16_run(script, t
         "checkpointing none: peak reserved 40.0 GiB, 100 tokens/s",
         "checkpointing selective: peak reserved 20.0 GiB, 95 tokens/s (memory / none 0.50, tokens/s / none 0.950)",
     ]
+
+
+def test_the_loss_runs_corpus_is_the_standard_librarys_source_up_to_the_budget(script, tmp_path):
+    """The loss comparison reads MBs of source, not the 100k tokens of docstrings a 300-step run memorises."""
+    corpus, tokenizer = script.titan.make_data(tmp_path / "data", source_mb=1)
+    documents = [json.loads(line)["text"] for line in (corpus / "corpus.jsonl").read_text().splitlines()]
+    size = sum(len(text.encode()) for text in documents)
+    assert len(documents) == 8 and 0.7e6 <= size <= 3e6  # the budget, less the files 8 shares leave over
+    assert "def " in documents[0] and (tokenizer / "tokenizer.json").is_file()
