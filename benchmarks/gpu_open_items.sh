@@ -5,7 +5,10 @@
 #   2. start-up and tokens/s against torchtitan (torchtitan, then paratrain fsdp), with milestones;
 #   3. selective and full activation checkpointing, 30 steps each (part 1's bf16 run is "none");
 #   4. packed against padded chat fine-tuning, and attention within documents, on the GPU (bf16).
-# Wheels the image lacks travel in .whl/ (pydantic's four, torchao, torchtitan and its needs; docs/benchmarks.md).
+# Wheels the image lacks travel in .whl/ (gpu_env.sh installs them). Run on 2026-11-27 with: pydantic 2.14.4,
+# pydantic-core 2.50.5, annotated-types 0.8.0, typing-inspection 0.4.5, torchao 0.17.0, torchtitan 0.2.2,
+# torchdata 0.11.0, datasets 4.7.0, dill 0.4.0, multiprocess 0.70.18, tyro 1.0.17, docstring-parser 0.18.0,
+# typeguard 4.6.1, tomli 2.5.0 (fetched by `pip download --no-deps --only-binary=:all: --python-version 3.12`).
 # Logs go to $OUT (or ./gpu-lease-out); each part's table is printed at its end.
 #
 #   bash benchmarks/gpu_open_items.sh          # on the GPU machine, from the repository root
