@@ -1,7 +1,7 @@
 """Packed chat samples against padded ones, and attention within documents against plain causal attention.
 
     .venv/bin/python benchmarks/packing.py [--samples 600] [--seq-len 2048] [--steps 6]
-    python3 benchmarks/packing.py --device cuda --width 2048 --layers 8 --rows 8 --steps 30   # on a GPU (bf16)
+    python3 benchmarks/packing.py --device cuda --width 1024 --layers 4 --rows 4 --steps 10 --samples 300   # on a GPU (bf16)
 
 1. **Fine-tuning throughput.** A chat set with a realistic spread of lengths (log-normal, median ~300 tokens,
    a tail past 2k; the last 40 % of each sample, its reply, are targets) at ``seq_len``, trained as
