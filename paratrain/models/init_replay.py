@@ -33,6 +33,8 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 
 from paratrain.models.init_recording import InitOp, RecordedInit, View
 
+# A container's CPU quota is not in its affinity mask: a host's 200 CPUs would otherwise mean 200 threads.
+MAX_DRAW_THREADS = 32
 BLOCK_ELEMENTS = (
     1 << 18
 )  # 1 MiB of fp32 per block: small enough that 64 ranks of a 4096 x 4096 weight draw their own rows
@@ -138,9 +140,10 @@ def _draw_rows(out: torch.Tensor, op: InitOp, *, key: str, shape: tuple[int, ...
 
 def draw_threads() -> int:
     """Threads that draw blocks: this process's share of the CPUs it may run on (torchrun's
-    ``LOCAL_WORLD_SIZE`` processes share them), at least one."""
+    ``LOCAL_WORLD_SIZE`` processes share them), at least one and at most ``MAX_DRAW_THREADS``."""
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    return max(1, cpus // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
+    share = cpus // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    return min(MAX_DRAW_THREADS, max(1, share))
 
 
 _POOLS: dict[int, ThreadPoolExecutor] = {}  # by thread count; kept across the tensors of one init
