@@ -89,14 +89,17 @@ def layout_from_starts(starts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
 
 
 def document_spans(documents: torch.Tensor) -> list[tuple[int, int, int]]:
-    """(row, first, end) of every document of ``(batch, seq)`` document ids, in order."""
+    """(row, first, end) of every document of ``(batch, seq)`` document ids, in order. One copy to the host,
+    of the documents' starts: the loop runs over documents, not tokens (it runs once per micro-batch)."""
+    batch, seq = documents.shape
+    starts = torch.ones_like(documents, dtype=torch.bool)
+    starts[:, 1:] = documents[:, 1:] != documents[:, :-1]
+    flat = torch.nonzero(starts.reshape(-1)).reshape(-1).tolist()  # row * seq + first, in order
     spans = []
-    for row, ids in enumerate(documents.tolist()):
-        first = 0
-        for index in range(1, len(ids) + 1):
-            if index == len(ids) or ids[index] != ids[first]:
-                spans.append((row, first, index))
-                first = index
+    for index, start in enumerate(flat):
+        row, first = divmod(start, seq)
+        following = flat[index + 1] if index + 1 < len(flat) else batch * seq
+        spans.append((row, first, min(following - row * seq, seq)))  # the next start in this row, or its end
     return spans
 
 
@@ -106,15 +109,17 @@ def document_attention(
     value: torch.Tensor,
     documents: torch.Tensor,
     *,
+    spans: list[tuple[int, int, int]] | None = None,
     sliding_window: int | None = None,
     dropout_p: float = 0.0,
     scale: float | None = None,
 ) -> torch.Tensor:
     """Causal attention of ``(batch, heads, seq, head_dim)`` tensors within each document of ``documents``
     (``(batch, seq)``; key and value may have fewer heads): each document attends only to itself, exactly as
-    if it were a sequence of its own. Returns a tensor shaped like ``query``."""
+    if it were a sequence of its own. ``spans``: ``document_spans(documents)``, when the caller keeps them
+    for every layer. Returns a tensor shaped like ``query``."""
     by_length: dict[int, list[tuple[int, int, int]]] = defaultdict(list)
-    for span in document_spans(documents):
+    for span in spans if spans is not None else document_spans(documents):
         by_length[span[2] - span[1]].append(span)
     pieces: dict[tuple[int, int], torch.Tensor] = {}
     for length, spans in by_length.items():

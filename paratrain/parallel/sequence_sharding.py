@@ -32,7 +32,7 @@ from torch.distributed.nn.functional import all_reduce as differentiable_all_red
 
 from paratrain.errors import ConfigError
 from paratrain.parallel.dims import ParallelDims
-from paratrain.parallel.documents import DocumentBoundaries, document_attention, layout_from_starts
+from paratrain.parallel.documents import DocumentBoundaries, document_attention, document_spans, layout_from_starts
 
 
 def build_sequence_sharding(dims: ParallelDims, *, documents: DocumentBoundaries | None) -> SequenceSharding | None:
@@ -69,12 +69,20 @@ class CutMicroBatch:
             sequences, as in evaluation).
         masks: The additive sliding-window masks built for this micro-batch, by (window, dtype): built once
             and shared by every layer, so autograd keeps one copy for backward, not one per layer.
+        spans: The documents' (row, first, end), read from ``documents`` once for every layer (a copy to the
+            host each time otherwise: a GPU sync per layer).
     """
 
     positions: torch.Tensor
     documents: torch.Tensor | None
     exchange: bool
     masks: dict[tuple[int | None, torch.dtype], torch.Tensor | None] = field(default_factory=dict)
+    spans: list[tuple[int, int, int]] | None = None
+
+    def document_spans(self) -> list[tuple[int, int, int]]:
+        if self.spans is None:
+            self.spans = document_spans(self.documents)
+        return self.spans
 
     def mask(self, seq_len: int, *, sliding_window: int | None, like: torch.Tensor) -> torch.Tensor | None:
         """The additive mask (0 where allowed, -inf elsewhere) for queries of ``like``'s dtype and device."""
@@ -166,7 +174,14 @@ class SequenceSharding:
         seq_len = query.shape[2]
         if current is not None and current.documents is not None and current.documents.shape[1] == seq_len:
             output = document_attention(
-                query, key, value, current.documents, sliding_window=sliding_window, dropout_p=dropout_p, scale=scale
+                query,
+                key,
+                value,
+                current.documents,
+                spans=current.document_spans(),
+                sliding_window=sliding_window,
+                dropout_p=dropout_p,
+                scale=scale,
             )
             return self._tokens_for_heads(output) if exchange else output
         if current is not None:

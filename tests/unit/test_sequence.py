@@ -10,6 +10,7 @@ import torch.nn.functional as F
 
 from paratrain.errors import ConfigError
 from paratrain.parallel import documents as documents_module
+from paratrain.parallel import sequence_sharding
 from paratrain.parallel.documents import EndToken, MarkedStarts, document_attention, layout_from_starts, mark_starts
 from paratrain.parallel.sequence_sharding import SequenceSharding, attention_mask, local_token_indices
 
@@ -72,6 +73,47 @@ def test_attention_within_documents_equals_each_document_alone_forward_and_backw
             torch.testing.assert_close(together[row : row + 1, :, first:end], alone)
             for grad, piece in zip(grads, (q, k, v), strict=True):
                 torch.testing.assert_close(grad[row : row + 1, :, first:end], piece.grad)
+
+
+def spans_token_by_token(documents: torch.Tensor) -> list[tuple[int, int, int]]:
+    """The plain reading of document_spans: walk every token, cut where the document id changes."""
+    spans = []
+    for row, ids in enumerate(documents.tolist()):
+        first = 0
+        for index in range(1, len(ids) + 1):
+            if index == len(ids) or ids[index] != ids[first]:
+                spans.append((row, first, index))
+                first = index
+    return spans
+
+
+@pytest.mark.parametrize(
+    "rows",
+    [
+        [[0, 0, 0, 1, 1, 2, 2, 2], [0, 0, 1, 1, 1, 1, 1, 2]],
+        [[0] * 8, [0, 1, 2, 3, 4, 5, 6, 7]],  # one document; every token its own
+        [[0, 0, 0, 0, 0, 0, 0, 1]],  # a last document of one token
+    ],
+)
+def test_document_spans_are_read_at_once_as_token_by_token(rows):
+    documents = torch.tensor(rows)
+    assert documents_module.document_spans(documents) == spans_token_by_token(documents)
+
+
+def test_a_micro_batchs_document_spans_are_read_once_for_every_layer(monkeypatch):
+    calls = []
+    spans = sequence_sharding.document_spans
+    monkeypatch.setattr(sequence_sharding, "document_spans", lambda documents: calls.append(1) or spans(documents))
+    sharding = SequenceSharding(cp=1, cp_rank=0, cp_group=None, documents=EndToken(9))
+    inputs = torch.tensor([[1, 2, 9, 3, 4, 5, 9, 6]])
+    sharding.shard(inputs, inputs)
+    query = torch.randn(1, 2, 8, 4)
+    outputs = [sharding.attention(query, query, query) for _ in range(3)]  # three layers
+    assert len(calls) == 1 and all(torch.equal(output, outputs[0]) for output in outputs)
+    sharding.release()
+    sharding.shard(inputs, inputs)  # the next micro-batch reads its own
+    sharding.attention(query, query, query)
+    assert len(calls) == 2
 
 
 def test_attention_within_documents_leaves_out_cudnns_attention(monkeypatch):
