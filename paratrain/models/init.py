@@ -42,7 +42,7 @@ from paratrain.errors import ConfigError
 from paratrain.models.contract import declares_init
 from paratrain.models.hf import is_transformers_model
 from paratrain.models.init_recording import initialise_whole, record_declared_init, record_transformers_init
-from paratrain.models.init_replay import Box, box_of, release_draw_threads, replay
+from paratrain.models.init_replay import Box, box_of, drawing_threads, replay
 from paratrain.models.lora import init_adapter, is_adapter
 from paratrain.models.meta import build_with_parameters_on_meta, on_meta, real_tensors
 from paratrain.models.seed_checkpoint import seed_checkpoint
@@ -118,10 +118,7 @@ def materialize(
         for module in allocate_via if allocate_via is not None else [model]:
             module.to_empty(device=device)
         _tie_again(tied)
-        try:
-            _fill(model, source, pretrained=pretrained)
-        finally:
-            release_draw_threads()
+        _fill(model, source, pretrained=pretrained)
 
 
 def _fill(model: nn.Module, source: WeightSource, *, pretrained: Path | None) -> None:
@@ -178,13 +175,13 @@ def _weight_source(
         logger.info("weights: left for the checkpoint being resumed (nothing initialised)")
         yield lambda name, tensor: buffers.get(name, NOTHING_TO_COPY)
     elif pretrained is not None:
-        # lazy: safetensors is loaded only for runs with model.pretrained
-        from paratrain.models.pretrained import pretrained_source  # safetensors: only when loading
+        from paratrain.models.pretrained import pretrained_source  # lazy: safetensors only for model.pretrained
 
         base = pretrained_source(model, pretrained, buffers=_constructor_tensors(factory, keep_parameters=False))
         yield _with_adapters(base, seed)
     elif initialises_piecewise(model):
-        yield _with_adapters(_replayed_source(model, factory=factory, seed=seed), seed)
+        with drawing_threads():  # kept for every tensor drawn, ended with the init
+            yield _with_adapters(_replayed_source(model, factory=factory, seed=seed), seed)
     else:
         with seed_checkpoint(factory, seed=seed, directory=scratch) as directory:
             # lazy: as for model.pretrained, the seed checkpoint is safetensors

@@ -19,9 +19,11 @@ made a 1.5B model's init 12 s of one core in a one-GPU run; the values do not de
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import math
 import os
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -155,11 +157,15 @@ def _block_pool(threads: int) -> ThreadPoolExecutor:
     return _POOLS[threads]
 
 
-def release_draw_threads() -> None:
-    """Ends the drawing threads once a model is initialised: none outlives it into the forks that follow
-    (data loader workers), where a copied pool would wait for threads the child does not have."""
-    while _POOLS:
-        _POOLS.popitem()[1].shutdown(wait=True)
+@contextlib.contextmanager
+def drawing_threads() -> Iterator[None]:
+    """Keeps the drawing threads for the tensors of one init, and ends them with it: none outlives it into the
+    forks that follow (data loader workers), where a copied pool would wait for threads the child does not have."""
+    try:
+        yield
+    finally:
+        while _POOLS:
+            _POOLS.popitem()[1].shutdown(wait=True)
 
 
 def blocks_meeting(shape: tuple[int, ...], box: Box) -> list[tuple[int, int, int]]:

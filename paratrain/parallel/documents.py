@@ -122,9 +122,10 @@ def document_attention(
     for span in spans if spans is not None else document_spans(documents):
         by_length[span[2] - span[1]].append(span)
     pieces: dict[tuple[int, int], torch.Tensor] = {}
-    for length, spans in by_length.items():
+    for length, same_length in by_length.items():
         q, k, v = (
-            torch.stack([tensor[row, :, first:end] for row, first, end in spans]) for tensor in (query, key, value)
+            torch.stack([tensor[row, :, first:end] for row, first, end in same_length])
+            for tensor in (query, key, value)
         )
         mask = _window(length, sliding_window, like=q)
         with sdpa_kernel(ANY_LENGTH_BACKENDS):
@@ -132,7 +133,7 @@ def document_attention(
                 q, k, v, attn_mask=mask, is_causal=mask is None, dropout_p=dropout_p, scale=scale,
                 enable_gqa=k.shape[1] != q.shape[1],
             )  # fmt: skip
-        for (row, first, _), piece in zip(spans, out.unbind(0), strict=True):
+        for (row, first, _), piece in zip(same_length, out.unbind(0), strict=True):
             pieces[row, first] = piece
     rows = []
     for row in range(query.shape[0]):

@@ -22,6 +22,7 @@ the plain causal attention of the rank's own tokens and positions count from 0.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
 import torch
@@ -69,20 +70,17 @@ class CutMicroBatch:
             sequences, as in evaluation).
         masks: The additive sliding-window masks built for this micro-batch, by (window, dtype): built once
             and shared by every layer, so autograd keeps one copy for backward, not one per layer.
-        spans: The documents' (row, first, end), read from ``documents`` once for every layer (a copy to the
-            host each time otherwise: a GPU sync per layer).
     """
 
     positions: torch.Tensor
     documents: torch.Tensor | None
     exchange: bool
     masks: dict[tuple[int | None, torch.dtype], torch.Tensor | None] = field(default_factory=dict)
-    spans: list[tuple[int, int, int]] | None = None
 
-    def document_spans(self) -> list[tuple[int, int, int]]:
-        if self.spans is None:
-            self.spans = document_spans(self.documents)
-        return self.spans
+    @functools.cached_property
+    def spans(self) -> list[tuple[int, int, int]]:
+        """The documents' (row, first, end), read once for every layer (each read copies to the host: a GPU sync)."""
+        return document_spans(self.documents)
 
     def mask(self, seq_len: int, *, sliding_window: int | None, like: torch.Tensor) -> torch.Tensor | None:
         """The additive mask (0 where allowed, -inf elsewhere) for queries of ``like``'s dtype and device."""
@@ -178,7 +176,7 @@ class SequenceSharding:
                 key,
                 value,
                 current.documents,
-                spans=current.document_spans(),
+                spans=current.spans,
                 sliding_window=sliding_window,
                 dropout_p=dropout_p,
                 scale=scale,
