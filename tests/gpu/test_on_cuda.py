@@ -238,3 +238,41 @@ def test_verify_passes_for_fsdp(tmp_path, device):
     config = write_config(tmp_path / "verify.yaml", tiny_config(tmp_path / "verify", train={"device": device}))
     result = run_cli(["verify", str(config), "parallel.strategy=fsdp", "--nproc-per-node", "2"], timeout=600)
     assert result.returncode == 0, result.stderr[-4000:]
+
+
+def documents_attended(dtype, inputs, documents, window, *, autocast=False, varlen=True):
+    """(output, gradients of q, k, v) of attention within documents, in float32 for comparing."""
+    from paratrain.parallel import documents as documents_module
+
+    inputs = [tensor.to(dtype).requires_grad_() for tensor in inputs]
+    with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
+        assert documents_module.takes_varlen(inputs[0], dropout_p=0.0) == (dtype == torch.bfloat16 or autocast)
+        with pytest.MonkeyPatch.context() as patch:
+            if not varlen:  # the per-length SDPA calls, in the same precision
+                patch.setattr(documents_module, "takes_varlen", lambda query, dropout_p: False)
+            out = documents_module.document_attention(*inputs, documents, sliding_window=window)
+    out.float().square().sum().backward()
+    return [out.float()] + [tensor.grad.float() for tensor in inputs]
+
+
+@pytest.mark.parametrize("autocast", [False, True])
+@pytest.mark.parametrize("window", [None, 3])
+def test_attention_within_documents_in_one_variable_length_call_is_as_close_as_per_length_calls(
+    device, window, autocast
+):
+    """bf16 (or float32 under bf16 autocast, as rotary embeddings hand it over) takes flash attention's
+    variable-length call. Against float32's per-length calls (each document alone, checked on CPU), its output
+    and gradients must be as close as bf16's own per-length calls are, within 2x (bf16 rounding alone moves
+    these gradients by ~0.1 of ~50). Grouped-query heads, and a window that cuts into the longer documents."""
+    if device != "cuda" or not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device with flash attention")
+    torch.manual_seed(0)
+    documents = torch.tensor([[0, 0, 0, 1, 1, 2, 2, 2] * 4, [0] * 20 + [1] * 11 + [2]], device="cuda")
+    inputs = [torch.randn(2, heads, 32, 64, device="cuda") for heads in (8, 2, 2)]
+    half = torch.float32 if autocast else torch.bfloat16
+    varlen = documents_attended(half, inputs, documents, window, autocast=autocast)
+    per_length = documents_attended(half, inputs, documents, window, autocast=autocast, varlen=False)
+    reference = documents_attended(torch.float32, inputs, documents, window)
+    for name, got, baseline, exact in zip(("output", "dq", "dk", "dv"), varlen, per_length, reference, strict=True):
+        error, baseline_error = ((tensor - exact).abs().max().item() for tensor in (got, baseline))
+        assert error <= 2 * baseline_error + 1e-3, f"{name}: {error:.4f} against per-length calls' {baseline_error:.4f}"

@@ -116,6 +116,18 @@ def test_a_micro_batchs_document_spans_are_read_once_for_every_layer(monkeypatch
     assert len(calls) == 2
 
 
+def test_the_variable_length_call_takes_each_documents_start_in_the_flattened_tokens():
+    spans = documents_module.document_spans(torch.tensor([[0, 0, 0, 1, 1, 2, 2, 2], [0, 0, 1, 1, 1, 1, 1, 2]]))
+    assert documents_module.cumulative_starts(spans, seq=8) == [0, 3, 5, 8, 10, 15, 16]
+
+
+def test_the_variable_length_call_is_for_half_precision_on_a_gpu_only():
+    """On CPU, in float32 or with dropout, documents go through per-length SDPA calls (the CPU suite's path)."""
+    query = torch.randn(1, 2, 8, 64, dtype=torch.bfloat16)
+    assert not documents_module.takes_varlen(query, dropout_p=0.0)
+    assert not documents_module.takes_varlen(query.float(), dropout_p=0.0)
+
+
 def test_attention_within_documents_leaves_out_cudnns_attention(monkeypatch):
     """Each document length is its own SDPA call, and cuDNN's attention (torch's first choice on Hopper) builds a
     graph per new shape: on an H100 that made these calls 120x causal attention's time. The calls run with
