@@ -118,6 +118,7 @@ def document_attention(
     documents: torch.Tensor,
     *,
     spans: list[tuple[int, int, int]] | None = None,
+    starts: torch.Tensor | None = None,
     sliding_window: int | None = None,
     dropout_p: float = 0.0,
     scale: float | None = None,
@@ -177,11 +178,17 @@ def cumulative_starts(spans: list[tuple[int, int, int]], seq: int) -> list[int]:
     return [row * seq + first for row, first, _ in spans] + [(spans[-1][0] + 1) * seq]
 
 
+def starts_tensor(spans: list[tuple[int, int, int]], seq: int, *, device: torch.device) -> torch.Tensor:
+    """``cumulative_starts`` as the int32 tensor on ``device`` that the variable-length call takes."""
+    return torch.tensor(cumulative_starts(spans, seq), dtype=torch.int32, device=device)
+
+
 def _varlen_attention(
     query: torch.Tensor,
     key: torch.Tensor,
     value: torch.Tensor,
     spans: list[tuple[int, int, int]],
+    starts: torch.Tensor,
     *,
     sliding_window: int | None,
     scale: float | None,
@@ -194,7 +201,6 @@ def _varlen_attention(
     flat_q, flat_k, flat_v = (
         tensor.to(dtype).transpose(1, 2).reshape(batch * seq, heads, head_dim) for tensor in (query, key, value)
     )
-    starts = torch.tensor(cumulative_starts(spans, seq), dtype=torch.int32, device=query.device)
     longest = max(end - first for _, first, end in spans)
     # (left, right) keys each query sees: causal, and within transformers' window (i - j < window).
     window = (sliding_window - 1, 0) if sliding_window else (-1, 0)

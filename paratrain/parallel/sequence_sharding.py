@@ -33,7 +33,14 @@ from torch.distributed.nn.functional import all_reduce as differentiable_all_red
 
 from paratrain.errors import ConfigError
 from paratrain.parallel.dims import ParallelDims
-from paratrain.parallel.documents import DocumentBoundaries, document_attention, document_spans, layout_from_starts
+from paratrain.parallel.documents import (
+    DocumentBoundaries,
+    document_attention,
+    document_spans,
+    layout_from_starts,
+    starts_tensor,
+    takes_varlen,
+)
 
 
 def build_sequence_sharding(dims: ParallelDims, *, documents: DocumentBoundaries | None) -> SequenceSharding | None:
@@ -81,6 +88,12 @@ class CutMicroBatch:
     def spans(self) -> list[tuple[int, int, int]]:
         """The documents' (row, first, end), read once for every layer (each read copies to the host: a GPU sync)."""
         return document_spans(self.documents)
+
+    @functools.cached_property
+    def starts(self) -> torch.Tensor:
+        """Where each document starts in the flattened tokens, on the documents' device, for every layer's
+        variable-length attention call (parallel/documents.py); made at the first layer that asks."""
+        return starts_tensor(self.spans, self.documents.shape[1], device=self.documents.device)
 
     def mask(self, seq_len: int, *, sliding_window: int | None, like: torch.Tensor) -> torch.Tensor | None:
         """The additive mask (0 where allowed, -inf elsewhere) for queries of ``like``'s dtype and device."""
@@ -177,6 +190,7 @@ class SequenceSharding:
                 value,
                 current.documents,
                 spans=current.spans,
+                starts=current.starts if takes_varlen(query, dropout_p) else None,
                 sliding_window=sliding_window,
                 dropout_p=dropout_p,
                 scale=scale,

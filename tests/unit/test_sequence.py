@@ -119,6 +119,8 @@ def test_a_micro_batchs_document_spans_are_read_once_for_every_layer(monkeypatch
 def test_the_variable_length_call_takes_each_documents_start_in_the_flattened_tokens():
     spans = documents_module.document_spans(torch.tensor([[0, 0, 0, 1, 1, 2, 2, 2], [0, 0, 1, 1, 1, 1, 1, 2]]))
     assert documents_module.cumulative_starts(spans, seq=8) == [0, 3, 5, 8, 10, 15, 16]
+    starts = documents_module.starts_tensor(spans, 8, device=torch.device("cpu"))
+    assert starts.dtype == torch.int32 and starts.tolist() == [0, 3, 5, 8, 10, 15, 16]
 
 
 def test_the_variable_length_call_is_for_half_precision_on_a_gpu_only():
