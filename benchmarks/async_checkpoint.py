@@ -16,7 +16,7 @@ once asynchronously, the order flipping every round (S A, A S, ...) on a machine
   CPU-only machine the background write competes with training for the cores; with training on GPUs
   it mostly waits on the disk.
 
-Target (issue 5): async blocked <= 0.2 x sync blocked. This prints, it never asserts; results belong
+Target: async blocked <= 0.2 x sync blocked. This prints, it never asserts; results belong
 in docs/benchmarks.md.
 
     .venv/bin/python benchmarks/async_checkpoint.py --rounds 5

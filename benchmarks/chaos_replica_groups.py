@@ -1,4 +1,4 @@
-"""Chaos on fault-tolerant replica groups (issue 25) against today's restart-all, on one kill schedule.
+"""Chaos on fault-tolerant replica groups against today's restart-all, on one kill schedule.
 
 Replica groups: a loopback `paratrain lighthouse` and ``--groups`` groups of ``--procs`` processes (fsdp
 inside each), each its own `paratrain train --replica-group I --replica-groups N --max-restarts K`. Restart-

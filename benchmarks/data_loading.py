@@ -9,7 +9,7 @@
 2. Loader stall. ``examples/llama_text.yaml`` (fsdp on 2 processes) trained ``--steps`` steps at
    data.num_workers 0 and 2, one after the other; ``data_wait_fraction`` is the share of rank 0's step
    time spent in ``next()`` on the loader, logged per window by the trainer. The first window (step 1:
-   process and worker start-up) is left out. Target (issue 13): < 2 %.
+   process and worker start-up) is left out. Target: < 2 %.
 
 This prints, it never asserts; results belong in docs/benchmarks.md.
 

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 40 on one lent H100 or H200, in one call per part: the versions, the float8 and checkpointing CUDA
+# float8 and activation checkpointing on one lent H100 or H200, in one call per part: the versions, the float8 and checkpointing CUDA
 # tests of tests/gpu, then benchmarks/float8_checkpointing.py on the 1.5B Llama of benchmarks/vs_torchtitan.py.
 # float8 needs torchao: put its wheel (a release in pyproject.toml's float8 range) in .whl/ beside the others
 # gpu_env.sh installs. Logs go to $OUT (or ./gpu-lease-out); the tables are printed last.

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Everything a lent GPU should run, in one call that fits a short lease (issue 27): the versions, the
+# Everything a lent GPU should run, in one call that fits a short lease: the versions, the
 # CUDA tests of tests/gpu (those one GPU can run; multi-GPU ones skip, naming the count), then
 # benchmarks/mfu.py on the 1.2B GPT. Logs go to $OUT (or ./gpu-lease-out); the summary is printed last.
 #

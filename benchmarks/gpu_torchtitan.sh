@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 27's third item on one lent GPU, in one call: the versions, then benchmarks/vs_torchtitan.py
+# paratrain against torchtitan on one lent GPU, in one call: the versions, then benchmarks/vs_torchtitan.py
 # (torchtitan's Llama 3 1B, then paratrain's transformers Llama of the same shape, back to back). The
 # wheels torchtitan needs beyond the GPU image travel in .whl/ (docs/benchmarks.md lists them). Logs go to
 # $OUT (or ./gpu-lease-out); the comparison's table is printed last.

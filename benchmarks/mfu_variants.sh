@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The MFU tuning runs of issue 27 on one GPU, back to back in one call: benchmarks/mfu.py's 1.2B GPT under
+# The MFU tuning runs on one GPU, back to back in one call: benchmarks/mfu.py's 1.2B GPT under
 # each variant, 60 steps (steps 1-10 left out); logs go to $OUT.
 set -uo pipefail
 cd "$(dirname "$0")/.."

@@ -8,7 +8,7 @@ and reports from every rank's own tensors:
 
 - *experts held*: bytes of expert parameters a rank stores (its FSDP shard of its ep share);
 - *experts computed*: bytes of expert weights a rank computes with once FSDP has gathered them (its
-  ep share: measured inside the experts' forward). The goal (issue 24): ``full / ep`` within 2 %;
+  ep share: measured inside the experts' forward). The goal: ``full / ep`` within 2 %;
 - *other held*: the rest of the model's parameter bytes a rank stores (sharded over all dp_shard ranks,
   whatever ep is);
 - *step* and *all-to-all*: median step time, and the share of it spent in all-to-all collectives (rank

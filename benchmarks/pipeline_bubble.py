@@ -8,7 +8,7 @@ action table with uniform stages and free communication (``paratrain.parallel.pi
 activation memory is the most bytes saved for backward alive at once on a rank
 (``saved_tensors_hooks``). Threads are pinned to one per process so the two ranks do not contend.
 
-Targets (issue 4): GPipe and 1F1B within +-0.05 of theory at p=2, m in {2, 4, 8}; interleaved and
+Targets: GPipe and 1F1B within +-0.05 of theory at p=2, m in {2, 4, 8}; interleaved and
 zero-bubble below 1F1B; 1F1B's peak activations per rank below GPipe's at m=8. It prints, it never
 asserts; results go in docs/benchmarks.md.
 

@@ -92,7 +92,7 @@ def main() -> int:
     print(
         f"median launch to exit: paratrain {statistics.median(exits['paratrain']):.2f} s, "
         f"torchrun {statistics.median(exits['handwritten']):.2f} s; median per-round ratio "
-        f"{statistics.median(exit_ratios):.3f} (issue 26 aims at <= 1.1)"
+        f"{statistics.median(exit_ratios):.3f} (the goal: <= 1.1)"
     )
     print(
         f"median launch to first step: paratrain {statistics.median(firsts['paratrain']):.2f} s, "

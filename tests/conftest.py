@@ -22,7 +22,7 @@ def pytest_addoption(parser) -> None:
     )
 
 
-# The files that take the longest (seconds in the last full `make test` before issue 26's cuts), marked
+# The files that take the longest (seconds in a full `make test` before the suite's launches were cut), marked
 # ``slow``: ``make test-fast`` (pytest -m "not slow") leaves them out for the inner loop; ``make test``, and
 # so CI, runs them.
 SLOW_FILES = (

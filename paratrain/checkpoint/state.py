@@ -43,7 +43,7 @@ _IMPLEMENTATION_FLAGS = ("foreach", "fused")
 # Param-group settings saved once per parameter (``param_groups.<name>.lr``), like the moments
 # (``state.<name>.exp_avg``). torch's default keeps them as one list naming the saver's parameters,
 # written by one rank only: a pipeline rank holding other parameters then matched none of them and
-# lost its groups' lr (issue 18).
+# lost its groups' lr.
 _PER_PARAMETER = StateDictOptions(flatten_optimizer_state_dict=True)
 
 

@@ -92,8 +92,8 @@ def apply_compile(
     A fully checkpointed block is compiled inside its checkpoint wrapper, so the checkpoint recomputes
     a compiled forward. Compiling the wrapper instead (dynamo tracing ``torch.utils.checkpoint``) fails
     on tensor-parallel blocks in torch 2.13: the traced checkpoint saves the DTensors' DeviceMesh among
-    its tensors and the first step dies with ``expected all tensors_saved_with_vc_check to be Tensors``
-    (issue 18). Compiled inside, tp, fsdp and single with both options train.
+    its tensors and the first step dies with ``expected all tensors_saved_with_vc_check to be Tensors``.
+    Compiled inside, tp, fsdp and single with both options train.
 
     A selectively checkpointed block is compiled wrapper and all, as torchtitan compiles it: dynamo
     traces the policy and the partitioner keeps what it saves. Inside the wrapper the policy would see

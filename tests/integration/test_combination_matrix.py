@@ -1,4 +1,4 @@
-"""Every layout x every training option either trains or is refused before training (issue 18).
+"""Every layout x every training option either trains or is refused before training.
 
 Each combination of a layout (the resume matrix's) with one option (activation checkpointing, compile,
 both, bf16, fp16, async checkpoints, evaluation, gradient accumulation) runs 3 steps: every loss

@@ -26,8 +26,8 @@ LAYOUTS = {
     "pp x2": (["parallel.strategy=pp"], 2),
 }
 
-# A pipeline checkpoint resumed under a pipeline layout loses its optimizer groups' lr (issue 18, fixed on
-# its own branch); until that lands the pp run's checkpoint is resumed by ddp x2, which reads it whole.
+# The pp run's checkpoint is resumed by ddp x2, which reads it whole (a pipeline checkpoint resumed under a
+# pipeline layout once lost its optimizer groups' lr: checkpoint/state.py).
 RESUME_LAYOUT = {"pp x2": ["parallel.strategy=ddp"]}
 
 

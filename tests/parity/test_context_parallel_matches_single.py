@@ -1,7 +1,7 @@
 """Context parallel (parallel.cp, all_to_all exchange) and document masking train like a single process:
 paratrain's GPT, a transformers Llama (grouped-query attention) and Mistral (sliding window), alone and
 beside dp_shard, tp and pp; checkpoints hold nothing cp-specific, so a cp run resumes without cp and back,
-and a killed cp run resumes bit-identical (issue 23)."""
+and a killed cp run resumes bit-identical."""
 
 from __future__ import annotations
 

@@ -3,8 +3,8 @@ FSDP over the ranks ep leaves (dp_shard=4, ep=2), beside a pipeline and beside t
 alone, the MoE feed-forward whole on each tp rank); the experts each rank's router
 sends tokens to are counted as one process counts them; checkpoints hold whole stacked experts, so an
 ep x4 run resumes under ep x2 and that one in a single process, and an ep run restarted from a checkpoint
-trains on bit for bit (issue 24). Aux-loss-free balancing (moe_balance: bias) moves each expert's router bias
-under ep x2 as in one process (issue 39)."""
+trains on bit for bit. Aux-loss-free balancing (moe_balance: bias) moves each expert's router bias
+under ep x2 as in one process."""
 
 from __future__ import annotations
 

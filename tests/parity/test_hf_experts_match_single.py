@@ -7,7 +7,7 @@ rank half of every sequence) the load-balancing loss too, from statistics over w
 DeepSeek-V3 balanced by its router bias (moe_balance: bias) under ep x2. A save_pretrained Qwen3-MoE loads
 sliced under ep x2 from its files and exports back in transformers' layout; LoRA on its attention trains under
 fsdp x2 and ep x2, and LoRA on its stacked experts (peft's target_parameters) under fsdp x2, each adapter
-exported as peft loads it (issue 39).
+exported as peft loads it.
 
 Every layout of a process count trains in one launch (tests/harness.LayoutRuns)."""
 

@@ -1,6 +1,6 @@
 """Models paratrain did not write: Hugging Face GPT-2 and Llama built from configs, and a plain
 nn.Sequential that declares nothing, start from the same weights under every layout as under one
-process and train like it (issue 12)."""
+process and train like it."""
 
 from __future__ import annotations
 

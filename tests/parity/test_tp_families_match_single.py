@@ -1,7 +1,7 @@
 """Tensor parallel from each popular transformers family's own tp_plan, every style those plans use inside
 the decoder layers (colwise, rowwise, colwise_gather_output, rowwise_split_input,
 replicated_with_grad_allreduce), trains like a single process: tp x2 against one process on the same seed
-and batch (issue 24). Llama's own tp x2 and fsdp+tp 2x2 are in test_hf_matches_single.py."""
+and batch. Llama's own tp x2 and fsdp+tp 2x2 are in test_hf_matches_single.py."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """``paratrain checkpoint check``: a checkpoint loaded under another layout without training, what moved
-said, and a checkpoint that cannot load named before any machine is rented for it (issue 18)."""
+said, and a checkpoint that cannot load named before any machine is rented for it."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """benchmarks/mfu.py's CPU variant, as a smoke test: the script CI cannot run on a GPU still runs
-paratrain end to end on both layouts and reports figures that are numbers (issue 15)."""
+paratrain end to end on both layouts and reports figures that are numbers."""
 
 from __future__ import annotations
 
