@@ -13,8 +13,9 @@ all-gather's path), with one change each:
 Two tables: bf16 against float8, tokens/s (median of the steps after --skip-steps), peak reserved memory and
 the loss over --loss-steps steps (every 50th step's, and the largest relative gap to bf16 over the last
 half) on 24 MB of the standard library's source (--source-mb; the docstrings alone, 100k tokens, are memorised
-within 300 steps, which is not what the loss comparison is for); then none / selective / full checkpointing, peak reserved memory against tokens/s (--steps each;
-"none" is the bf16 run). float8 needs a GPU of compute capability 8.9 (H100, H200) and torchao. Prints,
+within 300 steps, which is not what the loss comparison is for); then none / selective / full checkpointing,
+peak reserved memory against tokens/s (--steps each; "none" is the bf16 run). ``--shape wide`` trains Llama 3
+8B's layers instead (width 4096, 6 of them): float8 gains more as matmuls grow (1.13 x at width 2048 on an H100). float8 needs a GPU of compute capability 8.9 (H100, H200) and torchao. Prints,
 never asserts; results go in docs/benchmarks.md.
 
     python3 benchmarks/float8_checkpointing.py --runs bf16,float8-tensorwise      # on the GPU machine
@@ -44,6 +45,13 @@ CHANGES = {
     "full": ["parallel.activation_checkpointing=full"],
 }
 LOSS_EVERY = 50
+# model.args of each --shape: the 1.5B of vs_torchtitan, or Llama 3 8B's layer shape with fewer layers.
+SHAPES = {
+    "1.5b": titan.LLAMA_ARGS,
+    "wide": titan.LLAMA_ARGS.replace("hidden_size: 2048", "hidden_size: 4096")
+    .replace("intermediate_size: 8192", "intermediate_size: 14336")
+    .replace("num_hidden_layers: 16", "num_hidden_layers: 6"),
+}
 
 
 @dataclass(frozen=True)
@@ -55,11 +63,21 @@ class Run:
 
 
 def run_command(
-    run: str, run_dir: Path, corpus: Path, tokenizer: Path, *, layout: str, steps: int, micro_batch: int
+    run: str,
+    run_dir: Path,
+    corpus: Path,
+    tokenizer: Path,
+    *,
+    layout: str,
+    steps: int,
+    micro_batch: int,
+    shape: str = "1.5b",
 ) -> list[str]:
-    """vs_torchtitan's paratrain command for ``layout``, then this run's change (later overrides win)."""
+    """vs_torchtitan's paratrain command for ``layout``, then the shape and this run's change (later overrides
+    win). The throughput callback's FLOPs stay the 1.5B's: this script reads tokens/s, not MFU."""
     command = titan.paratrain_command(run_dir, corpus, tokenizer, layout=layout, steps=steps, micro_batch=micro_batch)
-    return [*command, *CHANGES[run]]
+    shape_override = [] if shape == "1.5b" else [f"model.args={SHAPES[shape]}"]
+    return [*command, *shape_override, *CHANGES[run]]
 
 
 def steps_of(run: str, args: argparse.Namespace) -> int:
@@ -69,7 +87,14 @@ def steps_of(run: str, args: argparse.Namespace) -> int:
 def train(run: str, work: Path, corpus: Path, tokenizer: Path, args: argparse.Namespace) -> Path:
     run_dir = work / run
     command = run_command(
-        run, run_dir, corpus, tokenizer, layout=args.layout, steps=steps_of(run, args), micro_batch=args.micro_batch
+        run,
+        run_dir,
+        corpus,
+        tokenizer,
+        layout=args.layout,
+        steps=steps_of(run, args),
+        micro_batch=args.micro_batch,
+        shape=args.shape,
     )
     print(f"{run}:", " ".join(command), flush=True)
     log = work / f"{run}.log"
@@ -139,6 +164,7 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--runs", default="bf16,float8-tensorwise,selective,full", help="comma-separated, in order")
     parser.add_argument("--layout", choices=sorted(titan.PARATRAIN_LAYOUTS), default="single")
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="1.5b", help="the model (see above)")
     parser.add_argument("--loss-steps", type=int, default=300, help="steps of bf16 and the float8 runs")
     parser.add_argument("--steps", type=int, default=30, help="steps of the checkpointing runs")
     parser.add_argument("--skip-steps", type=int, default=10, help="compile and warm-up steps left out of tokens/s")
@@ -165,7 +191,9 @@ def main(argv: list[str] | None = None) -> None:
             except RuntimeError as error:
                 print(f"{name} FAILED: {error}", flush=True)
     device, _ = titan.gpu_peak_bf16()
-    print(f"device: {device}; layout {args.layout}, sequence {titan.SEQUENCE}, micro-batch {args.micro_batch}")
+    print(
+        f"device: {device}; shape {args.shape}, layout {args.layout}, sequence {titan.SEQUENCE}, micro-batch {args.micro_batch}"
+    )
     for line in float8_lines(runs) + checkpointing_lines(runs):
         print(line)
 

@@ -18,9 +18,16 @@ def script():
     return load_benchmark("float8_checkpointing")
 
 
-def config_of(script, run: str, tmp_path: Path, *, layout: str = "single", steps: int = 300):
+def config_of(script, run: str, tmp_path: Path, *, layout: str = "single", steps: int = 300, shape: str = "1.5b"):
     command = script.run_command(
-        run, tmp_path / run, tmp_path / "corpus", tmp_path / "tokenizer", layout=layout, steps=steps, micro_batch=8
+        run,
+        tmp_path / run,
+        tmp_path / "corpus",
+        tmp_path / "tokenizer",
+        layout=layout,
+        steps=steps,
+        micro_batch=8,
+        shape=shape,
     )
     config_path, overrides = command[command.index("train") + 1], command[command.index("train") + 2 :]
     return load_config(Path(script.titan.REPO_ROOT) / config_path, overrides)
@@ -47,6 +54,16 @@ def test_every_run_is_the_matched_llama_with_only_its_own_change(script, tmp_pat
     changed["parallel"].pop("float8"), unchanged["parallel"].pop("float8")
     changed["parallel"]["activation_checkpointing"] = unchanged["parallel"]["activation_checkpointing"]
     assert changed == unchanged
+
+
+def test_the_wide_shape_is_llama_3_8bs_layers_and_changes_nothing_else(script, tmp_path):
+    wide = config_of(script, "float8-tensorwise", tmp_path, shape="wide").model_dump(exclude={"run", "data"})
+    narrow = config_of(script, "float8-tensorwise", tmp_path).model_dump(exclude={"run", "data"})
+    resized = ("hidden_size", "intermediate_size", "num_hidden_layers")
+    assert [wide["model"]["args"].pop(key) for key in resized] == [4096, 14336, 6]
+    for key in resized:
+        narrow["model"]["args"].pop(key)
+    assert wide == narrow and wide["parallel"]["float8"]["enabled"]
 
 
 def write_metrics(path: Path, losses: dict[int, float], *, tokens_per_s: float, peak_mb: float) -> Path:
