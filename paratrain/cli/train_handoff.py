@@ -29,7 +29,6 @@ from paratrain.parallel.dims import ParallelDims
 from paratrain.planner.layouts import layout_overrides
 from paratrain.planner.memory_check import check_memory
 from paratrain.training.preparation import prepare_run
-from paratrain.worker import FORKED
 
 
 def train_command(args: argparse.Namespace) -> int:
@@ -106,7 +105,7 @@ def run_or_launch(
     maybe_check_memory_before_launch(config, dims, options, config_path=args.config)
     # The layout auto chose, given explicitly: workers train it without ranking layouts again.
     chosen = layout_overrides(dims) if auto else []
-    code = launch(options, [args.config, *args.overrides, *chosen], env={PREFLIGHT_DONE_ENV: "1"}, forked=FORKED)
+    code = launch(options, [args.config, *args.overrides, *chosen], env={PREFLIGHT_DONE_ENV: "1"})
     return maybe_export_final_hf(config, node_rank=options.node_rank) if code == 0 else code
 
 

@@ -10,12 +10,10 @@ from dataclasses import dataclass
 from types import FrameType
 
 from paratrain.errors import EXIT_NONFINITE, EXIT_REQUEUE, EXIT_SAVE_FAILED, ConfigError
-from paratrain.launch.forked_workers import ForkedWorker, run_forked
 
 # torchrun's own handling (stop the workers with the same signal, then raise) for these; SIGTERM and
 # SIGUSR1 are paratrain's (_StopRequests), so that the workers get time to save a checkpoint.
 _TORCHRUN_SIGNALS = "SIGINT,SIGHUP,SIGQUIT"
-TRAINING_WORKER = "paratrain.worker"
 
 
 @dataclass(frozen=True)
@@ -43,7 +41,9 @@ class LaunchOptions:
             raise ConfigError(f"--node-rank {self.node_rank} must be between 0 and --nnodes - 1 = {self.nnodes - 1}")
 
 
-def torchrun_argv(options: LaunchOptions, worker_args: list[str], *, worker_module: str = TRAINING_WORKER) -> list[str]:
+def torchrun_argv(
+    options: LaunchOptions, worker_args: list[str], *, worker_module: str = "paratrain.worker"
+) -> list[str]:
     """torchrun's arguments for running ``python -m WORKER_MODULE WORKER_ARGS`` on this node."""
     # lazy: torchrun's modules load only once the launch is decided (not for a one-process run)
     from paratrain.launch.rendezvous import BACKEND_NAME, LOOPBACK_ADDR  # loads torch.distributed.elastic
@@ -83,16 +83,10 @@ def torchrun_argv(options: LaunchOptions, worker_args: list[str], *, worker_modu
 
 
 def launch(
-    options: LaunchOptions,
-    worker_args: list[str],
-    *,
-    env: dict[str, str],
-    worker_module: str = TRAINING_WORKER,
-    forked: ForkedWorker | None = None,
+    options: LaunchOptions, worker_args: list[str], *, env: dict[str, str], worker_module: str = "paratrain.worker"
 ) -> int:
-    """Runs the workers (``python -m WORKER_MODULE WORKER_ARGS``, or ``forked``'s function forked from a
-    server that imported its modules) under torchrun in this process; returns an exit code for the CLI.
-    Other worker modules get the same loopback-only stores (tests use them)."""
+    """Runs the workers (``python -m WORKER_MODULE WORKER_ARGS``) under torchrun in this process; returns
+    an exit code for the CLI. Other worker modules get the same loopback-only stores (tests use them)."""
     # lazy: torchrun's modules load only once the launch is decided (not for a one-process run)
     from torch.distributed.elastic.multiprocessing import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -110,10 +104,7 @@ def launch(
     args = get_args_parser().parse_args(torchrun_argv(options, worker_args, worker_module=worker_module))
     requests = _StopRequests.install()
     try:
-        if forked is not None:
-            run_forked(args, forked)  # the same torchrun run, its workers forked from one that imported them
-        else:
-            run(args)
+        run(args)
     except ChildFailedError as error:
         return _summarise_failure(error)
     except (SignalException, _WorkersStopped):

@@ -100,21 +100,9 @@ def announce_stop(*, local_rank: int) -> None:
     """Tells paratrain's launcher, when it started this process, that the group stopped on purpose;
     returns once every rank has, so no worker exits before every launcher knows."""
     launcher = os.environ.get(LAUNCHER_PID_ENV)
-    if local_rank == 0 and launcher is not None and int(launcher) in _parent_and_grandparent():
-        os.kill(int(launcher), STOPPED_NOTICE)
+    if local_rank == 0 and launcher is not None and int(launcher) == os.getppid():
+        os.kill(os.getppid(), STOPPED_NOTICE)
     barrier()
-
-
-def _parent_and_grandparent() -> tuple[int, int | None]:
-    """This process's parent, and its parent's: the launcher forks its workers from a server it started
-    (paratrain.launch.forked_workers), so a worker it started is its grandchild."""
-    parent = os.getppid()
-    try:
-        # /proc/PID/stat: "pid (comm) state ppid ...", comm may hold spaces and parentheses.
-        fields = Path(f"/proc/{parent}/stat").read_text().rsplit(")", 1)[1].split()
-        return parent, int(fields[1])
-    except (OSError, IndexError, ValueError):
-        return parent, None
 
 
 def end_on_signal(
