@@ -210,7 +210,7 @@ def _varlen_attention(
 
 def _varlen_attn():
     """torch's variable-length flash attention (torch >= 2.10), or None."""
-    try:
+    try:  # lazy: torch < 2.10 has no varlen module, and it is read only on a GPU with flash attention
         from torch.nn.attention.varlen import varlen_attn
     except ImportError:
         return None
