@@ -23,6 +23,7 @@ call per length. The per-length calls stayed 4.3x causal attention's time on an 
 
 from __future__ import annotations
 
+import functools
 from collections import defaultdict
 from dataclasses import dataclass
 
@@ -111,27 +112,43 @@ def document_spans(documents: torch.Tensor) -> list[tuple[int, int, int]]:
     return spans
 
 
+class ReadDocuments:
+    """A micro-batch's documents as attention reads them, read once for all its layers: their spans (a copy
+    to the host, which waits for the GPU) and, for the variable-length call, their offsets on the device (a
+    copy from the host, which waits for the GPU's stream)."""
+
+    def __init__(self, documents: torch.Tensor):
+        self.documents = documents
+
+    @functools.cached_property
+    def spans(self) -> list[tuple[int, int, int]]:
+        return document_spans(self.documents)
+
+    @functools.cached_property
+    def starts(self) -> torch.Tensor:
+        return starts_tensor(self.spans, self.documents.shape[1], device=self.documents.device)
+
+
 def document_attention(
     query: torch.Tensor,
     key: torch.Tensor,
     value: torch.Tensor,
     documents: torch.Tensor,
     *,
-    spans: list[tuple[int, int, int]] | None = None,
-    starts: torch.Tensor | None = None,
+    read: ReadDocuments | None = None,
     sliding_window: int | None = None,
     dropout_p: float = 0.0,
     scale: float | None = None,
 ) -> torch.Tensor:
     """Causal attention of ``(batch, heads, seq, head_dim)`` tensors within each document of ``documents``
     (``(batch, seq)``; key and value may have fewer heads): each document attends only to itself, exactly as
-    if it were a sequence of its own. ``spans``: ``document_spans(documents)``, when the caller keeps them
-    for every layer. Returns a tensor shaped like ``query``."""
-    spans = spans if spans is not None else document_spans(documents)
+    if it were a sequence of its own. ``read``: ``ReadDocuments(documents)``, when the caller keeps it for
+    every layer. Returns a tensor shaped like ``query``."""
+    read = read if read is not None else ReadDocuments(documents)
     if takes_varlen(query, dropout_p):
-        return _varlen_attention(query, key, value, spans, sliding_window=sliding_window, scale=scale)
+        return _varlen_attention(query, key, value, read, sliding_window=sliding_window, scale=scale)
     by_length: dict[int, list[tuple[int, int, int]]] = defaultdict(list)
-    for span in spans:
+    for span in read.spans:
         by_length[span[2] - span[1]].append(span)
     pieces: dict[tuple[int, int], torch.Tensor] = {}
     for length, same_length in by_length.items():
@@ -187,8 +204,7 @@ def _varlen_attention(
     query: torch.Tensor,
     key: torch.Tensor,
     value: torch.Tensor,
-    spans: list[tuple[int, int, int]],
-    starts: torch.Tensor,
+    read: ReadDocuments,
     *,
     sliding_window: int | None,
     scale: float | None,
@@ -201,9 +217,10 @@ def _varlen_attention(
     flat_q, flat_k, flat_v = (
         tensor.to(dtype).transpose(1, 2).reshape(batch * seq, heads, head_dim) for tensor in (query, key, value)
     )
-    longest = max(end - first for _, first, end in spans)
+    longest = max(end - first for _, first, end in read.spans)
     # (left, right) keys each query sees: causal, and within transformers' window (i - j < window).
     window = (sliding_window - 1, 0) if sliding_window else (-1, 0)
+    starts = read.starts
     out = _varlen_attn()(flat_q, flat_k, flat_v, starts, starts, longest, longest, scale=scale, window_size=window)
     return out.reshape(batch, seq, heads, head_dim).transpose(1, 2)
 

@@ -33,14 +33,7 @@ from torch.distributed.nn.functional import all_reduce as differentiable_all_red
 
 from paratrain.errors import ConfigError
 from paratrain.parallel.dims import ParallelDims
-from paratrain.parallel.documents import (
-    DocumentBoundaries,
-    document_attention,
-    document_spans,
-    layout_from_starts,
-    starts_tensor,
-    takes_varlen,
-)
+from paratrain.parallel.documents import DocumentBoundaries, ReadDocuments, document_attention, layout_from_starts
 
 
 def build_sequence_sharding(dims: ParallelDims, *, documents: DocumentBoundaries | None) -> SequenceSharding | None:
@@ -85,15 +78,9 @@ class CutMicroBatch:
     masks: dict[tuple[int | None, torch.dtype], torch.Tensor | None] = field(default_factory=dict)
 
     @functools.cached_property
-    def spans(self) -> list[tuple[int, int, int]]:
-        """The documents' (row, first, end), read once for every layer (each read copies to the host: a GPU sync)."""
-        return document_spans(self.documents)
-
-    @functools.cached_property
-    def starts(self) -> torch.Tensor:
-        """Where each document starts in the flattened tokens, on the documents' device, for every layer's
-        variable-length attention call (parallel/documents.py); made at the first layer that asks."""
-        return starts_tensor(self.spans, self.documents.shape[1], device=self.documents.device)
+    def read(self) -> ReadDocuments:
+        """The documents as every layer's attention reads them, read once (each read waits for the GPU)."""
+        return ReadDocuments(self.documents)
 
     def mask(self, seq_len: int, *, sliding_window: int | None, like: torch.Tensor) -> torch.Tensor | None:
         """The additive mask (0 where allowed, -inf elsewhere) for queries of ``like``'s dtype and device."""
@@ -189,8 +176,7 @@ class SequenceSharding:
                 key,
                 value,
                 current.documents,
-                spans=current.spans,
-                starts=current.starts if takes_varlen(query, dropout_p) else None,
+                read=current.read,
                 sliding_window=sliding_window,
                 dropout_p=dropout_p,
                 scale=scale,

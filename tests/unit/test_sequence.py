@@ -10,7 +10,6 @@ import torch.nn.functional as F
 
 from paratrain.errors import ConfigError
 from paratrain.parallel import documents as documents_module
-from paratrain.parallel import sequence_sharding
 from paratrain.parallel.documents import EndToken, MarkedStarts, document_attention, layout_from_starts, mark_starts
 from paratrain.parallel.sequence_sharding import SequenceSharding, attention_mask, local_token_indices
 
@@ -102,8 +101,8 @@ def test_document_spans_are_read_at_once_as_token_by_token(rows):
 
 def test_a_micro_batchs_document_spans_are_read_once_for_every_layer(monkeypatch):
     calls = []
-    spans = sequence_sharding.document_spans
-    monkeypatch.setattr(sequence_sharding, "document_spans", lambda documents: calls.append(1) or spans(documents))
+    spans = documents_module.document_spans
+    monkeypatch.setattr(documents_module, "document_spans", lambda documents: calls.append(1) or spans(documents))
     sharding = SequenceSharding(cp=1, cp_rank=0, cp_group=None, documents=EndToken(9))
     inputs = torch.tensor([[1, 2, 9, 3, 4, 5, 9, 6]])
     sharding.shard(inputs, inputs)
@@ -128,6 +127,34 @@ def test_the_variable_length_call_is_for_half_precision_on_a_gpu_only():
     query = torch.randn(1, 2, 8, 64, dtype=torch.bfloat16)
     assert not documents_module.takes_varlen(query, dropout_p=0.0)
     assert not documents_module.takes_varlen(query.float(), dropout_p=0.0)
+
+
+def varlen_by_sdpa(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, scale=None, window_size=(-1, -1)):
+    """torch's varlen_attn's contract ((tokens, heads, dim), offsets, (left, right) window), one SDPA per
+    sequence: a CPU stand-in for the flash kernel, to check what document attention hands it."""
+    left, right = window_size
+    assert right == 0 and max_q == max_k and torch.equal(cu_seq_q, cu_seq_k) and cu_seq_q.dtype == torch.int32
+    out = torch.empty_like(query)
+    for first, end in zip(cu_seq_q[:-1].tolist(), cu_seq_q[1:].tolist(), strict=True):
+        index = torch.arange(end - first)
+        allowed = (index[None, :] <= index[:, None]) & ((left < 0) | (index[:, None] - index[None, :] <= left))
+        q, k, v = (tensor[first:end].transpose(0, 1) for tensor in (query, key, value))
+        out[first:end] = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, scale=scale).transpose(0, 1)
+    return out
+
+
+@pytest.mark.parametrize("window", [None, 2])
+def test_the_variable_length_call_gets_every_document_with_its_offsets_heads_and_window(monkeypatch, window):
+    """What document attention hands flash's varlen call (here a CPU stand-in keeping its contract) gives
+    the per-length SDPA calls' output: the flattening, the offsets, grouped-query heads and the window."""
+    torch.manual_seed(0)
+    documents = torch.tensor([[0, 0, 0, 1, 1, 2, 2, 2], [0, 0, 1, 1, 1, 1, 1, 2]])
+    query, key, value = (torch.randn(2, heads, 8, 8) for heads in (4, 2, 2))
+    per_length = document_attention(query, key, value, documents, sliding_window=window)
+    monkeypatch.setattr(documents_module, "takes_varlen", lambda query, dropout_p: True)
+    monkeypatch.setattr(documents_module, "_varlen_attn", lambda: varlen_by_sdpa)
+    varlen = document_attention(query, key, value, documents, sliding_window=window)
+    torch.testing.assert_close(varlen, per_length)
 
 
 def test_attention_within_documents_leaves_out_cudnns_attention(monkeypatch):
