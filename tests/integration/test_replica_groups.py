@@ -316,7 +316,11 @@ def test_every_group_restarted_from_checkpoints_of_different_steps_trains_exactl
     ft = {"lighthouse": lighthouse, "quorum_timeout_s": QUORUM_TIMEOUT_S}
     sections = {"parallel": {"fault_tolerance": ft}, "train": {"max_steps": steps}, "checkpoint": {"every_steps": 5}}
     config = write_config(tmp_path / "c.yaml", tiny_config(tmp_path / "ft", **sections))
-    groups = start_groups(config, env={0: {"PARATRAIN_FAULT": "after_step:12"}, 1: {"PARATRAIN_FAULT": "after_step:3"}})
+    # Group 1 must take step 3 to die after it. On a loaded machine the lighthouse (1 s heartbeat timeout here)
+    # can leave a starved group 1 out after the start-up quorum; group 0 then stepped past 3 alone, group 1
+    # healed at step 6 and was never killed. Group 0 waits for it at steps 2 and 3 instead.
+    faults = {0: {"PARATRAIN_FAULT": "wait_for_groups:2-3,after_step:12"}, 1: {"PARATRAIN_FAULT": "after_step:3"}}
+    groups = start_groups(config, env=faults)
     assert [group.process.wait(timeout=400) != 0 for group in groups] == [True, True], "both were to be killed"
     logs = finish(start_groups(config))
     assert "resumed from" in logs[0] and "step 10" in logs[0]
