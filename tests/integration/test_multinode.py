@@ -225,7 +225,11 @@ def test_replica_groups_spanning_two_nodes_heal_node_to_node_and_train_as_one_pr
             # Group 1's rank 0 comes back 8 s after its peer: the peer must wait for the new Manager's
             # address, not read the one its failed attempt left in the store.
             kill = "after_step:6" if killed == "on both hosts" else "after_step:6:1"
-            faults = {0: "slow_step:7-20,wait_for_groups:15", 1: f"{kill},late_manager_on_restart:0:0"}
+            # It also waits for group 1 at steps 2-6, so that group 1, however late, takes the step it dies after.
+            faults = {
+                0: "wait_for_groups:2-6,slow_step:7-20,wait_for_groups:15",
+                1: f"{kill},late_manager_on_restart:0:0",
+            }
             for group in (0, 1):
                 for rank, host in enumerate(hosts):
                     args = ["train", str(config), "--replica-group", str(group), "--replica-groups", "2",

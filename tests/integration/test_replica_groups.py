@@ -92,6 +92,14 @@ def start_group(
     return Group(start_cli(args, env=env, output=log), log)
 
 
+def reaches_its_kill_point(step: int) -> str:
+    """A live group's fault that waits at steps 2 to ``step`` until every group is in the quorum, so that a group
+    set to die after ``step`` takes it. On a loaded machine the lighthouse (1 s heartbeat timeout here) can
+    leave a starved group out after the start-up quorum: the others then stepped past its kill point alone, and
+    it healed later and was never killed (seen once: healed at step 6, set to die after step 3)."""
+    return f"wait_for_groups:2-{step}"
+
+
 def start_groups(
     config: Path,
     *,
@@ -147,7 +155,10 @@ def test_under_shrink_a_killed_group_heals_from_its_live_peer_while_the_peer_kee
     )
     # Group 0 takes half a second a step while group 1 is away, and at step 30 waits for it to be back: however
     # slow torchrun's restart of group 1 is on this machine, group 1 heals from a group still training.
-    slow_alone = f"slow_step:{killed_after + 1}-{steps},wait_for_groups:{back_by}"
+    # It also waits for group 1 up to the step group 1 dies after (see reaches_its_kill_point).
+    slow_alone = (
+        f"{reaches_its_kill_point(killed_after)},slow_step:{killed_after + 1}-{steps},wait_for_groups:{back_by}"
+    )
     groups = start_groups(
         config,
         extra={1: ["--max-restarts", "1"]},
@@ -184,7 +195,7 @@ def test_under_a_fixed_batch_losing_one_group_then_two_at_once_trains_exactly_as
     )
     # Fixed points, not sleeps: groups 0 and 1 take half a second a step while group 2 is away and wait at
     # step 12 until it is back; group 2, started again, does the same while 0 and 1 are away, waiting at 26.
-    survivors = f"slow_step:{first_kill + 1}-12,wait_for_groups:12,after_step:{double_kill}"
+    survivors = f"{reaches_its_kill_point(first_kill)},slow_step:{first_kill + 1}-12,wait_for_groups:12,after_step:{double_kill}"
     groups = start_groups(
         config,
         groups=3,
@@ -285,7 +296,7 @@ def test_a_group_killed_while_it_heals_costs_the_live_group_a_retaken_step_and_h
     config = write_config(
         tmp_path / "c.yaml", tiny_config(tmp_path / "ft", parallel={"fault_tolerance": ft}, train={"max_steps": steps})
     )
-    alone = {"PARATRAIN_FAULT": f"slow_step:6-{steps},wait_for_groups:25"}
+    alone = {"PARATRAIN_FAULT": f"{reaches_its_kill_point(5)},slow_step:6-{steps},wait_for_groups:25"}
     groups = start_groups(config, env={0: alone, 1: {"PARATRAIN_FAULT": "after_step:5"}})
     assert groups[1].process.wait(timeout=400) != 0, "group 1 was to be killed after step 5"
     groups[1] = start_group(config, 1, extra=["--max-restarts", "1"], env={"PARATRAIN_FAULT": f"mid_heal:6-{steps}"})
@@ -316,10 +327,10 @@ def test_every_group_restarted_from_checkpoints_of_different_steps_trains_exactl
     ft = {"lighthouse": lighthouse, "quorum_timeout_s": QUORUM_TIMEOUT_S}
     sections = {"parallel": {"fault_tolerance": ft}, "train": {"max_steps": steps}, "checkpoint": {"every_steps": 5}}
     config = write_config(tmp_path / "c.yaml", tiny_config(tmp_path / "ft", **sections))
-    # Group 1 must take step 3 to die after it. On a loaded machine the lighthouse (1 s heartbeat timeout here)
-    # can leave a starved group 1 out after the start-up quorum; group 0 then stepped past 3 alone, group 1
-    # healed at step 6 and was never killed. Group 0 waits for it at steps 2 and 3 instead.
-    faults = {0: {"PARATRAIN_FAULT": "wait_for_groups:2-3,after_step:12"}, 1: {"PARATRAIN_FAULT": "after_step:3"}}
+    faults = {
+        0: {"PARATRAIN_FAULT": f"{reaches_its_kill_point(3)},after_step:12"},
+        1: {"PARATRAIN_FAULT": "after_step:3"},
+    }
     groups = start_groups(config, env=faults)
     assert [group.process.wait(timeout=400) != 0 for group in groups] == [True, True], "both were to be killed"
     logs = finish(start_groups(config))
