@@ -15,16 +15,15 @@ NaN after the backward of the step (every rank by default), as a diverging model
 wait at the start of the step until every group is back in the quorum (a test's fixed point: a killed
 group's restart, however slow the machine, rejoins before the live group can finish). ``mid_heal`` kills a
 replica group that has received a live peer's state and not yet applied it (the step is the peer's).
-``late_manager_on_restart:0`` is the one fault that fires only in a restarted attempt: that rank waits
+``late_manager_on_restart:0`` fires only in a restarted attempt: that rank waits
 ``LATE_MANAGER_S`` before building its replica group's torchft Manager, so a group's rank 0 comes back
 after its peers (the order that once let them read the failed attempt's address).
 ``fail_first_configure:<attempt>[:<rank>]`` fails a rank's first configure of its cross-group process group in
-torchrun's attempt ``attempt`` (its step field; 1 is the first restart), as when the peer group it was to heal
-from died in that quorum: the rank does not heal. A step
-may be a range ``A-B``
+torchrun's attempt ``attempt`` only (its step field; 1 is the first restart), as when the peer group it was to
+heal from died in that quorum: the rank does not heal. A step may be a range ``A-B``
 (``slow_step:6-40``). Several faults are separated by commas
 (``sigterm_mid_async_save:20:1,slow_async_save:20``). With the variable unset, nothing happens. A
-fault fires in the first attempt only: workers that torchrun restarts (``TORCHELASTIC_RESTART_COUNT``
+fault other than those two fires in the first attempt only: workers that torchrun restarts (``TORCHELASTIC_RESTART_COUNT``
 > 0) run through, so a restart can be shown to recover.
 """
 
