@@ -22,9 +22,9 @@ after its peers (the order that once let them read the failed attempt's address)
 torchrun's attempt ``attempt`` only (its step field; 1 is the first restart), as when the peer group it was to
 heal from died in that quorum: the rank does not heal. A step may be a range ``A-B``
 (``slow_step:6-40``). Several faults are separated by commas
-(``sigterm_mid_async_save:20:1,slow_async_save:20``). With the variable unset, nothing happens. A
-fault other than those two fires in the first attempt only: workers that torchrun restarts (``TORCHELASTIC_RESTART_COUNT``
-> 0) run through, so a restart can be shown to recover.
+(``sigterm_mid_async_save:20:1,slow_async_save:20``). With the variable unset, nothing happens. A fault
+other than those two fires in the first attempt only: workers that torchrun restarts
+(``TORCHELASTIC_RESTART_COUNT`` > 0) run through, so a restart can be shown to recover.
 """
 
 from __future__ import annotations
