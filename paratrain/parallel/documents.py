@@ -133,18 +133,17 @@ def document_attention(
     query: torch.Tensor,
     key: torch.Tensor,
     value: torch.Tensor,
-    documents: torch.Tensor,
+    documents: torch.Tensor | ReadDocuments,
     *,
-    read: ReadDocuments | None = None,
     sliding_window: int | None = None,
     dropout_p: float = 0.0,
     scale: float | None = None,
 ) -> torch.Tensor:
     """Causal attention of ``(batch, heads, seq, head_dim)`` tensors within each document of ``documents``
-    (``(batch, seq)``; key and value may have fewer heads): each document attends only to itself, exactly as
-    if it were a sequence of its own. ``read``: ``ReadDocuments(documents)``, when the caller keeps it for
-    every layer. Returns a tensor shaped like ``query``."""
-    read = read if read is not None else ReadDocuments(documents)
+    (``(batch, seq)``, or their ReadDocuments when the caller keeps it for every layer; key and value may have
+    fewer heads): each document attends only to itself, exactly as if it were a sequence of its own. Returns a
+    tensor shaped like ``query``."""
+    read = documents if isinstance(documents, ReadDocuments) else ReadDocuments(documents)
     if takes_varlen(query, dropout_p):
         return _varlen_attention(query, key, value, read, sliding_window=sliding_window, scale=scale)
     by_length: dict[int, list[tuple[int, int, int]]] = defaultdict(list)
