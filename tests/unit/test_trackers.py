@@ -9,6 +9,7 @@ import importlib.util
 import logging
 import signal
 import struct
+import time
 from importlib.metadata import version
 from pathlib import Path
 
@@ -44,9 +45,22 @@ def local_trackers(tmp_path, monkeypatch) -> str:
 
 
 def wandb_records(output_dir: Path) -> list:
-    """The records of the one offline run under output_dir/wandb, parsed from its .wandb file: a
-    LevelDB log (32 KiB blocks of CRC, length, type-framed chunks) of wandb_internal_pb2.Record.
-    wandb 0.31 ships no Python reader for it any more, so the framing is read here."""
+    """The records of the one finished offline run under output_dir/wandb, its exit record included.
+    wandb-core answers finish() before its writer has always flushed the exit record to the file (a CI
+    run read the file without it), so this reads again until the exit record is there (bounded)."""
+    deadline = time.monotonic() + 60
+    while True:
+        records = read_wandb_log(output_dir)
+        if any(record.WhichOneof("record_type") == "exit" for record in records):
+            return records
+        assert time.monotonic() < deadline, "the W&B run's exit record never reached its .wandb file"
+        time.sleep(0.1)
+
+
+def read_wandb_log(output_dir: Path) -> list:
+    """The records in the one offline run's .wandb file so far: a LevelDB log (32 KiB blocks of CRC,
+    length, type-framed chunks) of wandb_internal_pb2.Record. wandb 0.31 ships no Python reader for it
+    any more, so the framing is read here."""
     (path,) = output_dir.glob("wandb/offline-run-*/run-*.wandb")
     data, block = path.read_bytes(), 32768
     assert data[:4] == b":W&B", "not a W&B transaction log"
@@ -56,7 +70,7 @@ def wandb_records(output_dir: Path) -> list:
             position += block - position % block
             continue
         _, length, kind = struct.unpack("<IHB", data[position : position + 7])
-        if kind == 0:
+        if kind == 0 or position + 7 + length > len(data):  # padding, or a chunk still being written
             break
         pending += data[position + 7 : position + 7 + length]
         position += 7 + length
