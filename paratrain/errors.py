@@ -66,6 +66,19 @@ class LighthouseLost(Exception):
         self.step = step
 
 
+class IncompleteHeal(Exception):
+    """Some ranks of a replica group received a live peer's state as it started and others did not (a peer
+    group died while this one healed: the ranks that were to heal from it could not reach it). The healed
+    ranks would take a step the others never join; the group stops instead, and its restart heals it whole."""
+
+    def __init__(self, *, group: int, healed: int, ranks: int):
+        super().__init__(
+            f"replica group {group}: {healed} of its {ranks} ranks received a live peer's state and the others did "
+            f"not (a peer group died while this one healed); stopping the group so that its restart heals every "
+            f"rank (torchrun's --max-restarts, or the scheduler's requeue)"
+        )
+
+
 class NonFiniteStop(Exception):
     """Every rank stopped at the same step because gradients or weights were not finite.
 

@@ -15,14 +15,16 @@ NaN after the backward of the step (every rank by default), as a diverging model
 wait at the start of the step until every group is back in the quorum (a test's fixed point: a killed
 group's restart, however slow the machine, rejoins before the live group can finish). ``mid_heal`` kills a
 replica group that has received a live peer's state and not yet applied it (the step is the peer's).
-``late_manager_on_restart:0`` is the one fault that fires only in a restarted attempt: that rank waits
+``late_manager_on_restart:0`` fires only in a restarted attempt: that rank waits
 ``LATE_MANAGER_S`` before building its replica group's torchft Manager, so a group's rank 0 comes back
-after its peers (the order that once let them read the failed attempt's address). A step
-may be a range ``A-B``
+after its peers (the order that once let them read the failed attempt's address).
+``fail_first_configure:<attempt>[:<rank>]`` fails a rank's first configure of its cross-group process group in
+torchrun's attempt ``attempt`` only (its step field; 1 is the first restart), as when the peer group it was to
+heal from died in that quorum: the rank does not heal. A step may be a range ``A-B``
 (``slow_step:6-40``). Several faults are separated by commas
-(``sigterm_mid_async_save:20:1,slow_async_save:20``). With the variable unset, nothing happens. A
-fault fires in the first attempt only: workers that torchrun restarts (``TORCHELASTIC_RESTART_COUNT``
-> 0) run through, so a restart can be shown to recover.
+(``sigterm_mid_async_save:20:1,slow_async_save:20``). With the variable unset, nothing happens. A fault
+other than those two fires in the first attempt only: workers that torchrun restarts
+(``TORCHELASTIC_RESTART_COUNT`` > 0) run through, so a restart can be shown to recover.
 """
 
 from __future__ import annotations
@@ -56,6 +58,13 @@ def maybe_late_on_restart(point: str, *, rank: int, seconds: float = LATE_MANAGE
     """Sleeps ``seconds`` at ``point`` (``late_manager_on_restart``) in a restarted attempt only."""
     if _fires(point, step=0, rank=rank, in_restart=True):
         time.sleep(seconds)
+
+
+def maybe_fail(point: str, *, rank: int) -> None:
+    """Raises RuntimeError at ``point`` (``fail_first_configure``) in the attempt the spec names as its step."""
+    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    if _fires(point, step=attempt, rank=rank, in_restart=attempt > 0):
+        raise RuntimeError(f"{ENV_VAR}: {point} in attempt {attempt} on rank {rank}")
 
 
 def maybe_poison_gradients(point: str, model: torch.nn.Module, *, step: int, rank: int) -> None:

@@ -34,6 +34,7 @@ from paratrain.engine import Engine
 from paratrain.errors import LighthouseLost
 from paratrain.launch import faults
 from paratrain.launch.group_shares import Coverage, coverage, plan_shares, read_coverage
+from paratrain.launch.heal_agreement import check_every_rank_healed_alike, heal_store
 from paratrain.launch.lighthouse import import_torchft
 from paratrain.launch.preemption import announce_stop
 from paratrain.launch.quorum import join_quorum
@@ -73,6 +74,7 @@ class ReplicaGroupSync:
         members: The groups of the newest quorum (read off torchft's process group).
         read_slice: Group h's micro-batches of the step being taken, as this rank's counterpart in h reads them.
         rank: This rank within its group; ``local_rank``: within its node.
+        heal_store: The group's store for its ranks' one agreement at start-up (None for one rank).
     """
 
     enabled = True
@@ -87,10 +89,11 @@ class ReplicaGroupSync:
         counts: GroupCounts,
         rank: int = 0,
         local_rank: int = 0,
+        heal_store: dist.Store | None = None,
     ):
         self.manager, self.options, self.members, self.read_slice = manager, options, members, read_slice
         self.replica_groups, self.group, self.batch = options.replica_groups, options.replica_group, options.batch
-        self.counts, self.rank, self.local_rank = counts, rank, local_rank
+        self.counts, self.rank, self.local_rank, self.heal_store = counts, rank, local_rank, heal_store
         self.healed, self.started = False, False
         # Healed in the start-up quorum: the live groups take that quorum's step, so this group's first is in it.
         self.in_quorum_for_next_step = False
@@ -102,9 +105,13 @@ class ReplicaGroupSync:
         new) reads its own checkpoint, if it has one; then no group steps in this quorum (every one in it is
         starting): those resuming from checkpoints of different steps meet at the next, where the ones behind
         heal from the newest. A group that healed takes its first step in this quorum, as the live ones do:
-        joining another would leave them waiting for its all-reduce until ``timeout_s``."""
-        self.in_quorum_for_next_step = self.start_step()
-        return self.in_quorum_for_next_step
+        joining another would leave them waiting for its all-reduce until ``timeout_s``. Every rank of the group
+        heals or none does (``launch/heal_agreement.py``): a split stops the group with IncompleteHeal."""
+        healed = self.start_step()
+        timeout = timedelta(seconds=self.options.timeout_s)
+        check_every_rank_healed_alike(healed, store=self.heal_store, rank=self.rank, group=self.group, timeout=timeout)
+        self.in_quorum_for_next_step = healed
+        return healed
 
     def forward_backward(
         self, engine: Engine, micro_batches: list[Any], parameters: Iterable[nn.Parameter]
@@ -340,6 +347,7 @@ def build_replica_group_sync(
         counts=counts,
         rank=rank,
         local_rank=int(os.environ.get("LOCAL_RANK", 0)),
+        heal_store=heal_store(timeout),
     )
     return sync
 

@@ -7,6 +7,8 @@ import urllib.request
 from datetime import timedelta
 from typing import Any
 
+from paratrain.launch import faults
+
 
 def remembering_quorum_members(base: type) -> type:
     """torchft's process group ``base`` that remembers which replica groups the quorum it was last configured
@@ -15,6 +17,7 @@ def remembering_quorum_members(base: type) -> type:
 
     class QuorumMembers(base):
         quorum_members: tuple[int, ...] = ()
+        configured = False
 
         def configure(
             self,
@@ -29,6 +32,9 @@ def remembering_quorum_members(base: type) -> type:
         ) -> None:
             size = group_world_size or 1
             self.quorum_members = tuple(sorted({member // size for member in global_ranks or ()}))
+            if not self.configured:  # the start-up quorum's, where a starting group heals
+                self.configured = True
+                faults.maybe_fail("fail_first_configure", rank=group_rank or 0)
             super().configure(
                 store_addr, replica_id, rank, world_size, quorum_id, group_rank, group_world_size, global_ranks
             )

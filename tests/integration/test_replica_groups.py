@@ -233,6 +233,38 @@ def test_under_a_fixed_batch_losing_one_group_then_two_at_once_trains_exactly_as
         assert difference <= 1e-5
 
 
+def test_a_group_whose_ranks_heal_unalike_stops_and_its_restart_heals_every_rank(tmp_path, lighthouse):
+    """Groups of two processes. Group 1 dies after step 5; in torchrun's restart of it, rank 1's first configure
+    of its cross-group process group fails (as when the peer group it was to heal from dies in that quorum), so
+    rank 0 heals and rank 1 does not. Each used to wait for the other (rank 0 inside the step, rank 1 for the
+    next quorum) until lighthouse_wait_s; the group now stops at once, the next restart heals both ranks, and
+    the run trains as one process does undisturbed."""
+    steps = 30
+    ft = {"lighthouse": lighthouse, "quorum_timeout_s": QUORUM_TIMEOUT_S}
+    sections = {"parallel": {"dp_shard": 2, "fault_tolerance": ft}, "train": {"max_steps": steps}}
+    config = write_config(tmp_path / "c.yaml", tiny_config(tmp_path / "ft", **sections))
+    alone = f"{reaches_its_kill_point(5)},slow_step:6-{steps},wait_for_groups:25"
+    two = ["--nproc-per-node", "2"]
+    groups = start_groups(
+        config,
+        extra={0: two, 1: [*two, "--max-restarts", "2"]},
+        env={0: {"PARATRAIN_FAULT": alone}, 1: {"PARATRAIN_FAULT": "after_step:5,fail_first_configure:1:1"}},
+    )
+    _, healed_log = finish(groups)
+    assert "1 of its 2 ranks received a live peer's state and the others did not" in healed_log
+    assert "healed from a live replica group" in healed_log
+    single = tmp_path / "single"
+    train(config, f"run.output_dir={single}", "parallel.dp_shard=1")
+    reference, final = losses_by_step(single), f"checkpoints/step-{steps}"
+    for group in (
+        tmp_path / "ft/replica-group-0",
+        tmp_path / "ft/replica-group-1",
+    ):  # group 1 logs no step it was away for
+        records = read_metrics(group)
+        assert max(abs(r["loss"] - reference[r["step"]]) / reference[r["step"]] for r in records) <= 1e-5
+        assert max_weight_difference(checkpoint_weights(group / final), checkpoint_weights(single / final)) <= 1e-5
+
+
 def wait_for_step(output_dir: Path, step: int, groups: list[Group]) -> None:
     """Returns once ``output_dir`` logged ``step`` (bounded; every group must still be running)."""
     deadline = time.monotonic() + 400
