@@ -66,6 +66,21 @@ class LighthouseLost(Exception):
         self.step = step
 
 
+class StoppedAwaitingQuorum(Exception):
+    """A replica group's rank was asked to stop (SIGTERM, SIGUSR1) while its quorum request was failing. With no
+    quorum there is no step boundary for the group's ranks to stop at together, and the usual sender is torchrun,
+    stopping the group because one of its ranks died: the rank hosting the group's torchft manager, whose loss
+    is what failed the request. The rank stops at once instead of asking again until ``lighthouse_wait_s``, which
+    held the group's restart back until torchrun's grace period ran out (24 s in a chaos run)."""
+
+    def __init__(self, *, step: int, group: int, signal_name: str, cause: str):
+        super().__init__(
+            f"replica group {group} stopped after step {step}: {signal_name} received while no quorum formed for "
+            f"step {step + 1} ({cause}); every step before is committed, and the group's restart heals from a live "
+            f"group or resumes from its newest checkpoint"
+        )
+
+
 class IncompleteHeal(Exception):
     """Some ranks of a replica group received a live peer's state as it started and others did not (a peer
     group died while this one healed: the ranks that were to heal from it could not reach it). The healed

@@ -32,6 +32,8 @@ STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 # restart from (--max-restarts).
 LAUNCHER_PID_ENV = "PARATRAIN_LAUNCHER_PID"
 STOPPED_NOTICE = signal.SIGUSR2
+# The StopSignals catching this process's stop signals, if one is: signal handlers are per process too.
+_installed: list[StopSignals] = []
 
 
 class StopSignals:
@@ -57,6 +59,7 @@ class StopSignals:
         if threading.current_thread() is threading.main_thread():
             for signum in STOP_SIGNALS:
                 watcher._previous_handlers[signum] = signal.signal(signum, watcher._on_signal)
+            _installed[:] = [watcher]
         else:
             logger.warning("training outside the main thread: SIGTERM/SIGUSR1 will not stop it at a step boundary")
         return watcher
@@ -69,6 +72,8 @@ class StopSignals:
         for signum, handler in self._previous_handlers.items():
             signal.signal(signum, handler)
         self._previous_handlers.clear()
+        if self in _installed:
+            _installed.clear()
 
     def agreed_signal(self) -> signal.Signals | None:
         """The stop signal every rank acts on now, or None. A collective: every rank calls it at
@@ -94,6 +99,12 @@ class StopSignals:
     def _on_signal(self, signum: int, frame: FrameType | None) -> None:
         # Only a store: logging here could deadlock on a lock the interrupted code holds.
         self.received = signum
+
+
+def received_stop_signal() -> str | None:
+    """The stop signal this process has received (e.g. ``SIGTERM``), or None: for code waiting outside the step
+    loop (a replica group asking for a quorum), which no step boundary will come to stop."""
+    return _installed[0].received_name if _installed else None
 
 
 def announce_stop(*, local_rank: int) -> None:

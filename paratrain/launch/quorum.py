@@ -15,8 +15,9 @@ import socket
 import time
 from typing import Any
 
-from paratrain.errors import LighthouseLost
+from paratrain.errors import LighthouseLost, StoppedAwaitingQuorum
 from paratrain.launch.lighthouse import lighthouse_host_port
+from paratrain.launch.preemption import received_stop_signal
 
 logger = logging.getLogger("paratrain")
 RETRY_PAUSE_S = 1.0
@@ -29,6 +30,8 @@ def join_quorum(manager: Any, *, lighthouse: str, wait_s: float, group: int, ste
     """``manager.start_quorum()``, asked again while it fails, for up to ``wait_s`` after the first failure.
 
     Raises:
+        StoppedAwaitingQuorum: at a failure after this process received a stop signal (``launch/preemption.py``):
+            torchrun stopping the group, one of whose ranks died, waits for nothing else.
         LighthouseLost: once ``wait_s`` has passed without a quorum, naming the lighthouse and whether it
             answers; the caller's group stops, every step before this one committed.
     """
@@ -42,13 +45,16 @@ def join_quorum(manager: Any, *, lighthouse: str, wait_s: float, group: int, ste
                 )
             return
         except QUORUM_FAILURES as error:
+            cause, stop = f"{type(error).__name__}: {error}", received_stop_signal()
+            if stop is not None:
+                raise StoppedAwaitingQuorum(step=step, group=group, signal_name=stop, cause=cause) from error
             now = time.monotonic()
             first_failure = now if first_failure is None else first_failure
             answers = lighthouse_answers(lighthouse)
             if now - first_failure >= wait_s:
                 raise LighthouseLost(
                     step=step, group=group, waited_s=now - first_failure, lighthouse=lighthouse, answers=answers,
-                    cause=f"{type(error).__name__}: {error}",
+                    cause=cause,
                 ) from error  # fmt: skip
             logger.warning(
                 "no quorum for step %d (%s: %s); the lighthouse at %s %s: asking again for up to %.0f s more",

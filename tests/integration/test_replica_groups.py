@@ -234,11 +234,13 @@ def test_under_a_fixed_batch_losing_one_group_then_two_at_once_trains_exactly_as
 
 
 def test_a_group_whose_ranks_heal_unalike_stops_and_its_restart_heals_every_rank(tmp_path, lighthouse):
-    """Groups of two processes. Group 1 dies after step 5; in torchrun's restart of it, rank 1's first configure
-    of its cross-group process group fails (as when the peer group it was to heal from dies in that quorum), so
-    rank 0 heals and rank 1 does not. Each used to wait for the other (rank 0 inside the step, rank 1 for the
-    next quorum) until lighthouse_wait_s; the group now stops at once, the next restart heals both ranks, and
-    the run trains as one process does undisturbed."""
+    """Groups of two processes. Group 1's rank 0, which hosts its torchft manager, dies after step 5: rank 1's
+    quorum request fails, and it stops on torchrun's SIGTERM instead of asking again until torchrun's grace
+    period runs out. In torchrun's restart of the group, rank 1's first configure of its cross-group process
+    group fails (as when the peer group it was to heal from dies in that quorum), so rank 0 heals and rank 1
+    does not. Each used to wait for the other (rank 0 inside the step, rank 1 for the next quorum) until
+    lighthouse_wait_s; the group now stops at once, the next restart heals both ranks, and the run trains as
+    one process does undisturbed."""
     steps = 30
     ft = {"lighthouse": lighthouse, "quorum_timeout_s": QUORUM_TIMEOUT_S}
     sections = {"parallel": {"dp_shard": 2, "fault_tolerance": ft}, "train": {"max_steps": steps}}
@@ -248,9 +250,10 @@ def test_a_group_whose_ranks_heal_unalike_stops_and_its_restart_heals_every_rank
     groups = start_groups(
         config,
         extra={0: two, 1: [*two, "--max-restarts", "2"]},
-        env={0: {"PARATRAIN_FAULT": alone}, 1: {"PARATRAIN_FAULT": "after_step:5,fail_first_configure:1:1"}},
+        env={0: {"PARATRAIN_FAULT": alone}, 1: {"PARATRAIN_FAULT": "after_step:5:0,fail_first_configure:1:1"}},
     )
     _, healed_log = finish(groups)
+    assert "SIGTERM received while no quorum formed for step 6" in healed_log
     assert "1 of its 2 ranks received a live peer's state and the others did not" in healed_log
     assert "healed from a live replica group" in healed_log
     single = tmp_path / "single"
