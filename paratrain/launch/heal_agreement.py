@@ -17,39 +17,37 @@ an active exception") in 3 of 4 runs on a loaded machine, for a reason not found
 
 from __future__ import annotations
 
-import os
 from datetime import timedelta
 
 import torch.distributed as dist
 
 from paratrain.errors import IncompleteHeal
+from paratrain.launch.process_group import attempt_store
 
 
 def heal_store(timeout: timedelta) -> dist.Store | None:
-    """The group's torchrun store under a prefix of this attempt's own (a multi-node torchrun keeps its first
-    store across restarts), or None for a group of one process, which has nothing to agree on."""
+    """The group's torchrun store under this attempt's prefix (``attempt_store``: a multi-node torchrun keeps its
+    first store across restarts), its waits bounded by ``timeout``; None for a group of one process, which has
+    nothing to agree on."""
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return None
-    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    client = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False, timeout=timeout)
-    return dist.PrefixStore(f"paratrain/heal_agreement/attempt_{attempt}/", client)
+    return dist.PrefixStore("heal_agreement/", attempt_store(timeout))
 
 
-def healed_ranks(healed: bool, *, store: dist.Store, rank: int, ranks: int, timeout: timedelta) -> int:
-    """How many of the group's ``ranks`` healed: each rank writes its own key, then waits for every rank's."""
+def healed_ranks(healed: bool, *, store: dist.Store, rank: int, ranks: int) -> int:
+    """How many of the group's ``ranks`` healed: each rank writes its own key, then waits (the store's timeout)
+    for every rank's."""
     store.set(str(rank), "1" if healed else "0")
     keys = [str(other) for other in range(ranks)]
-    store.wait(keys, timeout)
+    store.wait(keys)
     return sum(int(store.get(key)) for key in keys)
 
 
-def check_every_rank_healed_alike(
-    healed: bool, *, store: dist.Store | None, rank: int, group: int, timeout: timedelta
-) -> None:
+def check_every_rank_healed_alike(healed: bool, *, store: dist.Store | None, rank: int, group: int) -> None:
     """Raises IncompleteHeal on every rank of a group where some ranks healed and others did not."""
     if store is None:
         return
     ranks = dist.get_world_size()
-    count = healed_ranks(healed, store=store, rank=rank, ranks=ranks, timeout=timeout)
+    count = healed_ranks(healed, store=store, rank=rank, ranks=ranks)
     if 0 < count < ranks:
         raise IncompleteHeal(group=group, healed=count, ranks=ranks)

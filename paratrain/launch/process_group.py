@@ -135,6 +135,12 @@ def _attempt_store(timeout: datetime.timedelta) -> dist.Store | None:
     """
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != str(True):
         return None
+    return attempt_store(timeout)
+
+
+def attempt_store(timeout: datetime.timedelta) -> dist.Store:
+    """A client of torchrun's store (MASTER_ADDR, MASTER_PORT) under ``paratrain/attempt_<n>/``: keys of this
+    attempt's own, though the store may outlive it. Its waits time out after ``timeout``."""
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
     client = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False, timeout=timeout)
     return dist.PrefixStore(f"paratrain/attempt_{attempt}/", client)

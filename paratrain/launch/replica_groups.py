@@ -108,8 +108,7 @@ class ReplicaGroupSync:
         joining another would leave them waiting for its all-reduce until ``timeout_s``. Every rank of the group
         heals or none does (``launch/heal_agreement.py``): a split stops the group with IncompleteHeal."""
         healed = self.start_step()
-        timeout = timedelta(seconds=self.options.timeout_s)
-        check_every_rank_healed_alike(healed, store=self.heal_store, rank=self.rank, group=self.group, timeout=timeout)
+        check_every_rank_healed_alike(healed, store=self.heal_store, rank=self.rank, group=self.group)
         self.in_quorum_for_next_step = healed
         return healed
 

@@ -11,16 +11,15 @@ import torch.distributed as dist
 
 from paratrain.launch.heal_agreement import healed_ranks
 
-TIMEOUT = timedelta(seconds=30)
-
 
 @pytest.mark.parametrize("healed", [(True, True, True), (False, False, False), (True, False, True)])
 def test_every_rank_counts_the_same_healed_ranks(healed):
     store = dist.HashStore()
+    store.set_timeout(timedelta(seconds=30))
     with ThreadPoolExecutor(len(healed)) as ranks:
         counts = list(
             ranks.map(
-                lambda rank: healed_ranks(healed[rank], store=store, rank=rank, ranks=len(healed), timeout=TIMEOUT),
+                lambda rank: healed_ranks(healed[rank], store=store, rank=rank, ranks=len(healed)),
                 range(len(healed)),
             )
         )
@@ -29,5 +28,6 @@ def test_every_rank_counts_the_same_healed_ranks(healed):
 
 def test_a_rank_that_never_answers_ends_the_wait_with_the_stores_timeout():
     store = dist.HashStore()
+    store.set_timeout(timedelta(seconds=0.5))
     with pytest.raises(dist.DistStoreError):
-        healed_ranks(True, store=store, rank=0, ranks=2, timeout=timedelta(seconds=0.5))
+        healed_ranks(True, store=store, rank=0, ranks=2)
