@@ -10,9 +10,9 @@ waiting out the lighthouse's join timeout on each quorum meanwhile). Once per st
 healed to the group's torchrun store and reads every rank's; on a split the group stops and its restart heals
 every rank.
 
-The exchange goes through the store, not a collective of the group's process group: a gloo all-reduce here was
-tried first, and with it the two-node replica-group test's workers aborted at exit ("terminate called without
-an active exception") in 3 of 4 runs on a loaded machine, for a reason not found.
+The exchange is one key per rank in the store, not a collective of the group's process group. A gloo
+all-reduce was tried first; the abort at exit that it was then blamed for came from the peer-restart
+watcher's thread (``paratrain.launch.peer_restarts``), fixed since.
 """
 
 from __future__ import annotations

@@ -10,15 +10,21 @@ So each worker marks its attempt in the agent's store (shared by every node for 
 watches for the next one. A worker that sees a newer attempt exits, its agent restarts it into that
 attempt, and every node's attempt number stays the same (one restart each), as after a failure on all
 of them.
+
+The watching thread is a daemon (it must not keep a finished worker alive), and it spends its time in the
+store's C++ calls, which release the GIL. A daemon thread that takes the GIL back while the interpreter
+finalizes is ended by CPython through a forced unwind, which a C++ frame turns into ``std::terminate``: the
+worker aborted after its last checkpoint ("terminate called without an active exception", exit 134). So an
+exit hook stops the thread and waits for its store call before the interpreter finalizes.
 """
 
 from __future__ import annotations
 
+import atexit
 import datetime
 import logging
 import os
 import threading
-import time
 
 import torch.distributed as dist
 
@@ -27,6 +33,9 @@ from paratrain.errors import EXIT_PEER_RESTARTED
 logger = logging.getLogger("paratrain")
 
 POLL_S = 1.0
+# How long an exiting worker waits for the watching thread's store call to return: one round trip to
+# the agent, or an error at once when the agent is gone.
+STOP_WAIT_S = 10.0
 _KEY = "paratrain/attempt_started/{attempt}"
 
 
@@ -49,13 +58,24 @@ def follow_peer_restarts(store: dist.Store, attempt: int) -> None:
     """
     store.set(_KEY.format(attempt=attempt), str(os.getpid()))
     newer = _KEY.format(attempt=attempt + 1)
-    threading.Thread(target=_exit_once_set, args=(store, newer), name="paratrain-peer-restarts", daemon=True).start()
+    stop = threading.Event()
+    watcher = threading.Thread(
+        target=_exit_once_set, args=(store, newer, stop), name="paratrain-peer-restarts", daemon=True
+    )
+    watcher.start()
+    atexit.register(_stop_watching, stop, watcher)
 
 
-def _exit_once_set(store: dist.Store, key: str) -> None:
+def _stop_watching(stop: threading.Event, watcher: threading.Thread) -> None:
+    stop.set()
+    watcher.join(timeout=STOP_WAIT_S)
+
+
+def _exit_once_set(store: dist.Store, key: str, stop: threading.Event) -> None:
     try:
         while not store.check([key]):
-            time.sleep(POLL_S)
+            if stop.wait(POLL_S):
+                return
     except RuntimeError:  # DistStoreError: node 0's launcher is gone (the job ended, or node 0 failed)
         return
     logger.error("a worker on another node restarted: this worker ends so that torchrun restarts it beside it")
