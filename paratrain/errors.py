@@ -13,6 +13,7 @@ EXIT_HANG = 124  # as timeout(1): a step exceeded debug.step_timeout_s; stacks i
 EXIT_NONFINITE = 3  # training diverged: non-finite gradients or weights (train.nonfinite); nothing bad was saved
 EXIT_SAVE_FAILED = 74  # EX_IOERR: a checkpoint could not be written (disk full, quota, read-only, permissions)
 EXIT_PEER_RESTARTED = 76  # a worker on another node restarted; this one ends so torchrun restarts it too
+EXIT_GROUP_RESTART = 77  # a replica group's worker ends so that torchrun restarts its group whole (it heals then)
 
 
 class ConfigError(ValueError):
@@ -156,6 +157,8 @@ EXIT_CODES: dict[type[Exception], int] = {
     LighthouseLost: EXIT_REQUEUE,
     NonFiniteStop: EXIT_NONFINITE,
     CheckpointWriteError: EXIT_SAVE_FAILED,
+    StoppedAwaitingQuorum: EXIT_GROUP_RESTART,
+    IncompleteHeal: EXIT_GROUP_RESTART,
 }
 RUN_ENDINGS = tuple(EXIT_CODES)
 

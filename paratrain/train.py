@@ -16,7 +16,7 @@ from pathlib import Path
 
 from paratrain.checks.preflight import PREFLIGHT_DONE_ENV
 from paratrain.config.schema import Config
-from paratrain.errors import EXIT_USER_ERROR, RUN_ENDINGS, exit_code_of
+from paratrain.errors import EXIT_GROUP_RESTART, EXIT_USER_ERROR, RUN_ENDINGS, exit_code_of
 from paratrain.launch.process_group import local_world_size_from_env, pick_device, world_size_from_env
 from paratrain.launch.rank_logging import configure_logging
 from paratrain.launch.run_lock import holding_run_lock, worker_lock_pid
@@ -96,10 +96,14 @@ def main(argv: list[str] | None = None) -> int:
             freeze_imported_objects()  # after preflight, which imported the model's modules
             run(prepared.config, config_path=args.config)
     except RUN_ENDINGS as error:
-        # A stop (preempted, non-finite, a failed save) was reported by the Trainer before any rank could exit.
-        if exit_code_of(error) == EXIT_USER_ERROR:
+        # A stop (preempted, non-finite, a failed save) was reported by the Trainer before any rank could exit;
+        # a replica group's restart is said by each rank it ends, which may be one rank alone.
+        code = exit_code_of(error)
+        if code == EXIT_USER_ERROR:
             report_user_error(error, rank=rank)
-        return exit_code_of(error)
+        elif code == EXIT_GROUP_RESTART:
+            logger.error("%s", error)
+        return code
     return 0
 
 

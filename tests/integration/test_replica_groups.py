@@ -255,6 +255,7 @@ def test_a_group_whose_ranks_heal_unalike_stops_and_its_restart_heals_every_rank
     _, healed_log = finish(groups)
     assert "SIGTERM received while no quorum formed for step 6" in healed_log
     assert "1 of its 2 ranks received a live peer's state and the others did not" in healed_log
+    assert "exitcode: 77" in healed_log  # the group's own exit, for torchrun to restart it whole
     assert "healed from a live replica group" in healed_log
     single = tmp_path / "single"
     train(config, f"run.output_dir={single}", "parallel.dp_shard=1")

@@ -12,8 +12,10 @@ from paratrain.errors import (
     CheckpointError,
     CheckpointWriteError,
     ConfigError,
+    IncompleteHeal,
     NonFiniteStop,
     Preempted,
+    StoppedAwaitingQuorum,
     UserCodeError,
     exit_code_of,
 )
@@ -25,7 +27,15 @@ ENDINGS = [
     (Preempted(step=4, checkpoint=Path("ckpt/step-4"), signal_name="SIGTERM"), 75),
     (NonFiniteStop(step=7, reason="non-finite gradients", checkpoint=None), 3),
     (CheckpointWriteError(step=5, path=Path("ckpt"), errno=errno.ENOSPC, checkpoint=None, fix="free space"), 74),
+    (StoppedAwaitingQuorum(step=5, group=1, signal_name="SIGTERM", cause="tcp connect error"), 77),
+    (IncompleteHeal(group=1, healed=1, ranks=2), 77),
 ]
+
+
+def test_every_exit_code_is_in_the_documented_table():
+    table = (Path(__file__).resolve().parents[2] / "docs/health.md").read_text()
+    for _, code in ENDINGS:
+        assert f"\n| {code} | " in table, code
 
 
 @pytest.mark.parametrize(("error", "code"), ENDINGS, ids=lambda value: type(value).__name__)
