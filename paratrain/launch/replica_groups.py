@@ -72,6 +72,7 @@ class ReplicaGroupSync:
         manager: The rank's torchft Manager (``build_replica_group_sync`` makes it).
         options: The ``parallel.fault_tolerance`` section: the groups, this group, the batch mode, timeouts.
         members: The groups of the newest quorum (read off torchft's process group).
+        process_group: torchft's process group across the groups, closed when an all-reduce over it fails.
         read_slice: Group h's micro-batches of the step being taken, as this rank's counterpart in h reads them.
         rank: This rank within its group; ``local_rank``: within its node.
         heal_store: The group's store for its ranks' one agreement at start-up (None for one rank).
@@ -87,6 +88,7 @@ class ReplicaGroupSync:
         members: Callable[[], tuple[int, ...]],
         read_slice: Callable[[int], list[Any]],
         counts: GroupCounts,
+        process_group: Any = None,
         rank: int = 0,
         local_rank: int = 0,
         heal_store: dist.Store | None = None,
@@ -94,6 +96,7 @@ class ReplicaGroupSync:
         self.manager, self.options, self.members, self.read_slice = manager, options, members, read_slice
         self.replica_groups, self.group, self.batch = options.replica_groups, options.replica_group, options.batch
         self.counts, self.rank, self.local_rank, self.heal_store = counts, rank, local_rank, heal_store
+        self.process_group = process_group
         self.healed, self.started = False, False
         # Healed in the start-up quorum: the live groups take that quorum's step, so this group's first is in it.
         self.in_quorum_for_next_step = False
@@ -210,9 +213,20 @@ class ReplicaGroupSync:
         flat = {dtype: torch.cat([tensor.reshape(-1) for tensor in group]) for dtype, group in by_dtype.items()}
         for work in [self.manager.allreduce(buffer) for buffer in flat.values()]:
             work.wait()
+        if self.manager.errored() is not None:
+            self._close_cross_group_connections()
         for dtype, group in by_dtype.items():
             for tensor, averaged in zip(group, flat[dtype].split([tensor.numel() for tensor in group])):
                 tensor.copy_(averaged.view_as(tensor))
+
+    def _close_cross_group_connections(self) -> None:
+        """A peer's death fails the all-reduce at once only for the ranks gloo connects to it; the others wait
+        out ``timeout_s`` for data from ranks that already failed (every live group stalled 5 s per kill in the
+        chaos benchmark). Closing this rank's connections fails theirs at once. Nothing uses the closed group
+        again: a failed commit gives the next quorum a new id (torchft's lighthouse), on which every group
+        configures a new one."""
+        if self.process_group is not None:
+            self.process_group.abort(errored=False)
 
     def should_commit(self) -> bool:
         """Whether every rank of the group finished the step (torchft's vote) and the live groups computed
@@ -343,6 +357,7 @@ def build_replica_group_sync(
         options=options,
         members=lambda: pg.quorum_members,
         read_slice=read_slice,
+        process_group=pg,
         counts=counts,
         rank=rank,
         local_rank=int(os.environ.get("LOCAL_RANK", 0)),
