@@ -71,8 +71,8 @@ class ReplicaGroupSync:
     Args:
         manager: The rank's torchft Manager (``build_replica_group_sync`` makes it).
         options: The ``parallel.fault_tolerance`` section: the groups, this group, the batch mode, timeouts.
-        members: The groups of the newest quorum (read off torchft's process group).
-        process_group: torchft's process group across the groups, closed when an all-reduce over it fails.
+        process_group: torchft's process group across the groups: it names the newest quorum's groups, and is
+            closed when an all-reduce over it fails.
         read_slice: Group h's micro-batches of the step being taken, as this rank's counterpart in h reads them.
         rank: This rank within its group; ``local_rank``: within its node.
         heal_store: The group's store for its ranks' one agreement at start-up (None for one rank).
@@ -85,18 +85,16 @@ class ReplicaGroupSync:
         manager: Any,
         *,
         options: FaultToleranceConfig,
-        members: Callable[[], tuple[int, ...]],
+        process_group: Any,
         read_slice: Callable[[int], list[Any]],
         counts: GroupCounts,
-        process_group: Any = None,
         rank: int = 0,
         local_rank: int = 0,
         heal_store: dist.Store | None = None,
     ):
-        self.manager, self.options, self.members, self.read_slice = manager, options, members, read_slice
+        self.manager, self.options, self.process_group, self.read_slice = manager, options, process_group, read_slice
         self.replica_groups, self.group, self.batch = options.replica_groups, options.replica_group, options.batch
         self.counts, self.rank, self.local_rank, self.heal_store = counts, rank, local_rank, heal_store
-        self.process_group = process_group
         self.healed, self.started = False, False
         # Healed in the start-up quorum: the live groups take that quorum's step, so this group's first is in it.
         self.in_quorum_for_next_step = False
@@ -122,7 +120,8 @@ class ReplicaGroupSync:
         missing groups it takes over), each through the engine as the missing group would have, then averages
         them over the live groups in place: the step equals one over the whole global batch (``fixed``) or
         over the live groups' slices (``shrink``). Returns the step's loss, averaged the same way."""
-        shares = plan_shares(self.members(), group=self.group, replica_groups=self.replica_groups, batch=self.batch)
+        members = self.process_group.quorum_members  # the newest quorum's groups
+        shares = plan_shares(members, group=self.group, replica_groups=self.replica_groups, batch=self.batch)
         loss = engine.forward_backward(micro_batches).detach().clone().float()
         for other in shares.slices[1:]:
             loss += engine.forward_backward(self.read_slice(other)).float()
@@ -225,8 +224,7 @@ class ReplicaGroupSync:
         chaos benchmark). Closing this rank's connections fails theirs at once. Nothing uses the closed group
         again: a failed commit gives the next quorum a new id (torchft's lighthouse), on which every group
         configures a new one."""
-        if self.process_group is not None:
-            self.process_group.abort(errored=False)
+        self.process_group.abort(errored=False)
 
     def should_commit(self) -> bool:
         """Whether every rank of the group finished the step (torchft's vote) and the live groups computed
@@ -355,9 +353,8 @@ def build_replica_group_sync(
     sync = ReplicaGroupSync(
         manager,
         options=options,
-        members=lambda: pg.quorum_members,
-        read_slice=read_slice,
         process_group=pg,
+        read_slice=read_slice,
         counts=counts,
         rank=rank,
         local_rank=int(os.environ.get("LOCAL_RANK", 0)),
