@@ -38,6 +38,7 @@ from paratrain.launch.heal_agreement import check_every_rank_healed_alike, heal_
 from paratrain.launch.lighthouse import import_torchft
 from paratrain.launch.preemption import announce_stop
 from paratrain.launch.quorum import join_quorum
+from paratrain.launch.stuck_vote import StuckVoteWatch
 from paratrain.launch.torchft_adapters import remembering_quorum_members, weights_only_transport
 from paratrain.parallel.dims import ParallelDims
 from paratrain.tensors import local_part
@@ -76,6 +77,8 @@ class ReplicaGroupSync:
         read_slice: Group h's micro-batches of the step being taken, as this rank's counterpart in h reads them.
         rank: This rank within its group; ``local_rank``: within its node.
         heal_store: The group's store for its ranks' one agreement at start-up (None for one rank).
+        stuck_vote: Ends this process when a stop signal finds it in a vote that a dead rank keeps open
+            (``launch/stuck_vote.py``); None where signals cannot be watched (outside the main thread).
     """
 
     enabled = True
@@ -91,10 +94,12 @@ class ReplicaGroupSync:
         rank: int = 0,
         local_rank: int = 0,
         heal_store: dist.Store | None = None,
+        stuck_vote: StuckVoteWatch | None = None,
     ):
         self.manager, self.options, self.process_group, self.read_slice = manager, options, process_group, read_slice
         self.replica_groups, self.group, self.batch = options.replica_groups, options.replica_group, options.batch
         self.counts, self.rank, self.local_rank, self.heal_store = counts, rank, local_rank, heal_store
+        self.stuck_vote = stuck_vote
         self.healed, self.started = False, False
         # Healed in the start-up quorum: the live groups take that quorum's step, so this group's first is in it.
         self.in_quorum_for_next_step = False
@@ -235,7 +240,8 @@ class ReplicaGroupSync:
             self.manager.report_error(
                 RuntimeError(f"slices computed twice {shares.repeated}, by nobody {shares.missing}: step not taken")
             )
-        committed = self.manager.should_commit()
+        with self.stuck_vote.voting() if self.stuck_vote is not None else contextlib.nullcontext():
+            committed = self.manager.should_commit()
         if committed:
             computed = shares.computed if shares is not None else self.counts.live
             self.counts.missing_group_steps += self.replica_groups - computed
@@ -243,6 +249,8 @@ class ReplicaGroupSync:
 
     def close(self) -> None:
         self.manager.shutdown(wait=False)
+        if self.stuck_vote is not None:
+            self.stuck_vote.close()
 
 
 class NoReplicaGroups:
@@ -359,6 +367,7 @@ def build_replica_group_sync(
         rank=rank,
         local_rank=int(os.environ.get("LOCAL_RANK", 0)),
         heal_store=heal_store(timeout),
+        stuck_vote=StuckVoteWatch.start(),
     )
     return sync
 

@@ -1,0 +1,72 @@
+"""A replica group's rank that a stop signal finds in a vote left open (a rank of its group is dead) ends with
+EXIT_GROUP_RESTART once the grace is over; one whose vote closes within the grace carries on to stop at the
+step boundary, as a preempted rank must."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+
+from paratrain.errors import EXIT_GROUP_RESTART
+from paratrain.launch.stuck_vote import StuckVoteWatch
+
+# A rank with a stop handler of its own (launch/preemption.py's records the signal and returns), then a vote
+# that lasts VOTE_S: the main thread blocks, as in torchft's vote, and the parent signals it meanwhile.
+RANK = """
+import signal, sys, time
+from paratrain.launch.stuck_vote import StuckVoteWatch
+signal.signal(signal.SIGTERM, lambda number, frame: None)
+watch = StuckVoteWatch.start(grace_s=float(sys.argv[1]))
+with watch.voting():
+    print("voting", flush=True)
+    time.sleep(float(sys.argv[2]))
+print("voted", flush=True)
+time.sleep(float(sys.argv[1]) + 0.5)  # past the grace, outside any vote: nothing ends it
+print("at the step boundary", flush=True)
+"""
+
+
+def start_rank(*, grace_s: float, vote_s: float) -> subprocess.Popen:
+    argv = [sys.executable, "-c", RANK, str(grace_s), str(vote_s)]
+    return subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def test_a_stop_signal_during_a_vote_that_stays_open_ends_the_rank_with_the_group_restart_code():
+    rank = start_rank(grace_s=0.5, vote_s=60)
+    try:
+        assert rank.stdout.readline() == "voting\n"
+        rank.send_signal(signal.SIGTERM)
+        assert rank.wait(timeout=30) == EXIT_GROUP_RESTART
+        assert "commit vote, still open 0.5 s later" in rank.stderr.read()
+        assert rank.stdout.read() == ""  # it never left the vote
+    finally:
+        rank.kill()
+
+
+def test_a_vote_that_closes_within_the_grace_after_a_stop_signal_lets_the_rank_go_on():
+    rank = start_rank(grace_s=3.0, vote_s=0.5)
+    try:
+        assert rank.stdout.readline() == "voting\n"
+        rank.send_signal(signal.SIGTERM)
+        out, err = rank.communicate(timeout=30)
+        assert rank.returncode == 0, err
+        assert out == "voted\nat the step boundary\n"
+    finally:
+        rank.kill()
+
+
+def test_closing_the_watch_gives_the_wakeup_fd_back():
+    read_fd, write_fd = os.pipe()
+    os.set_blocking(write_fd, False)
+    previous = signal.set_wakeup_fd(write_fd)  # someone else's, before the watch
+    try:
+        watch = StuckVoteWatch.start(grace_s=1.0)
+        watch.close()
+        watch.close()  # twice, as at exit after the group closed it
+        assert signal.set_wakeup_fd(write_fd) == write_fd
+    finally:
+        signal.set_wakeup_fd(previous)
+        os.close(read_fd)
+        os.close(write_fd)
