@@ -15,6 +15,8 @@ NaN after the backward of the step (every rank by default), as a diverging model
 wait at the start of the step until every group is back in the quorum (a test's fixed point: a killed
 group's restart, however slow the machine, rejoins before the live group can finish). ``mid_heal`` kills a
 replica group that has received a live peer's state and not yet applied it (the step is the peer's).
+``before_vote`` kills a replica group's rank after the step's cross-group all-reduce, before torchft's commit
+vote, so the group's other ranks wait in the vote for it.
 ``late_manager_on_restart:0`` fires only in a restarted attempt: that rank waits
 ``LATE_MANAGER_S`` before building its replica group's torchft Manager, so a group's rank 0 comes back
 after its peers (the order that once let them read the failed attempt's address).

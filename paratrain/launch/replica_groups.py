@@ -240,6 +240,7 @@ class ReplicaGroupSync:
             self.manager.report_error(
                 RuntimeError(f"slices computed twice {shares.repeated}, by nobody {shares.missing}: step not taken")
             )
+        faults.maybe_kill("before_vote", step=self.manager.current_step() + 1, rank=self.rank)
         with self.stuck_vote.voting() if self.stuck_vote is not None else contextlib.nullcontext():
             committed = self.manager.should_commit()
         if committed:

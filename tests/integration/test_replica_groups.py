@@ -269,6 +269,34 @@ def test_a_group_whose_ranks_heal_unalike_stops_and_its_restart_heals_every_rank
         assert max_weight_difference(checkpoint_weights(group / final), checkpoint_weights(single / final)) <= 1e-5
 
 
+def test_a_rank_that_sigterm_finds_in_a_vote_a_dead_rank_left_open_ends_at_once_and_its_group_heals(
+    tmp_path, lighthouse
+):
+    """Groups of two processes. Group 1's rank 1 dies after the all-reduce of step 5, before its commit vote, so
+    group 1's rank 0 waits in torchft's vote (where no Python signal handler runs) for a vote that never comes.
+    torchrun's SIGTERM finds it there, and the stuck-vote watch ends it (exit 77) a second later instead of
+    after timeout_s (10 s), all that time keeping the lighthouse waiting for its group. Group 1 heals from
+    group 0 and both end with the same weights."""
+    steps = 20
+    ft = {"lighthouse": lighthouse, "quorum_timeout_s": QUORUM_TIMEOUT_S}
+    sections = {"parallel": {"dp_shard": 2, "fault_tolerance": ft}, "train": {"max_steps": steps}}
+    config = write_config(tmp_path / "c.yaml", tiny_config(tmp_path / "ft", **sections))
+    alone = f"{reaches_its_kill_point(5)},slow_step:6-{steps},wait_for_groups:15"
+    two = ["--nproc-per-node", "2"]
+    groups = start_groups(
+        config,
+        extra={0: two, 1: [*two, "--max-restarts", "1"]},
+        env={0: {"PARATRAIN_FAULT": alone}, 1: {"PARATRAIN_FAULT": "before_vote:5:1"}},
+    )
+    _, healed_log = finish(groups)
+    assert "a stop signal found this rank in its group's commit vote, still open 1 s later" in healed_log
+    assert "healed from a live replica group" in healed_log
+    healthy, healed = tmp_path / "ft/replica-group-0", tmp_path / "ft/replica-group-1"
+    assert [record["step"] for record in read_metrics(healthy)] == list(range(1, steps + 1))
+    final = f"checkpoints/step-{steps}"
+    assert max_weight_difference(checkpoint_weights(healthy / final), checkpoint_weights(healed / final)) == 0.0
+
+
 def wait_for_step(output_dir: Path, step: int, groups: list[Group]) -> None:
     """Returns once ``output_dir`` logged ``step`` (bounded; every group must still be running)."""
     deadline = time.monotonic() + 400
