@@ -38,7 +38,7 @@ LAUNCHES: dict[str, int] = {
     "tests/integration/test_documented_commands_second_half.py": 75,
     "tests/integration/test_lm_resume.py": 10,
     "tests/integration/test_multinode.py": 46,
-    "tests/integration/test_replica_groups.py": 95,
+    "tests/integration/test_replica_groups.py": 105,
     "tests/integration/test_resume.py": 35,
     "tests/parity/test_context_parallel_matches_single.py": 20,
     "tests/parity/test_ddp_matches_single.py": 15,

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 
+from paratrain.errors import EXIT_REQUEUE
 from tests.harness import (
     checkpoint_weights,
     free_loopback_port,
@@ -295,6 +296,25 @@ def test_a_rank_that_sigterm_finds_in_a_vote_a_dead_rank_left_open_ends_at_once_
     assert [record["step"] for record in read_metrics(healthy)] == list(range(1, steps + 1))
     final = f"checkpoints/step-{steps}"
     assert max_weight_difference(checkpoint_weights(healthy / final), checkpoint_weights(healed / final)) == 0.0
+
+
+def test_groups_that_a_preemption_finds_in_their_commit_votes_still_stop_together_and_save(tmp_path, lighthouse):
+    """The stuck-vote watch must not take a preemption for a dead rank: every rank of two groups of two processes
+    gets SIGTERM just before its commit vote of step 6. Every rank is alive, so each vote closes at once and
+    the groups stop at a step boundary with exit code 75 and a checkpoint, as preempted plain runs do."""
+    steps = 12
+    ft = {"lighthouse": lighthouse, "quorum_timeout_s": QUORUM_TIMEOUT_S}
+    sections = {"parallel": {"dp_shard": 2, "fault_tolerance": ft}, "train": {"max_steps": steps}}
+    config = write_config(tmp_path / "c.yaml", tiny_config(tmp_path / "ft", **sections))
+    two = ["--nproc-per-node", "2"]
+    preempted = {"PARATRAIN_FAULT": "sigterm_before_vote:6"}
+    groups = start_groups(config, extra={0: two, 1: two}, env={0: preempted, 1: preempted})
+    for index, group in enumerate(groups):
+        code, output = group.process.wait(timeout=400), group.log.read_text()
+        assert code == EXIT_REQUEUE, f"group {index} ended with {code}:\n{output[-4000:]}"
+        assert "commit vote, still open" not in output
+    saved = [sorted(path.name for path in (tmp_path / f"ft/replica-group-{g}/checkpoints").iterdir()) for g in (0, 1)]
+    assert saved[0] == saved[1] and saved[0][-1] in ("step-6", "step-7"), saved
 
 
 def wait_for_step(output_dir: Path, step: int, groups: list[Group]) -> None:
