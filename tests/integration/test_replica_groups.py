@@ -234,6 +234,20 @@ def test_under_a_fixed_batch_losing_one_group_then_two_at_once_trains_exactly_as
         assert difference <= 1e-5
 
 
+def start_two_process_groups(
+    tmp_path: Path, lighthouse: str, *, steps: int, faults: dict[int, str], group_1_restarts: int = 0
+) -> tuple[Path, list[Group]]:
+    """Two groups of two processes (fsdp inside each) training ``steps`` steps, group g with the fault
+    ``faults[g]``, group 1 restarted by torchrun up to ``group_1_restarts`` times; returns the config and groups."""
+    ft = {"lighthouse": lighthouse, "quorum_timeout_s": QUORUM_TIMEOUT_S}
+    sections = {"parallel": {"dp_shard": 2, "fault_tolerance": ft}, "train": {"max_steps": steps}}
+    config = write_config(tmp_path / "c.yaml", tiny_config(tmp_path / "ft", **sections))
+    two = ["--nproc-per-node", "2"]
+    restarts = ["--max-restarts", str(group_1_restarts)] if group_1_restarts else []
+    env = {group: {"PARATRAIN_FAULT": fault} for group, fault in faults.items()}
+    return config, start_groups(config, extra={0: two, 1: [*two, *restarts]}, env=env)
+
+
 def test_a_group_whose_ranks_heal_unalike_stops_and_its_restart_heals_every_rank(tmp_path, lighthouse):
     """Groups of two processes. Group 1's rank 0, which hosts its torchft manager, dies after step 5: rank 1's
     quorum request fails, and it stops on torchrun's SIGTERM instead of asking again until torchrun's grace
@@ -243,16 +257,9 @@ def test_a_group_whose_ranks_heal_unalike_stops_and_its_restart_heals_every_rank
     lighthouse_wait_s; the group now stops at once, the next restart heals both ranks, and the run trains as
     one process does undisturbed."""
     steps = 30
-    ft = {"lighthouse": lighthouse, "quorum_timeout_s": QUORUM_TIMEOUT_S}
-    sections = {"parallel": {"dp_shard": 2, "fault_tolerance": ft}, "train": {"max_steps": steps}}
-    config = write_config(tmp_path / "c.yaml", tiny_config(tmp_path / "ft", **sections))
     alone = f"{reaches_its_kill_point(5)},slow_step:6-{steps},wait_for_groups:25"
-    two = ["--nproc-per-node", "2"]
-    groups = start_groups(
-        config,
-        extra={0: two, 1: [*two, "--max-restarts", "2"]},
-        env={0: {"PARATRAIN_FAULT": alone}, 1: {"PARATRAIN_FAULT": "after_step:5:0,fail_first_configure:1:1"}},
-    )
+    faults = {0: alone, 1: "after_step:5:0,fail_first_configure:1:1"}
+    config, groups = start_two_process_groups(tmp_path, lighthouse, steps=steps, faults=faults, group_1_restarts=2)
     _, healed_log = finish(groups)
     assert "SIGTERM received while no quorum formed for step 6" in healed_log
     assert "1 of its 2 ranks received a live peer's state and the others did not" in healed_log
@@ -279,16 +286,9 @@ def test_a_rank_that_sigterm_finds_in_a_vote_a_dead_rank_left_open_ends_at_once_
     after timeout_s (10 s), all that time keeping the lighthouse waiting for its group. Group 1 heals from
     group 0 and both end with the same weights."""
     steps = 20
-    ft = {"lighthouse": lighthouse, "quorum_timeout_s": QUORUM_TIMEOUT_S}
-    sections = {"parallel": {"dp_shard": 2, "fault_tolerance": ft}, "train": {"max_steps": steps}}
-    config = write_config(tmp_path / "c.yaml", tiny_config(tmp_path / "ft", **sections))
     alone = f"{reaches_its_kill_point(5)},slow_step:6-{steps},wait_for_groups:15"
-    two = ["--nproc-per-node", "2"]
-    groups = start_groups(
-        config,
-        extra={0: two, 1: [*two, "--max-restarts", "1"]},
-        env={0: {"PARATRAIN_FAULT": alone}, 1: {"PARATRAIN_FAULT": "before_vote:5:1"}},
-    )
+    faults = {0: alone, 1: "before_vote:5:1"}
+    _, groups = start_two_process_groups(tmp_path, lighthouse, steps=steps, faults=faults, group_1_restarts=1)
     _, healed_log = finish(groups)
     assert "a stop signal found this rank in its group's commit vote, still open 1 s later" in healed_log
     assert "healed from a live replica group" in healed_log
@@ -302,13 +302,8 @@ def test_groups_that_a_preemption_finds_in_their_commit_votes_still_stop_togethe
     """The stuck-vote watch must not take a preemption for a dead rank: every rank of two groups of two processes
     gets SIGTERM just before its commit vote of step 6. Every rank is alive, so each vote closes at once and
     the groups stop at a step boundary with exit code 75 and a checkpoint, as preempted plain runs do."""
-    steps = 12
-    ft = {"lighthouse": lighthouse, "quorum_timeout_s": QUORUM_TIMEOUT_S}
-    sections = {"parallel": {"dp_shard": 2, "fault_tolerance": ft}, "train": {"max_steps": steps}}
-    config = write_config(tmp_path / "c.yaml", tiny_config(tmp_path / "ft", **sections))
-    two = ["--nproc-per-node", "2"]
-    preempted = {"PARATRAIN_FAULT": "sigterm_before_vote:6"}
-    groups = start_groups(config, extra={0: two, 1: two}, env={0: preempted, 1: preempted})
+    preempted = "sigterm_before_vote:6"
+    _, groups = start_two_process_groups(tmp_path, lighthouse, steps=12, faults={0: preempted, 1: preempted})
     for index, group in enumerate(groups):
         code, output = group.process.wait(timeout=400), group.log.read_text()
         assert code == EXIT_REQUEUE, f"group {index} ended with {code}:\n{output[-4000:]}"
