@@ -41,18 +41,22 @@ STEPS = 20
 
 
 # A loaded machine can starve a group for long stretches: the lighthouse waits for a live group's quorum
-# request for up to JOIN_TIMEOUT_S (a dead one is left out after a second without heartbeats), and every
-# group waits for the quorum longer than that, so no test passes or fails by the machine's speed.
+# request for up to JOIN_TIMEOUT_S (a dead one is left out after HEARTBEAT_TIMEOUT_S without heartbeats), and
+# every group waits for the quorum longer than that, so no test passes or fails by the machine's speed.
 JOIN_TIMEOUT_S = 300
 QUORUM_TIMEOUT_S = JOIN_TIMEOUT_S + 60
-# A group starved of the CPU for over a second stops heartbeating too, and is left out as a dead one would be:
-# its peer steps alone and it heals over that step, logging none (seen in a CI run: step 14 took 2 s in both
-# groups, group 0 took step 15 alone). Right, but not what a test without a death asserts, so such tests use a
-# lighthouse that waits STEADY_HEARTBEAT_TIMEOUT_S before it takes a silent group for dead.
-STEADY_HEARTBEAT_TIMEOUT_S = 60
+# A group starved of the CPU stops heartbeating too, and past the heartbeat timeout it is left out as a dead
+# one would be: its peer steps alone and it heals over that step, logging none (seen in a CI run with a 1 s
+# timeout: step 14 took 2 s in both groups, group 0 took step 15 alone). Right, but not what these tests
+# assert of a live group, so tests without a death use a lighthouse that never takes a live group for dead in
+# a test's time. Tests in which a group dies need the death seen well before torchrun's restart of the group is
+# back (a few seconds: at 3 s a restarted group was back before its peer had stepped alone, which the shrink
+# test checks), so they keep 1 s.
+HEARTBEAT_TIMEOUT_S = 1.0
+STEADY_HEARTBEAT_TIMEOUT_S = 60.0
 
 
-def start_lighthouse(port: int, log: Path, *, heartbeat_timeout_s: float = 1.0) -> subprocess.Popen:
+def start_lighthouse(port: int, log: Path, *, heartbeat_timeout_s: float) -> subprocess.Popen:
     """A lighthouse on loopback ``port``, once it answers. It forgets a group silent for ``heartbeat_timeout_s``.
     A port just freed by a killed lighthouse may still be taken for a moment: the start is tried again, for up
     to 60 s."""
@@ -85,8 +89,8 @@ def serve_lighthouse(tmp_path: Path, *, heartbeat_timeout_s: float):
 
 @pytest.fixture
 def lighthouse(tmp_path):
-    """A lighthouse on a free loopback port that takes a group silent for 1 s for dead: its address."""
-    yield from serve_lighthouse(tmp_path, heartbeat_timeout_s=1.0)
+    """A lighthouse on a free loopback port that takes a group silent for HEARTBEAT_TIMEOUT_S for dead: its address."""
+    yield from serve_lighthouse(tmp_path, heartbeat_timeout_s=HEARTBEAT_TIMEOUT_S)
 
 
 @pytest.fixture
@@ -113,8 +117,8 @@ def start_group(
 
 def reaches_its_kill_point(step: int) -> str:
     """A live group's fault that waits at steps 2 to ``step`` until every group is in the quorum, so that a group
-    set to die after ``step`` takes it. On a loaded machine the lighthouse (1 s heartbeat timeout here) can
-    leave a starved group out after the start-up quorum: the others then stepped past its kill point alone, and
+    set to die after ``step`` takes it. On a loaded machine the lighthouse can leave a group starved for
+    HEARTBEAT_TIMEOUT_S out after the start-up quorum: the others then stepped past its kill point alone, and
     it healed later and was never killed (seen once: healed at step 6, set to die after step 3)."""
     return f"wait_for_groups:2-{step}"
 
@@ -314,12 +318,12 @@ def test_a_rank_that_sigterm_finds_in_a_vote_a_dead_rank_left_open_ends_at_once_
     assert max_weight_difference(checkpoint_weights(healthy / final), checkpoint_weights(healed / final)) == 0.0
 
 
-def test_groups_that_a_preemption_finds_in_their_commit_votes_still_stop_together_and_save(tmp_path, lighthouse):
+def test_groups_that_a_preemption_finds_in_their_commit_votes_still_stop_together_and_save(tmp_path, steady_lighthouse):
     """The stuck-vote watch must not take a preemption for a dead rank: every rank of two groups of two processes
     gets SIGTERM just before its commit vote of step 6. Every rank is alive, so each vote closes at once and
     the groups stop at a step boundary with exit code 75 and a checkpoint, as preempted plain runs do."""
     preempted = "sigterm_before_vote:6"
-    _, groups = start_two_process_groups(tmp_path, lighthouse, steps=12, faults={0: preempted, 1: preempted})
+    _, groups = start_two_process_groups(tmp_path, steady_lighthouse, steps=12, faults={0: preempted, 1: preempted})
     for index, group in enumerate(groups):
         code, output = group.process.wait(timeout=400), group.log.read_text()
         assert code == EXIT_REQUEUE, f"group {index} ended with {code}:\n{output[-4000:]}"
