@@ -25,8 +25,9 @@ torchrun's attempt ``attempt`` only (its step field; 1 is the first restart), as
 heal from died in that quorum: the rank does not heal. A step may be a range ``A-B``
 (``slow_step:6-40``). Several faults are separated by commas
 (``sigterm_mid_async_save:20:1,slow_async_save:20``). With the variable unset, nothing happens. A fault
-other than those two fires in the first attempt only: workers that torchrun restarts
-(``TORCHELASTIC_RESTART_COUNT`` > 0) run through, so a restart can be shown to recover.
+other than those two and ``wait_for_groups`` fires in the first attempt only: workers that torchrun restarts
+(``TORCHELASTIC_RESTART_COUNT`` > 0) run through, so a restart can be shown to recover. ``wait_for_groups``
+holds in every attempt: a fixed point a restarted group reaches is one all the same.
 """
 
 from __future__ import annotations
@@ -86,16 +87,17 @@ def maybe_kill(point: str, *, step: int, rank: int) -> None:
 
 
 def fires(point: str, *, step: int, rank: int) -> bool:
-    """Whether the fault ``point`` is set for this step and rank (for points whose action is not a kill,
-    a stall or a sleep: ``wait_for_groups``)."""
-    return _fires(point, step=step, rank=rank)
+    """Whether the fault ``point`` is set for this step and rank, in any attempt (for points whose action is
+    not a kill, a stall or a sleep: ``wait_for_groups``)."""
+    return _fires(point, step=step, rank=rank, in_restart=None)
 
 
-def _fires(point: str, *, step: int, rank: int, in_restart: bool = False) -> bool:
-    """Whether ``point`` is set for this step and rank, in the first attempt (or, ``in_restart``, a later one)."""
+def _fires(point: str, *, step: int, rank: int, in_restart: bool | None = False) -> bool:
+    """Whether ``point`` is set for this step and rank, in the first attempt (``in_restart`` True: in a later
+    one; None: in any)."""
     spec = os.environ.get(ENV_VAR)
     restarted = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0"
-    if not spec or restarted != in_restart:
+    if not spec or (in_restart is not None and restarted != in_restart):
         return False
     return any(_matches(one, point=point, step=step, rank=rank) for one in spec.split(","))
 

@@ -123,6 +123,14 @@ def reaches_its_kill_point(step: int) -> str:
     return f"wait_for_groups:2-{step}"
 
 
+def together(first: int, last: int) -> str:
+    """A fault that keeps a group from stepping without every other at steps ``first`` to ``last`` (in any
+    attempt; set it only where every group is alive then): it asks for the quorum again until every group is in
+    it. Otherwise a live peer starved past the lighthouse's 1 s heartbeat timeout is left out, and heals over
+    the step this group takes alone: right, but not what a test that follows one group's every step asserts."""
+    return f"wait_for_groups:{first}-{last}"
+
+
 def start_groups(
     config: Path,
     *,
@@ -180,12 +188,14 @@ def test_under_shrink_a_killed_group_heals_from_its_live_peer_while_the_peer_kee
     # slow torchrun's restart of group 1 is on this machine, group 1 heals from a group still training.
     # It also waits for group 1 up to the step group 1 dies after (see reaches_its_kill_point).
     slow_alone = (
-        f"{reaches_its_kill_point(killed_after)},slow_step:{killed_after + 1}-{steps},wait_for_groups:{back_by}"
+        f"{reaches_its_kill_point(killed_after)},slow_step:{killed_after + 1}-{steps},{together(back_by, steps)}"
     )
+    # Group 1 never steps without group 0, which is alive throughout: the healthy group takes every step.
+    dies = f"{together(2, steps)},after_step:{killed_after}"
     groups = start_groups(
         config,
         extra={1: ["--max-restarts", "1"]},
-        env={0: {"PARATRAIN_FAULT": slow_alone}, 1: {"PARATRAIN_FAULT": f"after_step:{killed_after}"}},
+        env={0: {"PARATRAIN_FAULT": slow_alone}, 1: {"PARATRAIN_FAULT": dies}},
     )
     healthy_log, healed_log = finish(groups)
     healthy, healed = tmp_path / "ft/replica-group-0", tmp_path / "ft/replica-group-1"
@@ -306,8 +316,8 @@ def test_a_rank_that_sigterm_finds_in_a_vote_a_dead_rank_left_open_ends_at_once_
     after timeout_s (10 s), all that time keeping the lighthouse waiting for its group. Group 1 heals from
     group 0 and both end with the same weights."""
     steps = 20
-    alone = f"{reaches_its_kill_point(5)},slow_step:6-{steps},wait_for_groups:15"
-    faults = {0: alone, 1: "before_vote:5:1"}
+    alone = f"{reaches_its_kill_point(5)},slow_step:6-{steps},{together(15, steps)}"
+    faults = {0: alone, 1: f"before_vote:5:1,{together(2, steps)}"}  # group 1 never steps without group 0
     _, groups = start_two_process_groups(tmp_path, lighthouse, steps=steps, faults=faults, group_1_restarts=1)
     _, healed_log = finish(groups)
     assert "a stop signal found this rank in its group's commit vote, still open 1 s later" in healed_log
@@ -403,10 +413,13 @@ def test_a_group_killed_while_it_heals_costs_the_live_group_a_retaken_step_and_h
     config = write_config(
         tmp_path / "c.yaml", tiny_config(tmp_path / "ft", parallel={"fault_tolerance": ft}, train={"max_steps": steps})
     )
-    alone = {"PARATRAIN_FAULT": f"{reaches_its_kill_point(5)},slow_step:6-{steps},wait_for_groups:25"}
-    groups = start_groups(config, env={0: alone, 1: {"PARATRAIN_FAULT": "after_step:5"}})
+    alone = {"PARATRAIN_FAULT": f"{reaches_its_kill_point(5)},slow_step:6-{steps},{together(25, steps)}"}
+    # Group 1 never steps without group 0, which is alive throughout: the healthy group takes every step.
+    dies = {"PARATRAIN_FAULT": f"{together(2, steps)},after_step:5"}
+    groups = start_groups(config, env={0: alone, 1: dies})
     assert groups[1].process.wait(timeout=400) != 0, "group 1 was to be killed after step 5"
-    groups[1] = start_group(config, 1, extra=["--max-restarts", "1"], env={"PARATRAIN_FAULT": f"mid_heal:6-{steps}"})
+    dies_healing = {"PARATRAIN_FAULT": f"mid_heal:6-{steps},{together(2, steps)}"}
+    groups[1] = start_group(config, 1, extra=["--max-restarts", "1"], env=dies_healing)
     healthy_log, healed_log = finish(groups)
     assert "exitcode: -9" in healed_log and "healed from a live replica group" in healed_log
     assert healthy_log.count("not committed") == 1  # the step group 1 died in; its heal cost none
