@@ -366,7 +366,9 @@ def test_groups_ride_out_a_restarted_lighthouse_stop_with_75_when_it_stays_away_
     sections = {"parallel": {"fault_tolerance": ft}, "train": {"max_steps": steps}, "checkpoint": {"every_steps": 5}}
     config = write_config(tmp_path / "c.yaml", tiny_config(tmp_path / "ft", **sections))
     server = start_lighthouse(port, tmp_path / "lighthouse-1.log", heartbeat_timeout_s=STEADY_HEARTBEAT_TIMEOUT_S)
-    slow = {group: {"PARATRAIN_FAULT": f"slow_step:1-{steps}"} for group in range(2)}  # time to act between steps
+    # Time to act between steps; and neither group steps without the other (the new lighthouse may hear one
+    # group's quorum request before the other's heartbeat, and would leave that group out).
+    slow = {group: {"PARATRAIN_FAULT": f"slow_step:1-{steps},{together(2, steps)}"} for group in range(2)}
     groups, group_0 = start_groups(config, env=slow), tmp_path / "ft/replica-group-0"
     wait_for_step(group_0, 5, groups)
     server.kill()
