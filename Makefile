@@ -60,8 +60,9 @@ $(FLOOR_INSTALLED): pyproject.toml constraints-floor.txt
 	$(FLOOR_VENV)/bin/pip install --quiet -c constraints-floor.txt -e '.[dev]'
 	touch $@
 
+# On the same workers as `make test`: its four parity files ran one after another for 4 minutes.
 test-floor: $(FLOOR_INSTALLED)
-	$(FLOOR_VENV)/bin/python -m pytest $(FLOOR_TESTS)
+	$(FLOOR_VENV)/bin/python -m pytest -n $(TEST_WORKERS) --dist loadfile $(FLOOR_TESTS)
 
 $(DOCS_INSTALLED): $(INSTALLED)
 	$(BIN)/pip install --quiet -c constraints.txt -e '.[docs]'
