@@ -111,9 +111,23 @@ def announce_stop(*, local_rank: int) -> None:
     """Tells paratrain's launcher, when it started this process, that the group stopped on purpose;
     returns once every rank has, so no worker exits before every launcher knows."""
     launcher = os.environ.get(LAUNCHER_PID_ENV)
-    if local_rank == 0 and launcher is not None and int(launcher) == os.getppid():
-        os.kill(os.getppid(), STOPPED_NOTICE)
+    if local_rank == 0 and launcher is not None and _started_by(int(launcher)):
+        os.kill(int(launcher), STOPPED_NOTICE)
     barrier()
+
+
+def _started_by(launcher: int) -> bool:
+    """Whether ``launcher`` started this process: its parent, or its fork server's parent
+    (``paratrain.launch.forked_workers``). A variable inherited from elsewhere names another process."""
+    parent = os.getppid()
+    return launcher in (parent, _parent_of(parent))
+
+
+def _parent_of(pid: int) -> int | None:
+    try:  # /proc/PID/stat: "PID (COMMAND) STATE PPID ...", the command may hold spaces and parentheses
+        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+    except (OSError, IndexError, ValueError):
+        return None
 
 
 def end_on_signal(
