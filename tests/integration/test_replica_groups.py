@@ -191,7 +191,9 @@ def test_under_shrink_a_killed_group_heals_from_its_live_peer_while_the_peer_kee
         f"{reaches_its_kill_point(killed_after)},slow_step:{killed_after + 1}-{steps},{together(back_by, steps)}"
     )
     # Group 1 never steps without group 0, which is alive throughout: the healthy group takes every step.
-    dies = f"{together(2, steps)},after_step:{killed_after}"
+    # Its restart comes back LATE_MANAGER_S late: a fast restart (workers forked, nothing imported again)
+    # would otherwise rejoin before the lighthouse left it out, and group 0 would never step alone.
+    dies = f"{together(2, steps)},after_step:{killed_after},late_manager_on_restart:0"
     groups = start_groups(
         config,
         extra={1: ["--max-restarts", "1"]},
@@ -228,7 +230,11 @@ def test_under_a_fixed_batch_losing_one_group_then_two_at_once_trains_exactly_as
     )
     # Fixed points, not sleeps: groups 0 and 1 take half a second a step while group 2 is away and wait at
     # step 12 until it is back; group 2, started again, does the same while 0 and 1 are away, waiting at 26.
-    survivors = f"{reaches_its_kill_point(first_kill)},slow_step:{first_kill + 1}-12,wait_for_groups:12,after_step:{double_kill}"
+    # Their restarts come back LATE_MANAGER_S late, so that group 2 steps alone whatever a restart takes.
+    survivors = (
+        f"{reaches_its_kill_point(first_kill)},slow_step:{first_kill + 1}-12,wait_for_groups:12,"
+        f"after_step:{double_kill},late_manager_on_restart:0"
+    )
     groups = start_groups(
         config,
         groups=3,
