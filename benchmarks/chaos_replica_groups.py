@@ -37,7 +37,7 @@ import yaml
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from tests.harness import child_pids, tiny_config  # noqa: E402 - the repository's own harness, after its path
+from tests.harness import tiny_config, worker_pids  # noqa: E402 - the repository's own harness, after its path
 
 KINDS = ["replica groups", "restart-all"]
 
@@ -72,7 +72,7 @@ def run(jobs: list[list[str]], dirs: list[Path], schedule: list[tuple[int, int]]
             _, count = pending.pop(0)
             targets = rng.sample(range(len(processes)), min(count, len(processes)))
             for index in targets if len(processes) > 1 else [0] * count:
-                workers = child_pids(processes[index].pid)
+                workers = worker_pids(processes[index].pid)
                 if workers:
                     os.kill(rng.choice(workers), signal.SIGKILL)
             print(f"  kill at step {newest_step(dirs)}: job(s) {targets}", flush=True)

@@ -92,9 +92,18 @@ def wait_for_first_step(output_dir: Path, process: subprocess.Popen, timeout: fl
 
 
 def child_pids(pid: int) -> list[int]:
-    """The processes started by process pid (from any of its threads), e.g. torchrun's workers."""
+    """The processes started by process pid (from any of its threads)."""
     tasks = Path(f"/proc/{pid}/task")
     return [int(child) for task in tasks.iterdir() for child in (task / "children").read_text().split()]
+
+
+def worker_pids(launcher: int) -> list[int]:
+    """torchrun's workers under paratrain's launcher: its children, or its fork server's where the workers
+    are forked (paratrain.launch.forked_workers; the launcher's other child is multiprocessing's tracker)."""
+    from paratrain.launch.forked_workers import forks_workers
+
+    children = child_pids(launcher)
+    return [worker for child in children for worker in child_pids(child)] if forks_workers() else children
 
 
 def run_cli(

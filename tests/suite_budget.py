@@ -3,8 +3,9 @@
 Most of the suite's time is processes starting (about 2 CPU-s each in torch's imports), so the budget is
 counted in processes, not seconds: a count does not depend on how fast or how loaded the machine is, and a
 feature that adds launches fails here, naming its file, before it slows every later run. Every Python
-process a test starts, however deep (the CLI, torchrun's agent, each worker), counts itself through
-``tests/launch_counter/sitecustomize.py``. A file over its budget fails the session, with the fix: share a
+interpreter a test starts, however deep (the CLI, torchrun's agent, each worker, a fork server), counts itself
+through ``tests/launch_counter/sitecustomize.py``; a worker forked from a fork server starts no interpreter
+(``paratrain.launch.forked_workers``). A file over its budget fails the session, with the fix: share a
 launch (``tests/harness.LayoutRuns``, ``train_many_in_one_launch``, ``tests/distributed/rank_pool``) or
 raise its entry in ``LAUNCHES`` with the reason. The end of the session prints the slowest files.
 """
@@ -36,6 +37,7 @@ LAUNCHES: dict[str, int] = {
     "tests/integration/test_disk_full.py": 8,
     "tests/integration/test_documented_commands.py": 58,
     "tests/integration/test_documented_commands_second_half.py": 75,
+    "tests/integration/test_launch.py": 11,  # two launches of a probe of what a worker starts with
     "tests/integration/test_lm_resume.py": 10,
     "tests/integration/test_multinode.py": 46,
     "tests/integration/test_replica_groups.py": 105,

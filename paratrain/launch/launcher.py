@@ -93,6 +93,7 @@ def launch(
     from torch.distributed.run import get_args_parser, run
 
     # lazy: torchrun's modules load only once the launch is decided (not for a one-process run)
+    from paratrain.launch.forked_workers import forks_workers, run_workers
     from paratrain.launch.preemption import LAUNCHER_PID_ENV
     from paratrain.launch.rendezvous import LOOPBACK_ENV, register_loopback_rendezvous
 
@@ -104,7 +105,10 @@ def launch(
     args = get_args_parser().parse_args(torchrun_argv(options, worker_args, worker_module=worker_module))
     requests = _StopRequests.install()
     try:
-        run(args)
+        if forks_workers():
+            run_workers(args, worker_module, worker_args)
+        else:
+            run(args)
     except ChildFailedError as error:
         return _summarise_failure(error)
     except (SignalException, _WorkersStopped):

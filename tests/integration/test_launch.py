@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ipaddress
 import json
+import multiprocessing
 import os
 import re
 import signal
@@ -14,8 +15,17 @@ from pathlib import Path
 
 from paratrain.checkpoint import verify_checkpoint
 from paratrain.errors import EXIT_REQUEUE
+from paratrain.launch.forked_workers import forks_workers
 from paratrain.launch.run_lock import LOCK_NAME
-from tests.harness import child_pids, run_cli_in_process, start_cli, tiny_config, wait_for_first_step, write_config
+from tests.harness import (
+    launch_workers,
+    run_cli_in_process,
+    start_cli,
+    tiny_config,
+    wait_for_first_step,
+    worker_pids,
+    write_config,
+)
 
 
 def test_single_node_run_listens_on_loopback_only_refuses_a_second_run_and_stops_for_a_requeue_on_sigusr1(tmp_path):
@@ -26,7 +36,7 @@ def test_single_node_run_listens_on_loopback_only_refuses_a_second_run_and_stops
     launcher = start_cli(["train", str(config), "--nproc-per-node", "2"])
     try:
         wait_for_first_step(tmp_path / "run", launcher)
-        listeners = {pid: _listening_addresses(pid) for pid in [launcher.pid, *child_pids(launcher.pid)]}
+        listeners = {pid: _listening_addresses(pid) for pid in [launcher.pid, *worker_pids(launcher.pid)]}
         second = _second_run_into(config, holder=launcher.pid, lock=tmp_path / "run" / LOCK_NAME)
     finally:
         launcher.send_signal(signal.SIGUSR1)
@@ -94,3 +104,27 @@ def _is_loopback(address: str) -> bool:
     ip = ipaddress.ip_address(address.rsplit(":", 1)[0])
     mapped = getattr(ip, "ipv4_mapped", None)
     return (mapped or ip).is_loopback
+
+
+def test_a_worker_starts_as_a_fresh_interpreter_would_and_its_exit_code_is_the_launchers(tmp_path):
+    """Where torch has no GPU runtime the workers are forks of a server that imported paratrain
+    (launch/forked_workers.py): each still finds what ``python -u -m MODULE ARGS`` would give it."""
+    for exit_code in (0, 9):
+        out_dir = tmp_path / str(exit_code)
+        out_dir.mkdir()
+        result = launch_workers(2, "tests.integration.forked_worker_probe", str(out_dir), str(exit_code))
+        assert result.returncode == exit_code, result.stderr[-3000:]
+        for rank in range(2):
+            found = json.loads((out_dir / f"rank-{rank}.json").read_text())
+            assert found == {
+                "imported_before_start": forks_workers(),  # forked: its imports done; else a fresh interpreter
+                "argv": [str(out_dir), str(exit_code)],
+                "start_method": multiprocessing.get_start_method(),  # this interpreter's default: fork on Linux
+                "blocked_signals": [],  # the server's blocked stop signals are delivered to the worker
+                "threads": 1,  # OMP_NUM_THREADS, as the harness sets it
+                "line_buffered": True,  # as `python -u`
+            }, rank
+            assert (out_dir / f"exited-{rank}").exists(), "the worker's exit functions ran"
+    # A non-zero exit is named once, as for a subprocess worker, without the traceback of torchrun's own join.
+    assert "paratrain: rank 1 failed (exit code 9)" in result.stderr, result.stderr[-3000:]
+    assert "Traceback" not in result.stderr, result.stderr[-3000:]
