@@ -8,7 +8,7 @@ import torch
 
 from paratrain.errors import EXIT_REQUEUE, EXIT_SAVE_FAILED
 from paratrain.launch.launcher import _summarise_failure
-from paratrain.launch.preemption import StopSignals
+from paratrain.launch.preemption import StopSignals, _parent_of, _started_by
 
 
 def test_a_stop_signal_is_acted_on_at_the_boundary_after_the_one_that_reduced_it():
@@ -43,3 +43,12 @@ def test_launcher_exits_74_when_workers_stopped_on_a_refused_save_and_torchrun_s
     assert capsys.readouterr().err == ""  # rank 0 already said what failed and what is safe
     assert _summarise_failure(failure(-signal.SIGTERM, -signal.SIGTERM)) == 128 + signal.SIGTERM
     assert _summarise_failure(failure(1, EXIT_SAVE_FAILED)) == 1
+
+
+def test_the_stop_notice_goes_to_a_launcher_that_started_this_process_itself_or_through_a_fork_server():
+    """A GPU build's workers are the launcher's children; a CPU build's, its fork server's (launch/forked_workers.py)."""
+    parent = os.getppid()
+    grandparent = _parent_of(parent)
+    assert grandparent is not None and grandparent != parent
+    assert _started_by(parent) and _started_by(grandparent)
+    assert not _started_by(os.getpid())  # a variable inherited from a launcher further up names no parent
