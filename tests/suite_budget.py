@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import collections
 import os
+import resource
 import tempfile
 from pathlib import Path
 
@@ -71,14 +72,28 @@ def configure(config: pytest.Config) -> None:
 class SuiteBudget:
     def __init__(self) -> None:
         self.seconds: dict[str, float] = collections.defaultdict(float)
+        self.cpu_seconds: dict[str, float] = collections.defaultdict(float)
+        self._cpu_at_setup = 0.0
 
     @pytest.hookimpl(tryfirst=True)
     def pytest_runtest_setup(self, item: pytest.Item) -> None:
         # Before any fixture: a module-scoped launch counts for the file that needs it.
         os.environ[LOG_ENV] = str(_log_of(item.nodeid.split("::")[0]))
+        self._cpu_at_setup = _cpu_seconds()
+
+    @pytest.hookimpl(hookwrapper=True)
+    def pytest_runtest_makereport(self, item: pytest.Item, call: pytest.CallInfo):
+        # The teardown report carries the test's CPU to the controller (user_properties travel with it): CPU
+        # far below the wall time is a test waiting (timeouts, sleeps), which more processes do not speed up.
+        if call.when == "teardown":
+            item.user_properties.append(("cpu_seconds", _cpu_seconds() - self._cpu_at_setup))
+        yield
 
     def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
-        self.seconds[report.nodeid.split("::")[0]] += report.duration
+        path = report.nodeid.split("::")[0]
+        self.seconds[path] += report.duration
+        if report.when == "teardown":
+            self.cpu_seconds[path] += dict(report.user_properties).get("cpu_seconds", 0.0)
 
     @pytest.hookimpl(trylast=True)
     def pytest_sessionfinish(self, session: pytest.Session) -> None:
@@ -93,12 +108,25 @@ class SuiteBudget:
         if hasattr(config, "workerinput") or not self.seconds:
             return
         launches = launches_by_file()
-        terminalreporter.section("slowest files (seconds of setup, call and teardown; Python processes started)")
+        terminalreporter.section(
+            "slowest files (seconds of setup, call and teardown; CPU-seconds of the test and what it started; "
+            "Python processes started)"
+        )
         for path, seconds in sorted(self.seconds.items(), key=lambda item: -item[1])[:15]:
-            terminalreporter.write_line(f"{seconds:8.1f} s {launches.get(path, 0):5d}  {path}")
-        terminalreporter.write_line(f"{sum(self.seconds.values()):8.1f} s {sum(launches.values()):5d}  in all")
+            line = f"{seconds:8.1f} s {self.cpu_seconds[path]:8.1f} CPU-s {launches.get(path, 0):5d}  {path}"
+            terminalreporter.write_line(line)
+        total_cpu, total_launches = sum(self.cpu_seconds.values()), sum(launches.values())
+        terminalreporter.write_line(
+            f"{sum(self.seconds.values()):8.1f} s {total_cpu:8.1f} CPU-s {total_launches:5d}  in all"
+        )
         for line in getattr(config, "_paratrain_over_budget", []):
             terminalreporter.write_line(line, red=True)
+
+
+def _cpu_seconds() -> float:
+    """User and system CPU of this process and of every process it started that has ended."""
+    own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
 
 
 def _log_of(path: str) -> Path:
