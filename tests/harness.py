@@ -149,16 +149,25 @@ def train(
     return result
 
 
-def launch_workers(nproc: int, module: str, *args: str, timeout: float = 240) -> subprocess.CompletedProcess:
+def launch_workers(
+    nproc: int,
+    module: str,
+    *args: str,
+    timeout: float = 240,
+    env: dict[str, str] | None = None,
+    pass_fds: tuple[int, ...] = (),
+) -> subprocess.CompletedProcess:
     """Runs ``python -m MODULE ARGS`` on nproc processes through paratrain's launcher, whose stores
-    listen on loopback only (see tests/launch_workers.py), and returns it finished."""
+    listen on loopback only (see tests/launch_workers.py), and returns it finished. ``env`` replaces the
+    environment (this one with ``OMP_NUM_THREADS=1`` otherwise); the launcher inherits ``pass_fds``."""
     return subprocess.run(
         [sys.executable, "-m", "tests.launch_workers", str(nproc), module, *args],
         capture_output=True,
         text=True,
         timeout=timeout,
         cwd=REPO_ROOT,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        env={**os.environ, "OMP_NUM_THREADS": "1"} if env is None else env,
+        pass_fds=pass_fds,
     )
 
 

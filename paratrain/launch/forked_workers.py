@@ -4,10 +4,14 @@ Each of torchrun's workers would otherwise start a fresh interpreter and import 
 paratrain: about 2 CPU-s a process, paid again by every restart torchrun makes after a failure. torchrun
 starts a worker as a function too, through ``multiprocessing``; with the ``forkserver`` start method the
 server imports those modules once (``PRELOADED``) and each worker is a fork of it, its imports done. The
-server is a fresh single-threaded interpreter started by the launcher, so a fork copies no launcher thread
-and no launcher state. A worker then starts as its own interpreter would: ``python -u -m MODULE ARGS``,
-the stop signals delivered, multiprocessing's default start method and the exit functions run at its end
-(torchrun sets ``OMP_NUM_THREADS`` in the launcher before the server starts and imports torch).
+server is itself a fork of the launcher, taken before torchrun's agent starts any thread: the launcher has
+imported torch already, so the server adds only what the workers need beyond it (about 1 CPU-s less a launch
+than a fresh interpreter importing everything). It then drops what it copied of the launcher and a fresh
+interpreter would not have: open files (the run lock), signal handlers, ``OMP_NUM_THREADS`` read before
+torchrun set it. Where the launcher already runs threads (or there is no ``/proc`` to tell), the server is
+a fresh interpreter, as multiprocessing starts it. A worker then starts as its own interpreter would:
+``python -u -m MODULE ARGS``, the stop signals delivered, multiprocessing's default start method and the exit
+functions run at its end.
 
 Only where torch has no GPU runtime: the CUDA runtime must not have been initialised in a process that forks,
 and an availability check made while importing would do that; a GPU build starts each worker as a
@@ -21,10 +25,14 @@ import atexit
 import logging
 import multiprocessing
 import multiprocessing.forkserver
+import multiprocessing.resource_tracker
+import multiprocessing.util
+import os
 import runpy
 import signal
 import sys
-from collections.abc import Iterator
+import traceback
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 
 import torch
@@ -50,14 +58,90 @@ def run_workers(args: argparse.Namespace, worker_module: str, worker_args: list[
         args.master_port = 29500
     config, _, _ = config_from_args(args)
     config.start_method = START_METHOD
-    multiprocessing.set_forkserver_preload(PRELOADED)
-    with stop_signals_blocked():
-        multiprocessing.forkserver.ensure_running()
+    _start_server()
     logging.getLogger("torch.distributed.elastic.multiprocessing.api").addFilter(_without_join_traceback)
     try:
         elastic_launch(config=config, entrypoint=run_module_as_main)(worker_module, *worker_args)
     finally:
         _stop_server()
+
+
+def _start_server() -> None:
+    """multiprocessing's fork server, preloaded: a fork of this process where it runs one thread, otherwise a
+    fresh interpreter (multiprocessing's way)."""
+    multiprocessing.set_forkserver_preload(PRELOADED)
+    with stop_signals_blocked():
+        multiprocessing.resource_tracker.ensure_running()  # a fresh interpreter of its own, as multiprocessing has it
+        if not _single_threaded():
+            multiprocessing.forkserver.ensure_running()
+            return
+        with _server_forked_from_this_process():
+            multiprocessing.forkserver.ensure_running()
+
+
+def _single_threaded() -> bool:
+    """Whether this process runs one thread (OpenMP's and the C++ runtime's counted): a fork copies none."""
+    try:
+        return len(os.listdir("/proc/self/task")) == 1
+    except OSError:
+        return False
+
+
+@contextmanager
+def _server_forked_from_this_process() -> Iterator[None]:
+    """multiprocessing starts its fork server with ``util.spawnv_passfds(python, [python, ..., "-c", PROGRAM],
+    fds)``; meanwhile the same PROGRAM runs in a fork of this process instead, which keeps the same fds."""
+    spawn = multiprocessing.util.spawnv_passfds
+
+    def fork_instead(path: str, args: Sequence[str], passfds: Sequence[int]) -> int:
+        if "-c" not in args:  # not the command this was written for: started as multiprocessing starts it
+            return spawn(path, args, passfds)
+        return _fork_running(args[list(args).index("-c") + 1], keep_fds=passfds)
+
+    multiprocessing.util.spawnv_passfds = fork_instead
+    try:
+        yield
+    finally:
+        multiprocessing.util.spawnv_passfds = spawn
+
+
+def _fork_running(program: str, *, keep_fds: Sequence[int]) -> int:
+    """Runs ``python -c PROGRAM`` in a fork of this process; returns the fork's pid."""
+    for stream in (sys.stdout, sys.stderr):
+        stream.flush()  # else the server would write the launcher's pending output a second time
+    pid = os.fork()
+    if pid != 0:
+        return pid
+    code = 1
+    try:
+        _drop_the_launchers_state(keep_fds=keep_fds)
+        exec(program, {"__name__": "__main__"})  # noqa: S102 - multiprocessing's own fork server program
+        code = 0
+    except SystemExit as stopped:  # the server's end, once the launcher has gone or stopped it
+        code = stopped.code if isinstance(stopped.code, int) else 0
+    except BaseException:
+        traceback.print_exc()
+    finally:
+        os._exit(code)  # never back into the launcher's code
+
+
+def _drop_the_launchers_state(*, keep_fds: Sequence[int]) -> None:
+    """What a fresh interpreter would not have: the launcher's files (its run lock: the workers must not hold it
+    past the launcher), its signal handlers (a worker's SIGTERM is the worker's, not the launcher's), torch's
+    thread count read before torchrun set ``OMP_NUM_THREADS``, and multiprocessing's fork-server lock, copied
+    held."""
+    low = 3
+    for fd in sorted({fd for fd in keep_fds if fd >= 3}):
+        os.closerange(low, fd)
+        low = fd + 1
+    os.closerange(low, os.sysconf("SC_OPEN_MAX"))
+    for signum in signal.valid_signals():
+        handler = signal.getsignal(signum)
+        if callable(handler) and handler is not signal.default_int_handler:
+            signal.signal(signum, signal.SIG_DFL)
+    if os.environ.get("OMP_NUM_THREADS", "").isdigit():
+        torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+    multiprocessing.forkserver._forkserver.__init__()  # noqa: SLF001 - its lock was held when this process forked
 
 
 def _stop_server() -> None:

@@ -13,6 +13,18 @@ from pathlib import Path
 # Before anything below imports it: imported already only where the worker is a fork of the server.
 IMPORTED_BEFORE_START = "paratrain.train" in sys.modules
 
+
+def files_open() -> list[str]:
+    """The regular files this process holds open (the listing's own descriptor is gone once listed)."""
+    targets = []
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            targets.append(os.readlink(f"/proc/self/fd/{fd}"))
+        except FileNotFoundError:
+            continue
+    return sorted(target for target in targets if os.path.isfile(target))
+
+
 if __name__ == "__main__":
     import torch
 
@@ -25,6 +37,12 @@ if __name__ == "__main__":
         "blocked_signals": sorted(int(blocked) for blocked in signal.pthread_sigmask(signal.SIG_BLOCK, [])),
         "threads": torch.get_num_threads(),
         "line_buffered": sys.stdout.line_buffering and sys.stderr.line_buffering,
+        "handlers_installed": [  # Python handlers beyond the interpreter's own (SIGINT's, where not ignored)
+            signal.Signals(signum).name
+            for signum in signal.valid_signals()
+            if callable(signal.getsignal(signum)) and signal.getsignal(signum) is not signal.default_int_handler
+        ],
+        "files_open": files_open(),
     }
     (out_dir / f"rank-{rank}.json").write_text(json.dumps(found))
     atexit.register((out_dir / f"exited-{rank}").touch)

@@ -107,22 +107,37 @@ def _is_loopback(address: str) -> bool:
 
 
 def test_a_worker_starts_as_a_fresh_interpreter_would_and_its_exit_code_is_the_launchers(tmp_path):
-    """Where torch has no GPU runtime the workers are forks of a server that imported paratrain
-    (launch/forked_workers.py): each still finds what ``python -u -m MODULE ARGS`` would give it."""
-    for exit_code in (0, 9):
+    """Where torch has no GPU runtime the workers are forks of a server that is itself a fork of the launcher
+    (launch/forked_workers.py): each still finds what ``python -u -m MODULE ARGS`` would give it, and nothing
+    of the launcher's: not a file it holds open (as its run lock), not its signal handlers. The first launch
+    is with the user's default environment (no OMP_NUM_THREADS: torchrun sets it to 1 after the launcher
+    imported torch), the second with the harness's."""
+    user_env = {name: value for name, value in os.environ.items() if name != "OMP_NUM_THREADS"}
+    held = tmp_path / "held-open-by-the-launcher"
+    for exit_code, env in ((0, user_env), (9, None)):
         out_dir = tmp_path / str(exit_code)
         out_dir.mkdir()
-        result = launch_workers(2, "tests.integration.forked_worker_probe", str(out_dir), str(exit_code))
+        with held.open("w") as file:
+            result = launch_workers(
+                2,
+                "tests.integration.forked_worker_probe",
+                str(out_dir),
+                str(exit_code),
+                env=env,
+                pass_fds=(file.fileno(),),
+            )
         assert result.returncode == exit_code, result.stderr[-3000:]
         for rank in range(2):
             found = json.loads((out_dir / f"rank-{rank}.json").read_text())
+            assert str(held) not in found.pop("files_open")
             assert found == {
                 "imported_before_start": forks_workers(),  # forked: its imports done; else a fresh interpreter
                 "argv": [str(out_dir), str(exit_code)],
                 "start_method": multiprocessing.get_start_method(),  # this interpreter's default: fork on Linux
                 "blocked_signals": [],  # the server's blocked stop signals are delivered to the worker
-                "threads": 1,  # OMP_NUM_THREADS, as the harness sets it
+                "threads": 1,  # OMP_NUM_THREADS: torchrun's for several workers, or the harness's
                 "line_buffered": True,  # as `python -u`
+                "handlers_installed": [],  # none of the launcher's (SIGTERM, SIGUSR1, its stop notice)
             }, rank
             assert (out_dir / f"exited-{rank}").exists(), "the worker's exit functions ran"
     # A non-zero exit is named once, as for a subprocess worker, without the traceback of torchrun's own join.
