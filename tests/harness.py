@@ -61,15 +61,19 @@ def free_loopback_port() -> int:
         return probe.getsockname()[1]
 
 
-def start_cli(args: list[str], *, env: dict[str, str] | None = None, output: Path | None = None) -> subprocess.Popen:
+def start_cli(
+    args: list[str], *, env: dict[str, str] | None = None, output: Path | None = None, unset: tuple[str, ...] = ()
+) -> subprocess.Popen:
     """Starts ``python -m paratrain.cli ARGS`` without waiting (e.g. one process per node).
 
     Args:
         output: A file for stdout and stderr together, for a process that runs beside others for long: an
             unread pipe fills (64 KiB) and blocks the process's next write, stalling whatever waits on it.
             None: pipes, read by ``communicate()``.
+        unset: Variables left out of its environment, as a user who never set them (e.g. OMP_NUM_THREADS).
     """
     full_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
+    full_env = {name: value for name, value in full_env.items() if name not in unset}
     with contextlib.ExitStack() as files:
         stream = files.enter_context(output.open("w")) if output is not None else subprocess.PIPE
         return subprocess.Popen(

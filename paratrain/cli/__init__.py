@@ -8,15 +8,15 @@ import sys
 
 from paratrain.errors import RUN_ENDINGS, CheckpointWriteError, Preempted, exit_code_of
 from paratrain.launch.gc_pause import collections_paused
-
-with collections_paused():  # the commands import torch: ~300k objects, none of them garbage (paratrain.launch.gc_pause)
-    from paratrain.cli.parser import build_parser, parse_args
+from paratrain.launch.worker_threads import apply_torchruns_thread_default
 
 
 def main(argv: list[str] | None = None) -> int:
+    if argv is None:  # the process's own command line, before anything imports torch
+        apply_torchruns_thread_default(sys.argv[1:])
     # Like `python -m`, so factories in the user's project directory import.
     sys.path.insert(0, os.getcwd())
-    args = parse_args(argv)
+    args = _parser().parse_args(argv)
     try:
         return args.handler(args)
     except RUN_ENDINGS as error:
@@ -30,6 +30,22 @@ def say_how_it_ended(error: Exception) -> None:
     if isinstance(error, CheckpointWriteError):
         return
     print(f"paratrain: {error}" if isinstance(error, Preempted) else f"paratrain: error: {error}", file=sys.stderr)
+
+
+def _parser():
+    # lazy: the commands import torch, which main() must not before it has read its command line; with
+    # collections paused: ~300k objects, none of them garbage (paratrain.launch.gc_pause)
+    with collections_paused():
+        from paratrain.cli import parser
+
+    return parser
+
+
+def __getattr__(name: str):
+    # Lazy: the commands import torch, which main() must not import before it has read its command line.
+    if name in ("build_parser", "parse_args"):
+        return getattr(_parser(), name)
+    raise AttributeError(f"module 'paratrain.cli' has no attribute {name!r}")
 
 
 __all__ = ["build_parser", "main", "parse_args"]

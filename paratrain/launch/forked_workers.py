@@ -169,6 +169,9 @@ def run_module_as_main(module: str, *args: str) -> None:
     """``python -u -m MODULE ARGS`` inside a forked worker. Its exit code is the process's, as for a
     subprocess; exit code 0 returns instead, since torchrun waits for a return value from each worker."""
     _start_as_a_fresh_interpreter(module, args)
+    # The server imported it for its imports; runpy runs it afresh as __main__, and would warn (in every
+    # worker's output) that it found it imported already.
+    sys.modules.pop(module, None)
     try:
         runpy.run_module(module, run_name="__main__", alter_sys=True)
     except SystemExit as stopped:

@@ -18,6 +18,7 @@ from paratrain.errors import EXIT_REQUEUE
 from paratrain.launch.forked_workers import forks_workers
 from paratrain.launch.run_lock import LOCK_NAME
 from tests.harness import (
+    child_pids,
     launch_workers,
     run_cli_in_process,
     start_cli,
@@ -33,10 +34,14 @@ def test_single_node_run_listens_on_loopback_only_refuses_a_second_run_and_stops
         tmp_path / "run.yaml",
         tiny_config(tmp_path / "run", train={"max_steps": 400}, parallel={"strategy": "ddp"}, log={"every_steps": 1}),
     )
-    launcher = start_cli(["train", str(config), "--nproc-per-node", "2"])
+    # The user's default environment: no OMP_NUM_THREADS.
+    launcher = start_cli(["train", str(config), "--nproc-per-node", "2"], unset=("OMP_NUM_THREADS",))
     try:
         wait_for_first_step(tmp_path / "run", launcher)
         listeners = {pid: _listening_addresses(pid) for pid in [launcher.pid, *worker_pids(launcher.pid)]}
+        # The fork server: the launcher's child with children (its other one is multiprocessing's tracker).
+        servers = [_command_line(child) for child in child_pids(launcher.pid) if child_pids(child)]
+        launcher_command = _command_line(launcher.pid)
         second = _second_run_into(config, holder=launcher.pid, lock=tmp_path / "run" / LOCK_NAME)
     finally:
         launcher.send_signal(signal.SIGUSR1)
@@ -45,6 +50,11 @@ def test_single_node_run_listens_on_loopback_only_refuses_a_second_run_and_stops
     assert not (tmp_path / "run" / LOCK_NAME).exists(), "released on the way out of a requeue (exit 75)"
     workers = [pid for pid in listeners if pid != launcher.pid]
     assert len(workers) == 2, f"expected 2 workers under the launcher, found {workers}"
+    if forks_workers():
+        # torchrun's OMP_NUM_THREADS=1 set before the launcher imported torch, so numpy's BLAS started no
+        # threads in it: its fork server is a fork of it (the launcher's command line), not a fresh interpreter.
+        assert "OMP_NUM_THREADS=1 in each worker" in stderr, stderr[-3000:]
+        assert servers == [launcher_command], servers
     # The launcher hosts the rendezvous store and the store the workers' process group shares.
     assert len(listeners[launcher.pid]) >= 2, listeners
     exposed = {pid: [a for a in addresses if not _is_loopback(a)] for pid, addresses in listeners.items()}
@@ -98,6 +108,10 @@ def _decode_address(hex_address: str, family: int) -> str:
     raw = bytes.fromhex(host)
     raw = b"".join(raw[i : i + 4][::-1] for i in range(0, len(raw), 4))
     return f"{socket.inet_ntop(family, raw)}:{int(port, 16)}"
+
+
+def _command_line(pid: int) -> list[str]:
+    return Path(f"/proc/{pid}/cmdline").read_text().split("\0")[:-1]
 
 
 def _is_loopback(address: str) -> bool:
