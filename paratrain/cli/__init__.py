@@ -42,7 +42,7 @@ def _parser():
 
 
 def __getattr__(name: str):
-    # Lazy: the commands import torch, which main() must not import before it has read its command line.
+    # lazy, as in _parser()
     if name in ("build_parser", "parse_args"):
         return getattr(_parser(), name)
     raise AttributeError(f"module 'paratrain.cli' has no attribute {name!r}")

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import atexit
+import contextlib
 import logging
 import multiprocessing
 import multiprocessing.forkserver
@@ -33,7 +34,6 @@ import signal
 import sys
 import traceback
 from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
 
 import torch
 
@@ -72,10 +72,7 @@ def _start_server() -> None:
     multiprocessing.set_forkserver_preload(PRELOADED)
     with stop_signals_blocked():
         multiprocessing.resource_tracker.ensure_running()  # a fresh interpreter of its own, as multiprocessing has it
-        if not _single_threaded():
-            multiprocessing.forkserver.ensure_running()
-            return
-        with _server_forked_from_this_process():
+        with _server_forked_from_this_process() if _single_threaded() else contextlib.nullcontext():
             multiprocessing.forkserver.ensure_running()
 
 
@@ -87,7 +84,7 @@ def _single_threaded() -> bool:
         return False
 
 
-@contextmanager
+@contextlib.contextmanager
 def _server_forked_from_this_process() -> Iterator[None]:
     """multiprocessing starts its fork server with ``util.spawnv_passfds(python, [python, ..., "-c", PROGRAM],
     fds)``; meanwhile the same PROGRAM runs in a fork of this process instead, which keeps the same fds."""
@@ -153,7 +150,7 @@ def _stop_server() -> None:
         stop()
 
 
-@contextmanager
+@contextlib.contextmanager
 def stop_signals_blocked() -> Iterator[None]:
     """SIGTERM and SIGUSR1 held back while the fork server (and multiprocessing's resource tracker) start, so
     that they start with those signals blocked: a scheduler that signals every process of the job asks the
