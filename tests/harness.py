@@ -24,6 +24,7 @@ import yaml
 from safetensors.torch import load_file
 
 from paratrain.checkpoint.tensor_reader import TensorReader
+from tests import warm_python
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
@@ -71,12 +72,14 @@ def start_cli(
             unread pipe fills (64 KiB) and blocks the process's next write, stalling whatever waits on it.
             None: pipes, read by ``communicate()``.
         unset: Variables left out of its environment, as a user who never set them (e.g. OMP_NUM_THREADS).
+            The run then starts in a fresh interpreter, as the user's does; otherwise in a fork of the warm
+            one (tests/warm_python.py).
     """
     full_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
     full_env = {name: value for name, value in full_env.items() if name not in unset}
     with contextlib.ExitStack() as files:
         stream = files.enter_context(output.open("w")) if output is not None else subprocess.PIPE
-        return subprocess.Popen(
+        return (subprocess.Popen if unset else warm_python.WarmPopen)(
             [sys.executable, "-m", "paratrain.cli", *args],
             stdout=stream,
             stderr=subprocess.STDOUT if output is not None else subprocess.PIPE,
@@ -113,9 +116,10 @@ def worker_pids(launcher: int) -> list[int]:
 def run_cli(
     args: list[str], *, env: dict[str, str] | None = None, timeout: float = 240, cwd: Path | None = None
 ) -> subprocess.CompletedProcess:
-    """Runs ``python -m paratrain.cli ARGS`` and returns it finished, output captured."""
+    """Runs ``python -m paratrain.cli ARGS`` (in a fork of the warm interpreter, tests/warm_python.py) and
+    returns it finished, output captured."""
     full_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
-    return subprocess.run(
+    return warm_python.run(
         [sys.executable, "-m", "paratrain.cli", *args],
         capture_output=True,
         text=True,
@@ -163,8 +167,9 @@ def launch_workers(
 ) -> subprocess.CompletedProcess:
     """Runs ``python -m MODULE ARGS`` on nproc processes through paratrain's launcher, whose stores
     listen on loopback only (see tests/launch_workers.py), and returns it finished. ``env`` replaces the
-    environment (this one with ``OMP_NUM_THREADS=1`` otherwise); the launcher inherits ``pass_fds``."""
-    return subprocess.run(
+    environment (this one with ``OMP_NUM_THREADS=1`` otherwise) and starts a fresh interpreter, as a user's
+    would (a fork of the warm one otherwise, tests/warm_python.py); the launcher inherits ``pass_fds``."""
+    return (subprocess.run if env is not None else warm_python.run)(
         [sys.executable, "-m", "tests.launch_workers", str(nproc), module, *args],
         capture_output=True,
         text=True,

@@ -4,7 +4,8 @@ Most of the suite's time is processes starting (about 2 CPU-s each in torch's im
 counted in processes, not seconds: a count does not depend on how fast or how loaded the machine is, and a
 feature that adds launches fails here, naming its file, before it slows every later run. Every Python
 interpreter a test starts, however deep (the CLI, torchrun's agent, each worker, a fork server), counts itself
-through ``tests/launch_counter/sitecustomize.py``; a worker forked from a fork server starts no interpreter
+through ``tests/launch_counter/sitecustomize.py``, and so does a fork of the warm interpreter standing for one
+(``tests/warm_python.py``); a worker forked from a fork server starts no interpreter
 (``paratrain.launch.forked_workers``). A file over its budget fails the session, with the fix: share a
 launch (``tests/harness.LayoutRuns``, ``train_many_in_one_launch``, ``tests/distributed/rank_pool``) or
 raise its entry in ``LAUNCHES`` with the reason. The end of the session prints the slowest files.
@@ -19,6 +20,8 @@ import tempfile
 from pathlib import Path
 
 import pytest
+
+from tests import warm_python
 
 COUNTER = Path(__file__).resolve().parent / "launch_counter"
 LOG_ENV = "PARATRAIN_TEST_LAUNCH_LOG"
@@ -124,9 +127,11 @@ class SuiteBudget:
 
 
 def _cpu_seconds() -> float:
-    """User and system CPU of this process and of every process it started that has ended."""
+    """User and system CPU of this process and of every process it started that has ended, the warm
+    interpreter's forks included (tests/warm_python.py: its children, reaped there)."""
     own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
-    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
+    warm = warm_python.cpu_seconds_of_children
+    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime + warm
 
 
 def _log_of(path: str) -> Path:

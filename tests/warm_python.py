@@ -1,0 +1,335 @@
+"""``python -m MODULE ARGS`` for the suite's launches, forked from an interpreter that has imported torch and
+paratrain already, instead of a fresh one importing them again (about 2 CPU-s, and as long, per launch).
+
+The suite starts a CLI run or a launch a few hundred times; each fresh interpreter spent most of its life in
+imports every one of them repeats. ``WarmPopen`` is ``subprocess.Popen`` for ``[python, -m, MODULE, ...]``
+whose child is a fork of one long-lived server per pytest process (``python -m tests.warm_python``), which
+imported everything once. The child is set up as a fresh interpreter would be: its own stdin/stdout/stderr
+and passed files (no others), working directory, environment, default signal handlers, ``sys.argv`` and
+``sys.path[0]``, torch's thread count from ``OMP_NUM_THREADS``; then it runs MODULE as ``__main__``. Its pid is
+a real process's: tests signal it and read its children as before. The server reaps it and sends back its
+wait status and CPU time, which the suite's budget adds to the test's (``tests/suite_budget.py``).
+
+What a fresh interpreter is for stays fresh: runs in a user's own environment (``unset``, ``env`` replacing
+the environment) check what a user's interpreter does at start-up, and take ``fresh=True`` in the harness.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import fcntl
+import json
+import os
+import select
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+from pathlib import Path
+from typing import Any
+
+# What the children would otherwise import: the CLI and its training path, the launcher, and what forked
+# workers (paratrain.launch.forked_workers) preload. Not transformers: most runs never use it.
+PRELOAD = ("torch", "torch.distributed.checkpoint", "paratrain.cli", "paratrain.train", "paratrain.worker")
+_MAX_FDS = 16
+_HIGH_FDS = 1000  # passed files keep numbers below this
+# CPU-seconds of children reaped by the server, for this process's rusage-based accounting.
+cpu_seconds_of_children = 0.0
+_server: _Server | None = None
+_server_lock = threading.Lock()
+
+
+class WarmPopen(subprocess.Popen):
+    """``subprocess.Popen([sys.executable, "-m", MODULE, *args], ...)`` with the child forked from the warm
+    server. Takes Popen's arguments; the command must be of that form (a warm server runs Python modules)."""
+
+    def _execute_child(  # subprocess.Popen's own signature (POSIX)
+        self,
+        args,
+        executable,
+        preexec_fn,
+        close_fds,
+        pass_fds,
+        cwd,
+        env,
+        startupinfo,
+        creationflags,
+        shell,
+        p2cread,
+        p2cwrite,
+        c2pread,
+        c2pwrite,
+        errread,
+        errwrite,
+        *rest,
+    ) -> None:
+        module, module_args = _module_of(args)
+        given = (p2cread, c2pwrite, errwrite)
+        standard = [fd if fd != -1 else inherited for fd, inherited in zip(given, (0, 1, 2), strict=True)]
+        request = {
+            "module": module,
+            "argv": module_args,
+            "cwd": os.fspath(cwd) if cwd is not None else os.getcwd(),
+            "env": dict(os.environ if env is None else env),
+            "pass_fds": list(pass_fds),
+        }
+        self._connection = _server_connection()
+        _send(self._connection, request, [*standard, *pass_fds])
+        # The child's ends of pipes Popen made for it (as Popen closes them); a caller's own file stays open.
+        made = {p2cread: p2cwrite, c2pwrite: c2pread, errwrite: errread}
+        for fd in {fd for fd, other_end in made.items() if fd != -1 and other_end != -1}:
+            os.close(fd)
+        self.pid = json.loads(_read_line(self._connection))["pid"]
+        self._child_created = True
+
+    def _internal_poll(self, _deadstate=None, **_):
+        if self.returncode is None and _ready(self._connection, 0):
+            self._record_exit()
+        return self.returncode
+
+    def _wait(self, timeout):
+        if self.returncode is not None:
+            return self.returncode
+        if not _ready(self._connection, timeout):
+            raise subprocess.TimeoutExpired(self.args, timeout)
+        self._record_exit()
+        return self.returncode
+
+    def _record_exit(self) -> None:
+        global cpu_seconds_of_children
+        if self.returncode is not None:
+            return
+        line = _read_line(self._connection)
+        reply = json.loads(line) if line else {"status": 0x7F00, "cpu_s": 0.0}  # the server died: unknown
+        self._status = reply["status"]
+        cpu_seconds_of_children += reply["cpu_s"]
+        self._handle_exitstatus(self._status)
+        self._connection.close()
+
+
+def run(args: list[str], *, timeout: float | None = None, **popen_kwargs: Any) -> subprocess.CompletedProcess:
+    """``subprocess.run`` for a WarmPopen: output captured when ``capture_output``; killed past ``timeout``."""
+    if popen_kwargs.pop("capture_output", False):
+        popen_kwargs.update(stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    with WarmPopen(args, **popen_kwargs) as process:
+        try:
+            stdout, stderr = process.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+            raise
+    return subprocess.CompletedProcess(args, process.returncode, stdout, stderr)
+
+
+def _module_of(args: list[str]) -> tuple[str, list[str]]:
+    if len(args) < 3 or args[0] != sys.executable or args[1] != "-m":
+        raise ValueError(f"a warm server runs `{sys.executable} -m MODULE ...`, not {args}")
+    return args[2], list(args[3:])
+
+
+def _ready(connection: socket.socket, timeout: float | None) -> bool:
+    return bool(select.select([connection], [], [], timeout)[0])
+
+
+def _read_line(connection: socket.socket) -> str:
+    """One reply, read a byte at a time: nothing of the next is taken off the socket, whose readiness says
+    whether the child's exit came."""
+    line = bytearray()
+    while not line.endswith(b"\n"):
+        byte = connection.recv(1)
+        if not byte:
+            break
+        line += byte
+    return line.decode()
+
+
+def _send(connection: socket.socket, request: dict[str, Any], fds: list[int]) -> None:
+    socket.send_fds(connection, [json.dumps(request).encode() + b"\n"], fds)
+
+
+# The server ------------------------------------------------------------------------------------------------
+
+
+class _Server:
+    """The warm interpreter of this process, started on first use and stopped when this process exits."""
+
+    def __init__(self) -> None:
+        self.directory = tempfile.mkdtemp(prefix="paratrain-warm-")
+        self.address = os.path.join(self.directory, "server")
+        # Imports run single-threaded (numpy's BLAS would start a thread per core) so that forks are safe;
+        # and the server is no launch of the test that happens to start it.
+        env = {**os.environ, "OMP_NUM_THREADS": "1"}
+        env.pop("PARATRAIN_TEST_LAUNCH_LOG", None)
+        ready_r, ready_w = os.pipe()
+        # Its own output to a file of its own: started inside a test, it would otherwise write into, and hold
+        # open, that test's captured output. Its children get their files from each request.
+        self.log = os.path.join(self.directory, "server.log")
+        with open(self.log, "w") as log:
+            self.process = subprocess.Popen(
+                [sys.executable, "-m", "tests.warm_python", self.address, str(ready_w)],
+                pass_fds=(ready_w,),
+                env=env,
+                cwd=Path(__file__).resolve().parent.parent,
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+            )
+        os.close(ready_w)
+        with os.fdopen(ready_r) as ready:
+            if ready.read() != "ready":
+                code = self.process.wait()
+                raise RuntimeError(f"the warm server did not start ({code}):\n{Path(self.log).read_text()[-3000:]}")
+        atexit.register(self.stop)
+
+    def stop(self) -> None:
+        self.process.terminate()
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.process.wait(timeout=10)
+        shutil.rmtree(self.directory, ignore_errors=True)
+
+
+def _server_connection() -> socket.socket:
+    global _server
+    with _server_lock:
+        if _server is None or _server.process.poll() is not None:
+            _server = _Server()
+        connection = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        connection.connect(_server.address)
+        return connection
+
+
+def serve(address: str, ready_fd: int) -> None:
+    """The server's loop: one connection per child; a child's exit status goes back on its connection."""
+    import gc
+    import importlib
+
+    for module in PRELOAD:
+        importlib.import_module(module)
+    gc.freeze()  # the imports' objects: children then copy no page for the collector's sake
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(address)
+    listener.listen(64)
+    wake_r, wake_w = os.pipe()
+    os.set_blocking(wake_w, False)
+    signal.set_wakeup_fd(wake_w)
+    signal.signal(signal.SIGCHLD, lambda *_: None)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    os.write(ready_fd, b"ready")
+    os.close(ready_fd)
+    children: dict[int, socket.socket] = {}
+    while True:
+        with contextlib.suppress(InterruptedError):
+            readable = select.select([listener, wake_r], [], [])[0]
+        if listener in readable:
+            connection, _ = listener.accept()
+            pid = _fork_child(connection, keep_closed=[listener.fileno(), wake_r, wake_w])
+            connection.sendall(json.dumps({"pid": pid}).encode() + b"\n")
+            children[pid] = connection
+        if wake_r in readable:
+            os.read(wake_r, 4096)
+        _reap(children)
+
+
+def _reap(children: dict[int, socket.socket]) -> None:
+    while children:
+        try:
+            pid, status, usage = os.wait4(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            return
+        connection = children.pop(pid, None)
+        if connection is not None:
+            reply = {"status": status, "cpu_s": usage.ru_utime + usage.ru_stime}
+            with contextlib.suppress(OSError):
+                connection.sendall(json.dumps(reply).encode() + b"\n")
+            connection.close()
+
+
+def _fork_child(connection: socket.socket, keep_closed: list[int]) -> int:
+    message, fds, _, _ = socket.recv_fds(connection, 1 << 20, _MAX_FDS)
+    request = json.loads(message)
+    pid = os.fork()
+    if pid:
+        for fd in fds:
+            os.close(fd)
+        return pid
+    code = 1
+    try:
+        _become_fresh(request, fds)
+        code = _run_as_main(request["module"], request["argv"])
+    finally:
+        os._exit(code)
+
+
+def _become_fresh(request: dict[str, Any], fds: list[int]) -> None:
+    """What a fresh ``python -m`` would start with: its files, directory, environment and handlers."""
+    signal.set_wakeup_fd(-1)
+    for number in (signal.SIGCHLD, signal.SIGTERM):
+        signal.signal(number, signal.SIG_DFL)
+    targets = [0, 1, 2, *request["pass_fds"]]
+    # Above every target's number first, so that no dup2 below lands on a file still to be placed.
+    high = [fcntl.fcntl(fd, fcntl.F_DUPFD, _HIGH_FDS) for fd in fds]
+    for source, target in zip(high, targets, strict=True):
+        os.dup2(source, target)
+    _close_all_but(set(targets))
+    os.chdir(request["cwd"])
+    os.environ.clear()
+    os.environ.update(request["env"])
+    # `python -m` puts the working directory first, and PYTHONPATH's entries before the installed packages.
+    extra = [entry for entry in os.environ.get("PYTHONPATH", "").split(os.pathsep) if entry and entry not in sys.path]
+    sys.path[:1] = [request["cwd"], *extra]
+    threads = os.environ.get("OMP_NUM_THREADS", "")
+    import torch
+
+    torch.set_num_threads(int(threads) if threads.isdigit() and int(threads) > 0 else os.cpu_count() or 1)
+    log = os.environ.get("PARATRAIN_TEST_LAUNCH_LOG")
+    if log:  # counted as the interpreter it stands for (tests/launch_counter/sitecustomize.py)
+        with contextlib.suppress(OSError), open(log, "a") as file:
+            file.write(f"{os.getpid()} -m {request['module']} {' '.join(request['argv'][:1])} (warm)\n")
+
+
+def _close_all_but(keep: set[int]) -> None:
+    for name in os.listdir("/proc/self/fd"):
+        fd = int(name)
+        if fd not in keep:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+
+
+def _run_as_main(module: str, argv: list[str]) -> int:
+    import runpy
+    import traceback
+
+    sys.argv = [module, *argv]
+    try:
+        runpy.run_module(module, run_name="__main__", alter_sys=True)
+        code = 0
+    except SystemExit as stopped:
+        code = _exit_code(stopped.code)
+    except BaseException:  # noqa: BLE001 - printed as the interpreter would, then exit code 1
+        traceback.print_exc()
+        code = 1
+    with contextlib.suppress(Exception):
+        atexit._run_exitfuncs()  # noqa: SLF001 - what the interpreter runs at exit (multiprocessing's clean-up)
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    return code
+
+
+def _exit_code(code: Any) -> int:
+    if code is None:
+        return 0
+    if isinstance(code, int):
+        return code & 0xFF
+    print(code, file=sys.stderr)
+    return 1
+
+
+if __name__ == "__main__":
+    serve(sys.argv[1], int(sys.argv[2]))
