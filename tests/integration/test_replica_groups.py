@@ -246,6 +246,8 @@ def test_under_a_fixed_batch_losing_one_group_then_two_at_once_trains_exactly_as
         },
     )
     assert groups[2].process.wait(timeout=400) != 0, "group 2 was to be killed after step 5"
+    # Back only once the two have taken a step without it: a restart can take less than their step.
+    wait_for_step(tmp_path / "ft/replica-group-0", first_kill + 1, groups[:2])
     alone = f"slow_step:{double_kill + 1}-{steps},wait_for_groups:26"
     groups[2] = start_group(config, 2, groups=3, env={"PARATRAIN_FAULT": alone})
     logs = finish(groups)
@@ -360,11 +362,22 @@ def wait_for_step(output_dir: Path, step: int, groups: list[Group]) -> None:
         time.sleep(0.1)
 
 
+def wait_for_output(group: Group, text: str, groups: list[Group]) -> None:
+    """Returns once ``group`` printed ``text`` (bounded; every group must still be running)."""
+    deadline = time.monotonic() + 400
+    while text not in group.log.read_text():
+        for index, other in enumerate(groups):
+            code = other.process.poll()
+            assert code is None, f"group {index} ended ({code}) before {text!r}:\n{other.log.read_text()[-4000:]}"
+        assert time.monotonic() < deadline, f"{text!r} not printed"
+        time.sleep(0.1)
+
+
 def test_groups_ride_out_a_restarted_lighthouse_stop_with_75_when_it_stays_away_and_resume_with_nothing_lost(
     tmp_path,
 ):
-    """The lighthouse is killed after step 5 and started again at once: the groups' quorum request fails
-    (after quorum_timeout_s), they ask again and carry on. Killed again after step 15 and left dead: past
+    """The lighthouse is killed after step 5 and started again once the groups' quorum request failed (after
+    quorum_timeout_s): they ask again and carry on. Killed again after step 15 and left dead: past
     lighthouse_wait_s both groups stop with exit code 75. A new lighthouse, the same commands again: they
     resume from their checkpoints and end where an undisturbed run ends, every logged loss equal to it."""
     steps, port = 30, free_loopback_port()
@@ -382,6 +395,9 @@ def test_groups_ride_out_a_restarted_lighthouse_stop_with_75_when_it_stays_away_
     # new one started at once could be taken for running on the old one's answer, leaving none (the likely
     # cause of a CI run in which a group stopped, exit 75, before step 15).
     server.wait(timeout=30)
+    # Back once both groups found it gone: a lighthouse back sooner (a fast restart) is never missed at all.
+    for group in groups:
+        wait_for_output(group, "no quorum for step", groups)
     server = start_lighthouse(port, tmp_path / "lighthouse-2.log", heartbeat_timeout_s=STEADY_HEARTBEAT_TIMEOUT_S)
     wait_for_step(group_0, 15, groups)
     server.kill()
@@ -426,6 +442,7 @@ def test_a_group_killed_while_it_heals_costs_the_live_group_a_retaken_step_and_h
     dies = {"PARATRAIN_FAULT": f"{together(2, steps)},after_step:5"}
     groups = start_groups(config, env={0: alone, 1: dies})
     assert groups[1].process.wait(timeout=400) != 0, "group 1 was to be killed after step 5"
+    wait_for_step(tmp_path / "ft/replica-group-0", 6, groups[:1])  # group 0 steps alone before group 1 is back
     dies_healing = {"PARATRAIN_FAULT": f"mid_heal:6-{steps},{together(2, steps)}"}
     groups[1] = start_group(config, 1, extra=["--max-restarts", "1"], env=dies_healing)
     healthy_log, healed_log = finish(groups)
