@@ -7,6 +7,7 @@ launch, on CPU with gloo.
 from __future__ import annotations
 
 import contextlib
+import gc
 import io
 import json
 import os
@@ -143,6 +144,16 @@ def run_cli_in_process(args: list[str]) -> tuple[int, str]:
     finally:
         sys.path[:] = saved_path  # main puts the working directory first, as `python -m` does
     return code, stderr.getvalue()
+
+
+def train_in_this_process(config: Any) -> Any:
+    """``paratrain.train.run(config)`` in the test process; what the run imported (dynamo for compile, a
+    model's modules) then leaves the garbage collector's reach, so later runs' collections skip it."""
+    from paratrain.train import run  # lazy: most tests of the harness train in launched processes
+
+    result = run(config)
+    gc.freeze()
+    return result
 
 
 def train(

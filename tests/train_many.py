@@ -20,6 +20,8 @@ def main(runs_file: str) -> None:
     configure_logging(dist.get_rank())
     for config_path, overrides in json.loads(open(runs_file).read()):
         run(load_config(config_path, overrides))
+        # What the run imported (dynamo, transformers' model modules) is walked by no later run's collections.
+        freeze_imported_objects()
     dist.destroy_process_group()
 
 

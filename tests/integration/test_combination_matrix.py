@@ -25,8 +25,7 @@ import pytest
 from paratrain.checks.preflight import preflight
 from paratrain.config.loading import load_config
 from paratrain.errors import ConfigError
-from paratrain.train import run as train_in_this_process
-from tests.harness import read_metrics, tiny_config, train_many_in_one_launch, write_config
+from tests.harness import read_metrics, tiny_config, train_in_this_process, train_many_in_one_launch, write_config
 from tests.parity.test_resume_matrix import LAYOUTS as RESUME_LAYOUTS
 
 STEPS = 3

@@ -19,13 +19,13 @@ import pytest
 import torch
 
 from paratrain.config.loading import load_config
-from paratrain.train import run as train_in_this_process
 from tests.harness import (
     checkpoint_weights,
     losses_by_step,
     max_relative_difference,
     tiny_config,
     train,
+    train_in_this_process,
     train_many_in_one_launch,
     write_config,
 )
