@@ -3,27 +3,26 @@ paratrain already, instead of a fresh one importing them again (about 2 CPU-s, a
 
 The suite starts a CLI run or a launch a few hundred times; each fresh interpreter spent most of its life in
 imports every one of them repeats. ``WarmPopen`` is ``subprocess.Popen`` for ``[python, -m, MODULE, ...]``
-whose child is a fork of one long-lived server per pytest process (``python -m tests.warm_python``), which
+whose child is a fork of one long-lived server per pytest process (``tests/warm_python_server.py``), which
 imported everything once. The child is set up as a fresh interpreter would be: its own stdin/stdout/stderr
 and passed files (no others), working directory, environment, default signal handlers, ``sys.argv`` and
 ``sys.path[0]``, torch's thread count from ``OMP_NUM_THREADS``; then it runs MODULE as ``__main__``. Its pid is
 a real process's: tests signal it and read its children as before. The server reaps it and sends back its
 wait status and CPU time, which the suite's budget adds to the test's (``tests/suite_budget.py``).
 
-What a fresh interpreter is for stays fresh: runs in a user's own environment (``unset``, ``env`` replacing
-the environment) check what a user's interpreter does at start-up, and take ``fresh=True`` in the harness.
+What a fresh interpreter is for stays fresh: the harness starts one for a run in a user's own environment
+(``start_cli(unset=...)``, ``launch_workers(env=...)``), which checks what a user's interpreter does at
+start-up; the docs' commands run as typed, in fresh interpreters too.
 """
 
 from __future__ import annotations
 
 import atexit
 import contextlib
-import fcntl
 import json
 import os
 import select
 import shutil
-import signal
 import socket
 import subprocess
 import sys
@@ -32,11 +31,6 @@ import threading
 from pathlib import Path
 from typing import Any
 
-# What the children would otherwise import: the CLI and its training path, the launcher, and what forked
-# workers (paratrain.launch.forked_workers) preload. Not transformers: most runs never use it.
-PRELOAD = ("torch", "torch.distributed.checkpoint", "paratrain.cli", "paratrain.train", "paratrain.worker")
-_MAX_FDS = 16
-_HIGH_FDS = 1000  # passed files keep numbers below this
 # CPU-seconds of children reaped by the server, for this process's rusage-based accounting.
 cpu_seconds_of_children = 0.0
 _server: _Server | None = None
@@ -151,9 +145,6 @@ def _send(connection: socket.socket, request: dict[str, Any], fds: list[int]) ->
     socket.send_fds(connection, [json.dumps(request).encode() + b"\n"], fds)
 
 
-# The server ------------------------------------------------------------------------------------------------
-
-
 class _Server:
     """The warm interpreter of this process, started on first use and stopped when this process exits."""
 
@@ -170,7 +161,7 @@ class _Server:
         self.log = os.path.join(self.directory, "server.log")
         with open(self.log, "w") as log:
             self.process = subprocess.Popen(
-                [sys.executable, "-m", "tests.warm_python", self.address, str(ready_w)],
+                [sys.executable, "-m", "tests.warm_python_server", self.address, str(ready_w)],
                 pass_fds=(ready_w,),
                 env=env,
                 cwd=Path(__file__).resolve().parent.parent,
@@ -200,136 +191,3 @@ def _server_connection() -> socket.socket:
         connection = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         connection.connect(_server.address)
         return connection
-
-
-def serve(address: str, ready_fd: int) -> None:
-    """The server's loop: one connection per child; a child's exit status goes back on its connection."""
-    import gc
-    import importlib
-
-    for module in PRELOAD:
-        importlib.import_module(module)
-    gc.freeze()  # the imports' objects: children then copy no page for the collector's sake
-    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    listener.bind(address)
-    listener.listen(64)
-    wake_r, wake_w = os.pipe()
-    os.set_blocking(wake_w, False)
-    signal.set_wakeup_fd(wake_w)
-    signal.signal(signal.SIGCHLD, lambda *_: None)
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
-    os.write(ready_fd, b"ready")
-    os.close(ready_fd)
-    children: dict[int, socket.socket] = {}
-    while True:
-        with contextlib.suppress(InterruptedError):
-            readable = select.select([listener, wake_r], [], [])[0]
-        if listener in readable:
-            connection, _ = listener.accept()
-            pid = _fork_child(connection, keep_closed=[listener.fileno(), wake_r, wake_w])
-            connection.sendall(json.dumps({"pid": pid}).encode() + b"\n")
-            children[pid] = connection
-        if wake_r in readable:
-            os.read(wake_r, 4096)
-        _reap(children)
-
-
-def _reap(children: dict[int, socket.socket]) -> None:
-    while children:
-        try:
-            pid, status, usage = os.wait4(-1, os.WNOHANG)
-        except ChildProcessError:
-            return
-        if pid == 0:
-            return
-        connection = children.pop(pid, None)
-        if connection is not None:
-            reply = {"status": status, "cpu_s": usage.ru_utime + usage.ru_stime}
-            with contextlib.suppress(OSError):
-                connection.sendall(json.dumps(reply).encode() + b"\n")
-            connection.close()
-
-
-def _fork_child(connection: socket.socket, keep_closed: list[int]) -> int:
-    message, fds, _, _ = socket.recv_fds(connection, 1 << 20, _MAX_FDS)
-    request = json.loads(message)
-    pid = os.fork()
-    if pid:
-        for fd in fds:
-            os.close(fd)
-        return pid
-    code = 1
-    try:
-        _become_fresh(request, fds)
-        code = _run_as_main(request["module"], request["argv"])
-    finally:
-        os._exit(code)
-
-
-def _become_fresh(request: dict[str, Any], fds: list[int]) -> None:
-    """What a fresh ``python -m`` would start with: its files, directory, environment and handlers."""
-    signal.set_wakeup_fd(-1)
-    for number in (signal.SIGCHLD, signal.SIGTERM):
-        signal.signal(number, signal.SIG_DFL)
-    targets = [0, 1, 2, *request["pass_fds"]]
-    # Above every target's number first, so that no dup2 below lands on a file still to be placed.
-    high = [fcntl.fcntl(fd, fcntl.F_DUPFD, _HIGH_FDS) for fd in fds]
-    for source, target in zip(high, targets, strict=True):
-        os.dup2(source, target)
-    _close_all_but(set(targets))
-    os.chdir(request["cwd"])
-    os.environ.clear()
-    os.environ.update(request["env"])
-    # `python -m` puts the working directory first, and PYTHONPATH's entries before the installed packages.
-    extra = [entry for entry in os.environ.get("PYTHONPATH", "").split(os.pathsep) if entry and entry not in sys.path]
-    sys.path[:1] = [request["cwd"], *extra]
-    threads = os.environ.get("OMP_NUM_THREADS", "")
-    import torch
-
-    torch.set_num_threads(int(threads) if threads.isdigit() and int(threads) > 0 else os.cpu_count() or 1)
-    log = os.environ.get("PARATRAIN_TEST_LAUNCH_LOG")
-    if log:  # counted as the interpreter it stands for (tests/launch_counter/sitecustomize.py)
-        with contextlib.suppress(OSError), open(log, "a") as file:
-            file.write(f"{os.getpid()} -m {request['module']} {' '.join(request['argv'][:1])} (warm)\n")
-
-
-def _close_all_but(keep: set[int]) -> None:
-    for name in os.listdir("/proc/self/fd"):
-        fd = int(name)
-        if fd not in keep:
-            with contextlib.suppress(OSError):
-                os.close(fd)
-
-
-def _run_as_main(module: str, argv: list[str]) -> int:
-    import runpy
-    import traceback
-
-    sys.argv = [module, *argv]
-    try:
-        runpy.run_module(module, run_name="__main__", alter_sys=True)
-        code = 0
-    except SystemExit as stopped:
-        code = _exit_code(stopped.code)
-    except BaseException:  # noqa: BLE001 - printed as the interpreter would, then exit code 1
-        traceback.print_exc()
-        code = 1
-    with contextlib.suppress(Exception):
-        atexit._run_exitfuncs()  # noqa: SLF001 - what the interpreter runs at exit (multiprocessing's clean-up)
-    for stream in (sys.stdout, sys.stderr):
-        with contextlib.suppress(Exception):
-            stream.flush()
-    return code
-
-
-def _exit_code(code: Any) -> int:
-    if code is None:
-        return 0
-    if isinstance(code, int):
-        return code & 0xFF
-    print(code, file=sys.stderr)
-    return 1
-
-
-if __name__ == "__main__":
-    serve(sys.argv[1], int(sys.argv[2]))
