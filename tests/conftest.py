@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import gc
 
+import torch
+
 from tests import suite_budget
 
 
@@ -40,6 +42,10 @@ SLOW_FILES = (
 
 def pytest_configure(config) -> None:
     suite_budget.configure(config)
+    # Two pytest-xdist workers share the cores with the processes they start: an in-process run on torch's
+    # default (a thread per core) oversubscribes them. One thread, as each launched worker has
+    # (OMP_NUM_THREADS=1: the harness's setting, and torchrun's default for several workers).
+    torch.set_num_threads(1)
 
 
 def pytest_collection_modifyitems(config, items) -> None:
