@@ -81,7 +81,12 @@ class WarmPopen(subprocess.Popen):
         self._child_created = True
 
     def _internal_poll(self, _deadstate=None, **_):
-        if self.returncode is None and _ready(self._connection, 0):
+        if self.returncode is None and self._connection.fileno() == -1:
+            # Dropped while its child ran (subprocess's _cleanup polls it later): its connection, closed with
+            # it, can tell nothing more. As Popen does for a child it cannot wait for.
+            if _deadstate is not None:
+                self.returncode = _deadstate
+        elif self.returncode is None and _ready(self._connection, 0):
             self._record_exit()
         return self.returncode
 

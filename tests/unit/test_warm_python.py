@@ -3,6 +3,7 @@ suite's launches go through them, so a difference here would be one between the 
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import signal
@@ -70,3 +71,18 @@ def test_a_passed_file_keeps_its_number_and_a_killed_child_reports_the_signal(tm
 def test_only_python_m_commands_are_taken():
     with pytest.raises(ValueError, match="-m MODULE"):
         warm_python.WarmPopen(["echo", "hello"])
+
+
+def test_a_running_process_dropped_in_a_reference_cycle_leaves_later_popens_working(tmp_path):
+    """A failed test's traceback holds its processes in cycles: the collector then finalizes the process (which
+    subprocess keeps, to poll later) and its connection (closed) together. Every later Popen polls it first."""
+    (tmp_path / "sleeper.py").write_text("import time\ntime.sleep(600)\n")
+    process = warm_python.WarmPopen([sys.executable, "-m", "sleeper"], cwd=tmp_path)
+    pid = process.pid
+    process.cycle = process
+    del process
+    gc.collect()
+    try:
+        assert subprocess.run(["true"]).returncode == 0
+    finally:
+        os.kill(pid, signal.SIGKILL)
