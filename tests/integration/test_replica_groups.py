@@ -362,22 +362,11 @@ def wait_for_step(output_dir: Path, step: int, groups: list[Group]) -> None:
         time.sleep(0.1)
 
 
-def wait_for_output(group: Group, text: str, groups: list[Group]) -> None:
-    """Returns once ``group`` printed ``text`` (bounded; every group must still be running)."""
-    deadline = time.monotonic() + 400
-    while text not in group.log.read_text():
-        for index, other in enumerate(groups):
-            code = other.process.poll()
-            assert code is None, f"group {index} ended ({code}) before {text!r}:\n{other.log.read_text()[-4000:]}"
-        assert time.monotonic() < deadline, f"{text!r} not printed"
-        time.sleep(0.1)
-
-
 def test_groups_ride_out_a_restarted_lighthouse_stop_with_75_when_it_stays_away_and_resume_with_nothing_lost(
     tmp_path,
 ):
-    """The lighthouse is killed after step 5 and started again once the groups' quorum request failed (after
-    quorum_timeout_s): they ask again and carry on. Killed again after step 15 and left dead: past
+    """The lighthouse is killed after step 5 and started again at once: the groups carry on (where their
+    quorum request failed meanwhile, after quorum_timeout_s, they ask again). Killed again after step 15 and left dead: past
     lighthouse_wait_s both groups stop with exit code 75. A new lighthouse, the same commands again: they
     resume from their checkpoints and end where an undisturbed run ends, every logged loss equal to it."""
     steps, port = 30, free_loopback_port()
@@ -395,9 +384,6 @@ def test_groups_ride_out_a_restarted_lighthouse_stop_with_75_when_it_stays_away_
     # new one started at once could be taken for running on the old one's answer, leaving none (the likely
     # cause of a CI run in which a group stopped, exit 75, before step 15).
     server.wait(timeout=30)
-    # Back once both groups found it gone: a lighthouse back sooner (a fast restart) is never missed at all.
-    for group in groups:
-        wait_for_output(group, "no quorum for step", groups)
     server = start_lighthouse(port, tmp_path / "lighthouse-2.log", heartbeat_timeout_s=STEADY_HEARTBEAT_TIMEOUT_S)
     wait_for_step(group_0, 15, groups)
     server.kill()
@@ -406,7 +392,10 @@ def test_groups_ride_out_a_restarted_lighthouse_stop_with_75_when_it_stays_away_
     logs = [group.log.read_text() for group in groups]
     assert stopped == [75, 75], logs[0][-3000:]
     for log in logs:
-        assert "no quorum for step" in log and "formed again after" in log  # the first outage, ridden out
+        # The first outage, ridden out: unseen where the new lighthouse answered the groups' pending request,
+        # or seen and asked again. Either way both groups trained on to step 15 together.
+        first_outage = log.split("step 15/", 1)[0]
+        assert "no quorum for step" not in first_outage or "formed again after" in first_outage
         assert f"the lighthouse at http://127.0.0.1:{port} does not answer" in log and "exit code 75" in log
     server = start_lighthouse(port, tmp_path / "lighthouse-3.log", heartbeat_timeout_s=STEADY_HEARTBEAT_TIMEOUT_S)
     try:
