@@ -104,9 +104,8 @@ class WarmPopen(subprocess.Popen):
             return
         line = _read_line(self._connection)
         reply = json.loads(line) if line else {"status": 0x7F00, "cpu_s": 0.0}  # the server died: unknown
-        self._status = reply["status"]
         cpu_seconds_of_children += reply["cpu_s"]
-        self._handle_exitstatus(self._status)
+        self._handle_exitstatus(reply["status"])
         self._connection.close()
 
 

@@ -22,6 +22,8 @@ from typing import Any
 
 import torch
 
+from paratrain.launch.forked_workers import drop_inherited_state
+
 # What the children would otherwise import: the CLI and its training path, the launcher, and what forked
 # workers (paratrain.launch.forked_workers) preload. Not transformers: most runs never use it.
 PRELOAD = ("torch", "torch.distributed.checkpoint", "paratrain.cli", "paratrain.train", "paratrain.worker")
@@ -100,39 +102,24 @@ def _fork_child(connection: socket.socket) -> int:
 def _become_fresh(request: dict[str, Any], fds: list[int]) -> None:
     """What a fresh ``python -m`` would start with: its files, directory, environment and handlers."""
     signal.set_wakeup_fd(-1)
-    for number in (signal.SIGCHLD, signal.SIGTERM):
-        signal.signal(number, signal.SIG_DFL)
     targets = [0, 1, 2, *request["pass_fds"]]
     # Above every target's number first, so that no dup2 below lands on a file still to be placed.
     high = [fcntl.fcntl(fd, fcntl.F_DUPFD, HIGH_FDS) for fd in fds]
     for source, target in zip(high, targets, strict=True):
         os.dup2(source, target)
-    _close_all_but(set(targets))
     os.chdir(request["cwd"])
     os.environ.clear()
     os.environ.update(request["env"])
     # `python -m` puts the working directory first, and PYTHONPATH's entries before the installed packages.
     extra = [entry for entry in os.environ.get("PYTHONPATH", "").split(os.pathsep) if entry and entry not in sys.path]
     sys.path[:1] = [request["cwd"], *extra]
-    _set_torch_threads(os.environ.get("OMP_NUM_THREADS", ""))
+    drop_inherited_state(keep_fds=targets)  # files, handlers, OMP_NUM_THREADS where set: as a forked worker's
+    if not os.environ.get("OMP_NUM_THREADS", "").isdigit():  # torch's own default, not the server's one thread
+        torch.set_num_threads(os.cpu_count() or 1)
     log = os.environ.get("PARATRAIN_TEST_LAUNCH_LOG")
     if log:  # counted as the interpreter it stands for (tests/launch_counter/sitecustomize.py)
         with contextlib.suppress(OSError), open(log, "a") as file:
             file.write(f"{os.getpid()} -m {request['module']} {' '.join(request['argv'][:1])} (warm)\n")
-
-
-def _set_torch_threads(omp_num_threads: str) -> None:
-    """What torch would have read from OMP_NUM_THREADS at import: its value, or one thread per CPU."""
-    given = int(omp_num_threads) if omp_num_threads.isdigit() else 0
-    torch.set_num_threads(given if given > 0 else os.cpu_count() or 1)
-
-
-def _close_all_but(keep: set[int]) -> None:
-    for name in os.listdir("/proc/self/fd"):
-        fd = int(name)
-        if fd not in keep:
-            with contextlib.suppress(OSError):
-                os.close(fd)
 
 
 def _run_as_main(module: str, argv: list[str]) -> int:

@@ -111,7 +111,7 @@ def _fork_running(program: str, *, keep_fds: Sequence[int]) -> int:
         return pid
     code = 1
     try:
-        _drop_the_launchers_state(keep_fds=keep_fds)
+        drop_inherited_state(keep_fds=keep_fds)
         exec(program, {"__name__": "__main__"})  # noqa: S102 - multiprocessing's own fork server program
         code = 0
     except SystemExit as stopped:  # the server's end, once the launcher has gone or stopped it
@@ -122,11 +122,11 @@ def _fork_running(program: str, *, keep_fds: Sequence[int]) -> int:
         os._exit(code)  # never back into the launcher's code
 
 
-def _drop_the_launchers_state(*, keep_fds: Sequence[int]) -> None:
-    """What a fresh interpreter would not have: the launcher's files (its run lock: the workers must not hold it
-    past the launcher), its signal handlers (a worker's SIGTERM is the worker's, not the launcher's), torch's
-    thread count read before torchrun set ``OMP_NUM_THREADS``, and multiprocessing's fork-server lock, copied
-    held."""
+def drop_inherited_state(*, keep_fds: Sequence[int]) -> None:
+    """In a fork, what a fresh interpreter would not have: the parent's files (the launcher's run lock: the
+    workers must not hold it past the launcher), its signal handlers (a worker's SIGTERM is the worker's, not
+    the launcher's), torch's thread count read before ``OMP_NUM_THREADS`` was set, and multiprocessing's
+    fork-server lock, copied held. Also what the suite's warm interpreter gives each child (tests/)."""
     low = 3
     for fd in sorted({fd for fd in keep_fds if fd >= 3}):
         os.closerange(low, fd)
