@@ -39,7 +39,11 @@ from paratrain.launch.lighthouse import import_torchft
 from paratrain.launch.preemption import announce_stop
 from paratrain.launch.quorum import join_quorum
 from paratrain.launch.stuck_vote import StuckVoteWatch
-from paratrain.launch.torchft_adapters import remembering_quorum_members, weights_only_transport
+from paratrain.launch.torchft_adapters import (
+    recording_quorum_steps,
+    remembering_quorum_members,
+    weights_only_transport,
+)
 from paratrain.parallel.dims import ParallelDims
 from paratrain.tensors import local_part
 
@@ -359,6 +363,7 @@ def build_replica_group_sync(
     faults.maybe_late_on_restart("late_manager_on_restart", rank=rank)
     with manager_address_published(rank):
         manager = _new_manager(torchft, options, pg=pg, load_state_dict=load_and_mark, state_dict=state_dict)
+    recording_quorum_steps(manager, pg)
     sync = ReplicaGroupSync(
         manager,
         options=options,

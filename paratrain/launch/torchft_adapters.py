@@ -1,5 +1,6 @@
 """torchft's parts as paratrain's replica groups need them (``launch/replica_groups.py``): a process group that
-remembers which groups its quorum holds, and a checkpoint transport that never unpickles a peer's bytes."""
+remembers which groups its quorum holds and rendezvous under a prefix no earlier quorum used, and a checkpoint
+transport that never unpickles a peer's bytes."""
 
 from __future__ import annotations
 
@@ -13,10 +14,16 @@ from paratrain.launch import faults
 def remembering_quorum_members(base: type) -> type:
     """torchft's process group ``base`` that remembers which replica groups the quorum it was last configured
     for holds. torchft reconfigures it whenever the quorum changes, with each member's global rank
-    (``group id x group world size + group rank``, the id read off ``replica_id``'s trailing digits)."""
+    (``group id x group world size + group rank``, the id read off ``replica_id``'s trailing digits).
+
+    Its rendezvous prefix also names the quorum's agreed step (``quorum_step``, set by
+    ``recording_quorum_steps``): torchft names it by quorum id alone, and a restarted lighthouse counts ids
+    from 1 again. A reused prefix in the primary's store still holds the dead quorum's addresses, and gloo
+    connected to ports long closed, at every retry while the ids repeated, until the groups stopped with 75."""
 
     class QuorumMembers(base):
         quorum_members: tuple[int, ...] = ()
+        quorum_step: int | None = None
         configured = False
 
         def configure(
@@ -36,10 +43,38 @@ def remembering_quorum_members(base: type) -> type:
                 self.configured = True
                 faults.maybe_fail("fail_first_configure", rank=group_rank or 0)
             super().configure(
-                store_addr, replica_id, rank, world_size, quorum_id, group_rank, group_world_size, global_ranks
+                f"{store_addr}/step-{self.quorum_step}",
+                replica_id,
+                rank,
+                world_size,
+                quorum_id,
+                group_rank,
+                group_world_size,
+                global_ranks,
             )
 
     return QuorumMembers
+
+
+def recording_quorum_steps(manager: Any, process_group: Any) -> None:
+    """Has ``manager`` note each quorum's agreed step (its members' newest) on ``process_group`` before it
+    configures it: the step tells a restarted lighthouse's quorum from its predecessor's of the same id, as a
+    step is only taken under a quorum. torchft passes configure the id but not the step, so the manager's
+    client is wrapped where it returns the quorum."""
+
+    class QuorumStepRecorder:
+        def __init__(self, client: Any) -> None:
+            self._client = client
+
+        def _quorum(self, *args: Any, **kwargs: Any) -> Any:
+            quorum = self._client._quorum(*args, **kwargs)
+            process_group.quorum_step = quorum.max_step
+            return quorum
+
+        def __getattr__(self, name: str) -> Any:
+            return getattr(self._client, name)
+
+    manager._client = QuorumStepRecorder(manager._client)
 
 
 def weights_only_transport(timeout: timedelta) -> Any:
