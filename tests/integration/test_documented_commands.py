@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from tests import suite_budget
+from tests import suite_budget, warm_python
 from tests.harness import REPO_ROOT, in_private_network, private_network_unavailable
 from tests.integration.documented_commands import COMMANDS, Elsewhere, Run, argv_of, commands_in_docs
 
@@ -65,6 +65,13 @@ def test_documented_command_runs_as_written(recipe, tmp_path):
     run_recipe(recipe, tmp_path)
 
 
+# The docs' first recipe starts each command as the user's shell does: the console script in a new
+# interpreter, importing everything cold. The others' `paratrain ...` and `python -m ...` commands run in a
+# fork of the suite's warm interpreter (tests/warm_python.py): the same argv, directory and environment,
+# without importing torch again (two CPU-seconds a command, most of a scaled-down command's cost).
+STARTED_COLD = list(RECIPES)[0]
+
+
 def run_recipe(recipe: str, tmp_path: Path) -> None:
     """The recipe's commands in order, as written plus their scale-downs, in a copy of examples/."""
     shutil.copytree(REPO_ROOT / "examples", tmp_path / "examples")  # the docs' paths are relative to the repo
@@ -76,12 +83,26 @@ def run_recipe(recipe: str, tmp_path: Path) -> None:
             if reason := private_network_unavailable():
                 pytest.skip(reason)
             argv = in_private_network(argv)
-        done = subprocess.run(argv, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+        warm = None if recipe == STARTED_COLD else in_warm_interpreter(argv)
+        if warm:
+            done = warm_python.run(warm, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+        else:
+            done = subprocess.run(argv, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
         output = done.stdout + done.stderr
         assert done.returncode == 0, f"{command!r} exited {done.returncode}:\n{output[-4000:]}"
         assert entry.output is None or entry.output in output, (
             f"{entry.output!r} not in the output of {command!r}:\n{output[-4000:]}"
         )
+
+
+def in_warm_interpreter(argv: list[str]) -> list[str] | None:
+    """``paratrain ARGS`` (the console script runs ``paratrain.cli``'s main) or ``python -m MODULE ARGS`` as
+    the warm interpreter takes them; None for any other command (torchrun, ``python -c``), run as written."""
+    if argv[0] == "paratrain":
+        return [sys.executable, "-m", "paratrain.cli", *argv[1:]]
+    if argv[:2] == ["python", "-m"]:
+        return [sys.executable, *argv[1:]]
+    return None
 
 
 def users_environment() -> dict[str, str]:
