@@ -23,9 +23,9 @@ FLOOR_TESTS := tests/parity/test_hf_matches_single.py tests/unit/test_hf_models.
 	tests/unit/test_chat_data.py tests/parity/test_lora.py tests/unit/test_float8.py tests/unit/test_hf_experts.py
 
 # Test files run on this many pytest-xdist workers, each file whole on one worker (its module-scoped
-# launches, e.g. tests/harness.LayoutRuns, run once). Most of a test's time is one process starting or
-# several waiting on each other, which leaves a second core idle; more workers than cores only queue.
-TEST_WORKERS ?= 2
+# launches, e.g. tests/harness.LayoutRuns, run once): one per core of this 2-core machine, and one more
+# that runs only the files that mostly wait (tests/scheduling.py). More workers than that only queue.
+TEST_WORKERS ?= 3
 
 .PHONY: demo test test-fast test-floor docs
 

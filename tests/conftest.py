@@ -48,6 +48,15 @@ def pytest_configure(config) -> None:
     torch.set_num_threads(1)
 
 
+def pytest_xdist_make_scheduler(config, log):
+    """``--dist loadfile`` with a lane for the files that mostly wait (tests/scheduling.py)."""
+    if config.getoption("dist") == "loadfile":
+        from tests.scheduling import WaitingLaneScheduling  # the hook runs only where xdist is installed
+
+        return WaitingLaneScheduling(config, log)
+    return None
+
+
 def pytest_collection_modifyitems(config, items) -> None:
     for item in items:
         if item.nodeid.split("::")[0] in SLOW_FILES:

@@ -11,6 +11,7 @@ import gc
 import io
 import json
 import os
+import random
 import re
 import shutil
 import socket
@@ -61,6 +62,22 @@ def free_loopback_port() -> int:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         return probe.getsockname()[1]
+
+
+def restartable_loopback_port() -> int:
+    """A free loopback port below the kernel's ephemeral range (``net.ipv4.ip_local_port_range``), for a
+    server a test kills and starts again there. The kernel hands a port of that range to any connection or
+    port-0 listener, so a port from ``free_loopback_port`` can be taken while its server is down (another
+    test's listener took a killed lighthouse's, and the new one failed: address in use); none below it."""
+    low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    for port in random.Random().sample(range(low // 2, low), 100):
+        with socket.socket() as probe:
+            try:
+                probe.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"no free loopback port in {low // 2}-{low - 1}")
 
 
 def start_cli(

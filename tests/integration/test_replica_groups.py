@@ -10,7 +10,6 @@ losses and ends with the weights of one process training the same global batch u
 
 from __future__ import annotations
 
-import socket
 import subprocess
 import time
 from dataclasses import dataclass
@@ -26,6 +25,7 @@ from tests.harness import (
     max_relative_difference,
     max_weight_difference,
     read_metrics,
+    restartable_loopback_port,
     start_cli,
     tiny_config,
     train,
@@ -57,26 +57,21 @@ STEADY_HEARTBEAT_TIMEOUT_S = 60.0
 
 
 def start_lighthouse(port: int, log: Path, *, heartbeat_timeout_s: float) -> subprocess.Popen:
-    """A lighthouse on loopback ``port``, once it answers. It forgets a group silent for ``heartbeat_timeout_s``.
-    A port just freed by a killed lighthouse may still be taken for a moment: the start is tried again, for up
-    to 60 s."""
+    """A lighthouse on loopback ``port``, once it says it serves there (an answer on the port could be another
+    process's). It forgets a group silent for ``heartbeat_timeout_s``. A port just freed by a killed lighthouse
+    may still be taken for a moment: the start is tried again, for up to 60 s."""
     deadline = time.monotonic() + 60
     command = [
         "lighthouse", "--bind", f"127.0.0.1:{port}", "--heartbeat-timeout-ms", str(int(heartbeat_timeout_s * 1000)),
         "--join-timeout-ms", str(JOIN_TIMEOUT_S * 1000),
     ]  # fmt: skip
     server = start_cli(command, output=log)
-    while True:
-        try:
-            socket.create_connection(("127.0.0.1", port), timeout=1).close()
-            if server.poll() is None:  # the answer was this lighthouse's, not one still on the port
-                return server
-            raise OSError("the lighthouse exited")
-        except OSError:
-            assert time.monotonic() < deadline, f"the lighthouse did not start:\n{log.read_text()[-2000:]}"
-            if server.poll() is not None:
-                server = start_cli(command, output=log)
-            time.sleep(0.1)
+    while "lighthouse serving at" not in log.read_text() or server.poll() is not None:
+        assert time.monotonic() < deadline, f"the lighthouse did not start:\n{log.read_text()[-2000:]}"
+        if server.poll() is not None:
+            server = start_cli(command, output=log)
+        time.sleep(0.1)
+    return server
 
 
 def serve_lighthouse(tmp_path: Path, *, heartbeat_timeout_s: float):
@@ -369,7 +364,7 @@ def test_groups_ride_out_a_restarted_lighthouse_stop_with_75_when_it_stays_away_
     quorum request failed meanwhile, after quorum_timeout_s, they ask again). Killed again after step 15 and left dead: past
     lighthouse_wait_s both groups stop with exit code 75. A new lighthouse, the same commands again: they
     resume from their checkpoints and end where an undisturbed run ends, every logged loss equal to it."""
-    steps, port = 30, free_loopback_port()
+    steps, port = 30, restartable_loopback_port()
     ft = {"lighthouse": f"http://127.0.0.1:{port}", "quorum_timeout_s": 10, "lighthouse_wait_s": 30}
     sections = {"parallel": {"fault_tolerance": ft}, "train": {"max_steps": steps}, "checkpoint": {"every_steps": 5}}
     config = write_config(tmp_path / "c.yaml", tiny_config(tmp_path / "ft", **sections))
