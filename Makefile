@@ -24,7 +24,7 @@ FLOOR_TESTS := tests/parity/test_hf_matches_single.py tests/unit/test_hf_models.
 
 # Test files run on this many pytest-xdist workers, each file whole on one worker (its module-scoped
 # launches, e.g. tests/harness.LayoutRuns, run once): one per core of this 2-core machine, and one more
-# that runs only the files that mostly wait (tests/scheduling.py). More workers than that only queue.
+# that first runs the files that mostly wait (tests/scheduling.py). More workers than that only queue.
 TEST_WORKERS ?= 3
 
 .PHONY: demo test test-fast test-floor docs
