@@ -25,8 +25,23 @@ import torch
 from paratrain.launch.forked_workers import drop_inherited_state
 
 # What the children would otherwise import: the CLI and its training path, the launcher, and what forked
-# workers (paratrain.launch.forked_workers) preload. Not transformers: most runs never use it.
-PRELOAD = ("torch", "torch.distributed.checkpoint", "paratrain.cli", "paratrain.train", "paratrain.worker")
+# workers (paratrain.launch.forked_workers) preload; and what many of the suite's runs import in each of
+# their processes (workers are forks of a child's fork server): compiling's backends and inductor's pattern
+# matcher (0.7 CPU-s a process), transformers and its Llama (about 2 CPU-s). A child that needs none of
+# them copies nothing for them.
+PRELOAD = (
+    "torch",
+    "torch.distributed.checkpoint",
+    "torch.distributed.tensor.experimental",
+    "torch._dynamo.backends.common",
+    "torch._inductor.pattern_matcher",
+    "torch._inductor.debug",
+    "transformers",
+    "transformers.models.llama.modeling_llama",
+    "paratrain.cli",
+    "paratrain.train",
+    "paratrain.worker",
+)
 MAX_FDS = 16  # stdin, stdout, stderr and the files a request passes
 HIGH_FDS = 1000  # passed files keep numbers below this
 
