@@ -42,7 +42,7 @@ SLOW_FILES = (
 
 def pytest_configure(config) -> None:
     suite_budget.configure(config)
-    # Two pytest-xdist workers share the cores with the processes they start: an in-process run on torch's
+    # The pytest-xdist workers share the cores with the processes they start: an in-process run on torch's
     # default (a thread per core) oversubscribes them. One thread, as each launched worker has
     # (OMP_NUM_THREADS=1: the harness's setting, and torchrun's default for several workers).
     torch.set_num_threads(1)

@@ -70,7 +70,7 @@ def restartable_loopback_port() -> int:
     port-0 listener, so a port from ``free_loopback_port`` can be taken while its server is down (another
     test's listener took a killed lighthouse's, and the new one failed: address in use); none below it."""
     low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
-    for port in random.Random().sample(range(low // 2, low), 100):
+    for port in random.sample(range(low // 2, low), 100):
         with socket.socket() as probe:
             try:
                 probe.bind(("127.0.0.1", port))

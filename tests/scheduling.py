@@ -4,9 +4,9 @@
 spend most of their time waiting, not computing: replica groups for quorums, heartbeats and restarted
 groups, the Slurm tests for Slurm's scheduler, others for a hang's timeout or a server's start. On a core's
 worker that wait leaves the core idle. With a worker more than there are cores (``make test`` starts 3 on
-this 2-core machine), the last worker is the waiting lane: it runs those files first, while the others run
-the rest, one per core; once they are done it takes the queue's next file as any worker does, and the others
-take any waiting file the lane has not started.
+this 2-core machine), the last worker to come up is the waiting lane: it runs those files first, while the
+others run the rest, one per core; once they are done it takes the queue's next file as any worker does, and
+the others take any waiting file the lane has not started.
 """
 
 from __future__ import annotations
@@ -27,15 +27,12 @@ WAITING_FILES = (  # the longest first: the lane's order
 
 
 class WaitingLaneScheduling(LoadFileScheduling):
-    """``--dist loadfile`` with the last worker running ``WAITING_FILES`` first where there are more workers
+    """``--dist loadfile`` with the last worker up running ``WAITING_FILES`` first where there are more workers
     than cores; otherwise loadfile's own order."""
 
     def _assign_work_unit(self, node) -> None:
-        scope = self._next_scope(node)
-        work_unit = self.workqueue.pop(scope)
-        self.assigned_work.setdefault(node, {})[scope] = work_unit
-        collection = self.registered_collections[node]
-        node.send_runtest_some([collection.index(nodeid) for nodeid, done in work_unit.items() if not done])
+        self.workqueue.move_to_end(self._next_scope(node), last=False)  # loadfile assigns the queue's first
+        super()._assign_work_unit(node)
 
     def _next_scope(self, node) -> str:
         """The waiting lane's next waiting file, another worker's next file that is not one; where a lane has

@@ -12,7 +12,7 @@ wait status and CPU time, which the suite's budget adds to the test's (``tests/s
 
 What a fresh interpreter is for stays fresh: the harness starts one for a run in a user's own environment
 (``start_cli(unset=...)``, ``launch_workers(env=...)``), which checks what a user's interpreter does at
-start-up; the docs' commands run as typed, in fresh interpreters too.
+start-up, and so do the docs' first recipe and their commands other than ``paratrain`` and ``python -m``.
 """
 
 from __future__ import annotations
