@@ -23,7 +23,8 @@ from tests.harness import (
 
 pytestmark = pytest.mark.timeout(900)
 
-STEPS = 20
+# Checkpoints every 3 steps: a chain resumes at the middle (6) and three quarters (9) of 12 steps.
+STEPS, EVERY, MIDPOINT, LATE = 12, 3, 6, 9
 LOSS_RTOL = 1e-5
 SEQ = 32  # cp=4 cuts it into 8 chunks of 4 tokens
 
@@ -68,9 +69,15 @@ LAYOUTS = {
     "llama cp x dp_shard 2x2 documents": (LLAMA + CP_FSDP + DOCUMENTS, 4),
     "llama cp x tp 2x2": (LLAMA + CP_TP, 4),
     "llama cp x pp 2x2": (LLAMA + CP_PP, 4),
-    # A cp checkpoint resumed without cp (fsdp x2) at step 10, and that one's step 15 back under cp x2.
-    "gpt cp x4 to fsdp x2": (GPT + ["parallel.dp_shard=2", "checkpoint.resume={run:gpt cp x4}/checkpoints/step-10"], 2),
-    "gpt fsdp x2 to cp x2": (GPT + CP2 + ["checkpoint.resume={run:gpt cp x4 to fsdp x2}/checkpoints/step-15"], 2),
+    # A cp checkpoint resumed without cp (fsdp x2) at the midpoint, and that one's later step back under cp x2.
+    "gpt cp x4 to fsdp x2": (
+        GPT + ["parallel.dp_shard=2", f"checkpoint.resume={{run:gpt cp x4}}/checkpoints/step-{MIDPOINT}"],
+        2,
+    ),
+    "gpt fsdp x2 to cp x2": (
+        GPT + CP2 + [f"checkpoint.resume={{run:gpt cp x4 to fsdp x2}}/checkpoints/step-{LATE}"],
+        2,
+    ),
 }
 CP_LAYOUTS = [name for name in LAYOUTS if " cp " in name and " to " not in name]
 
@@ -98,7 +105,7 @@ def runs(tmp_path_factory, token_data) -> LayoutRuns:
         together=tuple(LAYOUTS),
         train={"max_steps": STEPS},
         data=token_data,
-        checkpoint={"every_steps": 5, "keep_last": None},
+        checkpoint={"every_steps": EVERY, "keep_last": None},
         debug={"dump_gradients_at_steps": [1]},
     )
 
@@ -124,10 +131,10 @@ def test_document_masking_changes_what_a_single_process_computes(runs, model):
 def test_a_cp_checkpoint_resumes_without_cp_and_back_and_trains_on_identically(runs):
     origin = losses_by_step(runs.get("gpt cp x4"))
     chained = {
-        **{s: loss for s, loss in losses_by_step(runs.get("gpt cp x4 to fsdp x2")).items() if 10 < s <= 15},
-        **{s: loss for s, loss in losses_by_step(runs.get("gpt fsdp x2 to cp x2")).items() if s > 15},
+        **{s: loss for s, loss in losses_by_step(runs.get("gpt cp x4 to fsdp x2")).items() if MIDPOINT < s <= LATE},
+        **{s: loss for s, loss in losses_by_step(runs.get("gpt fsdp x2 to cp x2")).items() if s > LATE},
     }
-    assert sorted(chained) == list(range(11, STEPS + 1))
+    assert sorted(chained) == list(range(MIDPOINT + 1, STEPS + 1))
     assert max_relative_difference(chained, {s: origin[s] for s in chained}) <= LOSS_RTOL
     expected = checkpoint_weights(runs.get("gpt cp x4") / f"checkpoints/step-{STEPS}")
     actual = checkpoint_weights(runs.get("gpt fsdp x2 to cp x2") / f"checkpoints/step-{STEPS}")

@@ -22,7 +22,8 @@ from tests.harness import (
 
 pytestmark = pytest.mark.timeout(900)
 
-STEPS = 20
+# Checkpoints every 3 steps: a restart from the first; a chain resumes at the middle (6) and three quarters (9).
+STEPS, EVERY, MIDPOINT, LATE = 12, 3, 6, 9
 LOSS_RTOL = 1e-5
 # Capacity 1.0 drops assignments (each forward holds 2 x 16 tokens in every layout, so each expert keeps
 # the same 16 places): the dropped counts are compared too, and some experts get no token from a rank.
@@ -49,17 +50,18 @@ LAYOUTS = {
     # Attention split over tp, the MoE feed-forward whole on each tp rank; then its experts divided by ep too.
     "tp x2": (GPT_MOE + ["parallel.tp=2"], 2),
     "ep x2 x tp 2": (GPT_MOE + ["parallel.dp_shard=2", "parallel.ep=2", "parallel.tp=2"], 4),
-    # The ep x2 run restarted from its step-5 checkpoint, in the same layout.
+    # The ep x2 run restarted from its first checkpoint, in the same layout.
     "ep x2 restarted": (
-        GPT_MOE + ["parallel.dp_shard=2", "parallel.ep=2", "checkpoint.resume={run:ep x2}/checkpoints/step-5"],
+        GPT_MOE + ["parallel.dp_shard=2", "parallel.ep=2", f"checkpoint.resume={{run:ep x2}}/checkpoints/step-{EVERY}"],
         2,
     ),
-    # The ep x4 run's step-10 checkpoint resumed under ep x2, and that one's step 15 in one process.
+    # The ep x4 run's midpoint checkpoint resumed under ep x2, and that one's later checkpoint in one process.
     "ep x4 to ep x2": (
-        GPT_MOE + ["parallel.dp_shard=2", "parallel.ep=2", "checkpoint.resume={run:ep x4}/checkpoints/step-10"],
+        GPT_MOE
+        + ["parallel.dp_shard=2", "parallel.ep=2", f"checkpoint.resume={{run:ep x4}}/checkpoints/step-{MIDPOINT}"],
         2,
     ),
-    "ep x2 to single": (GPT_MOE + ["checkpoint.resume={run:ep x4 to ep x2}/checkpoints/step-15"], 1),
+    "ep x2 to single": (GPT_MOE + [f"checkpoint.resume={{run:ep x4 to ep x2}}/checkpoints/step-{LATE}"], 1),
 }
 EP_LAYOUTS = [
     name for name in LAYOUTS if name.startswith(("ep", "tp")) and " to " not in name and "restarted" not in name
@@ -74,7 +76,7 @@ def runs(tmp_path_factory) -> LayoutRuns:
         LAYOUTS,
         together=tuple(LAYOUTS),
         train={"max_steps": STEPS},
-        checkpoint={"every_steps": 5, "keep_last": None},
+        checkpoint={"every_steps": EVERY, "keep_last": None},
         debug={"dump_gradients_at_steps": [1]},
     )
 
@@ -116,10 +118,10 @@ def test_the_balance_bias_moves_under_ep_as_in_one_process(runs):
 def test_an_ep_x4_checkpoint_resumes_under_ep_x2_then_in_one_process_and_trains_on_identically(runs):
     origin = losses_by_step(runs.get("ep x4"))
     chained = {
-        **{s: loss for s, loss in losses_by_step(runs.get("ep x4 to ep x2")).items() if 10 < s <= 15},
-        **{s: loss for s, loss in losses_by_step(runs.get("ep x2 to single")).items() if s > 15},
+        **{s: loss for s, loss in losses_by_step(runs.get("ep x4 to ep x2")).items() if MIDPOINT < s <= LATE},
+        **{s: loss for s, loss in losses_by_step(runs.get("ep x2 to single")).items() if s > LATE},
     }
-    assert sorted(chained) == list(range(11, STEPS + 1))
+    assert sorted(chained) == list(range(MIDPOINT + 1, STEPS + 1))
     assert max_relative_difference(chained, {s: origin[s] for s in chained}) <= LOSS_RTOL
     expected = checkpoint_weights(runs.get("ep x4") / f"checkpoints/step-{STEPS}")
     actual = checkpoint_weights(runs.get("ep x2 to single") / f"checkpoints/step-{STEPS}")
@@ -130,12 +132,12 @@ def test_an_ep_x4_checkpoint_resumes_under_ep_x2_then_in_one_process_and_trains_
 
 
 def test_an_ep_run_restarted_from_a_checkpoint_trains_on_bit_identical(runs):
-    """ep x2 restarted from its step-5 checkpoint in a new process group: the same losses and, at step 20,
-    the same weights bit for bit (the token exchange adds nothing nondeterministic)."""
+    """ep x2 restarted from its first checkpoint in a new process group: the same losses and, at the last
+    step, the same weights bit for bit (the token exchange adds nothing nondeterministic)."""
     origin, restarted = runs.get("ep x2"), runs.get("ep x2 restarted")
     resumed_losses = losses_by_step(restarted)
-    assert sorted(resumed_losses) == list(range(6, STEPS + 1))
-    assert resumed_losses == {step: loss for step, loss in losses_by_step(origin).items() if step > 5}
+    assert sorted(resumed_losses) == list(range(EVERY + 1, STEPS + 1))
+    assert resumed_losses == {step: loss for step, loss in losses_by_step(origin).items() if step > EVERY}
     expected = checkpoint_weights(origin / f"checkpoints/step-{STEPS}")
     actual = checkpoint_weights(restarted / f"checkpoints/step-{STEPS}")
     assert actual.keys() == expected.keys()

@@ -27,7 +27,7 @@ from tests.harness import (
 # The first test trains every layout below in three shared launches (1, 2 and 4 processes).
 pytestmark = pytest.mark.timeout(600)
 
-STEPS = 20
+STEPS = 12
 LOSS_RTOL = 1e-5
 
 TINY_GPT2 = {

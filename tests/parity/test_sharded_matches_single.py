@@ -11,7 +11,8 @@ from safetensors.torch import load_file
 
 from tests.harness import LayoutRuns, checkpoint_weights, losses_by_step, run_cli
 
-STEPS = 20
+# Moves resume at the midpoint; the fsdp x4 -> ddp x2 -> single chain moves again at three quarters.
+STEPS, MIDPOINT, LATE = 12, 6, 9
 FIRST_STEP_RTOL = 1e-6
 LOSS_RTOL = 1e-5
 STATE_ATOL = 1e-5
@@ -47,16 +48,23 @@ LAYOUTS = {
     "fsdp+tp 2x2 float8": (["parallel.dp_shard=2", "parallel.tp=2", *FLOAT8], 4),
     # A float8 run's checkpoint resumed without float8 (its weights saved as plain tensors: tensors.plain_tensor).
     FLOAT8_TO_BF16: (
-        ["parallel.strategy=fsdp", "checkpoint.resume={run:fsdp x2 float8}/checkpoints/step-10"],
+        ["parallel.strategy=fsdp", f"checkpoint.resume={{run:fsdp x2 float8}}/checkpoints/step-{MIDPOINT}"],
         2,
     ),
     "fsdp x2 every_micro_batch": (["parallel.strategy=fsdp", "parallel.fsdp.grad_sync=every_micro_batch"], 2),
     "fsdp x2 fp16": (["parallel.strategy=fsdp", "precision=fp16"], 2),
-    # Checkpoints moving between layouts: each resumes a layout above at step 10 and trains on to 20.
-    "tp x2 to fsdp x2": (["parallel.strategy=fsdp", "checkpoint.resume={run:tp x2}/checkpoints/step-10"], 2),
-    "hsdp 2x2 to fsdp x2": (["parallel.strategy=fsdp", "checkpoint.resume={run:hsdp 2x2}/checkpoints/step-10"], 2),
+    # Checkpoints moving between layouts: each resumes a layout above at the midpoint and trains on to the end.
+    "tp x2 to fsdp x2": (["parallel.strategy=fsdp", f"checkpoint.resume={{run:tp x2}}/checkpoints/step-{MIDPOINT}"], 2),
+    "hsdp 2x2 to fsdp x2": (
+        ["parallel.strategy=fsdp", f"checkpoint.resume={{run:hsdp 2x2}}/checkpoints/step-{MIDPOINT}"],
+        2,
+    ),
     "fsdp4 to ddp2": (
-        ["parallel.strategy=ddp", "checkpoint.resume={run:fsdp x4}/checkpoints/step-10", "checkpoint.every_steps=5"],
+        [
+            "parallel.strategy=ddp",
+            f"checkpoint.resume={{run:fsdp x4}}/checkpoints/step-{MIDPOINT}",
+            f"checkpoint.every_steps={LATE - MIDPOINT}",
+        ],
         2,
     ),
 }
@@ -75,7 +83,7 @@ def runs(tmp_path_factory) -> LayoutRuns:
         LAYOUTS,
         together=together,
         train={"max_steps": STEPS},
-        checkpoint={"every_steps": 10, "keep_last": None},
+        checkpoint={"every_steps": MIDPOINT, "keep_last": None},
         debug={"dump_gradients_at_steps": [1]},
     )
 
@@ -135,21 +143,21 @@ def test_checkpoint_resumes_in_another_layout_and_trains_on_identically(runs, so
     origin, moved = runs.get(source), runs.get(f"{source} to {target}")
 
     origin_losses, moved_losses = losses_by_step(origin), losses_by_step(moved)
-    resumed_steps = {step: origin_losses[step] for step in range(11, STEPS + 1)}
+    resumed_steps = {step: origin_losses[step] for step in range(MIDPOINT + 1, STEPS + 1)}
     differences = relative_differences({s: moved_losses[s] for s in resumed_steps}, resumed_steps)
-    assert differences[11] <= FIRST_STEP_RTOL, "the first resumed step sees exactly the saved state"
+    assert differences[MIDPOINT + 1] <= FIRST_STEP_RTOL, "the first resumed step sees exactly the saved state"
     assert max(differences.values()) <= LOSS_RTOL
     assert_states_equal(moved / f"checkpoints/step-{STEPS}", origin / f"checkpoints/step-{STEPS}")
 
 
 def test_checkpoint_moves_from_fsdp_x4_to_ddp_x2_to_a_single_process(runs):
     origin, via_ddp = runs.get("fsdp x4"), runs.get("fsdp4 to ddp2")
-    to_single = resume_in(runs, "single", via_ddp / "checkpoints/step-15", name="ddp2 to single")
+    to_single = resume_in(runs, "single", via_ddp / f"checkpoints/step-{LATE}", name="ddp2 to single")
 
     origin_losses = losses_by_step(origin)
     chained = {
-        **{s: loss for s, loss in losses_by_step(via_ddp).items() if s > 10},
-        **{s: loss for s, loss in losses_by_step(to_single).items() if s > 15},
+        **{s: loss for s, loss in losses_by_step(via_ddp).items() if s > MIDPOINT},
+        **{s: loss for s, loss in losses_by_step(to_single).items() if s > LATE},
     }
     assert max(relative_differences(chained, {s: origin_losses[s] for s in chained}).values()) <= LOSS_RTOL
     assert_states_equal(to_single / f"checkpoints/step-{STEPS}", origin / f"checkpoints/step-{STEPS}")
@@ -214,6 +222,8 @@ def test_float8_layouts_match_one_process_in_float8(runs, layout, reference):
 
 def test_a_float8_checkpoint_resumes_without_float8_from_the_weights_it_saved(runs):
     float8, resumed = losses_by_step(runs.get("fsdp x2 float8")), losses_by_step(runs.get(FLOAT8_TO_BF16))
-    assert sorted(resumed) == list(range(11, STEPS + 1))
-    # The float8 run's weights at step 11, computed without float8's casts: near (as float8 is to fp32), not equal.
-    assert 0 < abs(resumed[11] - float8[11]) / float8[11] <= 1e-3
+    assert sorted(resumed) == list(range(MIDPOINT + 1, STEPS + 1))
+    # The float8 run's weights after the midpoint, computed without float8's casts: near (as float8 is to fp32),
+    # not equal.
+    first = MIDPOINT + 1
+    assert 0 < abs(resumed[first] - float8[first]) / float8[first] <= 1e-3

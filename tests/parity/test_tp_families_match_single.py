@@ -13,7 +13,7 @@ from tests.harness import LayoutRuns, assert_matches_single_process
 
 pytestmark = pytest.mark.timeout(900)
 
-STEPS = 20
+STEPS = 12
 LOSS_RTOL = 1e-5
 COMMON = "vocab_size: 128, hidden_size: 32, intermediate_size: 64, num_hidden_layers: 2, max_position_embeddings: 16"
 # Each family's tiny config: 4 query heads over 2 key/value heads where the family has grouped-query attention.
