@@ -1,4 +1,4 @@
-"""``python -m MODULE ARGS`` for the suite's launches, forked from an interpreter that has imported torch and
+"""``python -m MODULE ARGS`` (or ``python -c CODE``) for the suite's launches, forked from an interpreter that has imported torch and
 paratrain already, instead of a fresh one importing them again (about 2 CPU-s, and as long, per launch).
 
 The suite starts a CLI run or a launch a few hundred times; each fresh interpreter spent most of its life in
@@ -12,7 +12,7 @@ wait status and CPU time, which the suite's budget adds to the test's (``tests/s
 
 What a fresh interpreter is for stays fresh: the harness starts one for a run in a user's own environment
 (``start_cli(unset=...)``, ``launch_workers(env=...)``), which checks what a user's interpreter does at
-start-up, and so do the docs' first recipe and their commands other than ``paratrain`` and ``python -m``.
+start-up, and so do the docs' first recipe and their torchrun commands.
 """
 
 from __future__ import annotations
@@ -61,12 +61,10 @@ class WarmPopen(subprocess.Popen):
         errwrite,
         *rest,
     ) -> None:
-        module, module_args = _module_of(args)
         given = (p2cread, c2pwrite, errwrite)
         standard = [fd if fd != -1 else inherited for fd, inherited in zip(given, (0, 1, 2), strict=True)]
         request = {
-            "module": module,
-            "argv": module_args,
+            **_what_to_run(args),
             "cwd": os.fspath(cwd) if cwd is not None else os.getcwd(),
             "env": dict(os.environ if env is None else env),
             "pass_fds": list(pass_fds),
@@ -123,10 +121,11 @@ def run(args: list[str], *, timeout: float | None = None, **popen_kwargs: Any) -
     return subprocess.CompletedProcess(args, process.returncode, stdout, stderr)
 
 
-def _module_of(args: list[str]) -> tuple[str, list[str]]:
-    if len(args) < 3 or args[0] != sys.executable or args[1] != "-m":
-        raise ValueError(f"a warm server runs `{sys.executable} -m MODULE ...`, not {args}")
-    return args[2], list(args[3:])
+def _what_to_run(args: list[str]) -> dict[str, Any]:
+    """``python -m MODULE ARGV`` as {"module", "argv"}, ``python -c CODE ARGV`` as {"code", "argv"}."""
+    if len(args) < 3 or args[0] != sys.executable or args[1] not in ("-m", "-c"):
+        raise ValueError(f"a warm server runs `{sys.executable} -m MODULE ...` or `-c CODE ...`, not {args}")
+    return {"module" if args[1] == "-m" else "code": args[2], "argv": list(args[3:])}
 
 
 def _ready(connection: socket.socket, timeout: float | None) -> bool:

@@ -1,11 +1,12 @@
 """The warm interpreter's server (``python -m tests.warm_python_server ADDRESS READY_FD``, started by
 tests/warm_python.py): imports torch and paratrain once, then forks a child per request on its Unix socket,
-sets the child up as a fresh ``python -m MODULE`` would start, and sends back its pid, then its wait status
+sets the child up as a fresh ``python -m MODULE`` (or ``-c CODE``) would start, and sends back its pid, then its wait status
 and CPU time once it is reaped."""
 
 from __future__ import annotations
 
 import atexit
+import builtins
 import contextlib
 import fcntl
 import gc
@@ -109,7 +110,7 @@ def _fork_child(connection: socket.socket) -> int:
     code = 1
     try:
         _become_fresh(request, fds)
-        code = _run_as_main(request["module"], request["argv"])
+        code = _run_as_main(request)
     finally:
         os._exit(code)
 
@@ -134,13 +135,19 @@ def _become_fresh(request: dict[str, Any], fds: list[int]) -> None:
     log = os.environ.get("PARATRAIN_TEST_LAUNCH_LOG")
     if log:  # counted as the interpreter it stands for (tests/launch_counter/sitecustomize.py)
         with contextlib.suppress(OSError), open(log, "a") as file:
-            file.write(f"{os.getpid()} -m {request['module']} {' '.join(request['argv'][:1])} (warm)\n")
+            what = f"-m {request['module']}" if "module" in request else "-c"
+            file.write(f"{os.getpid()} {what} {' '.join(request['argv'][:1])} (warm)\n")
 
 
-def _run_as_main(module: str, argv: list[str]) -> int:
-    sys.argv = [module, *argv]
+def _run_as_main(request: dict[str, Any]) -> int:
+    """``python -m MODULE ARGV`` or ``python -c CODE ARGV``, with the exit code the interpreter would give."""
     try:
-        runpy.run_module(module, run_name="__main__", alter_sys=True)
+        if "module" in request:
+            sys.argv = [request["module"], *request["argv"]]
+            runpy.run_module(request["module"], run_name="__main__", alter_sys=True)
+        else:
+            sys.argv, sys.path[0] = ["-c", *request["argv"]], ""  # `python -c` puts "" (the directory) first
+            exec(compile(request["code"], "<string>", "exec"), {"__name__": "__main__", "__builtins__": builtins})
         code = 0
     except SystemExit as stopped:
         code = _exit_code(stopped.code)

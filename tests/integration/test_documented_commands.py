@@ -66,8 +66,8 @@ def test_documented_command_runs_as_written(recipe, tmp_path):
 
 
 # The docs' first recipe starts each command as the user's shell does: the console script in a new
-# interpreter, importing everything cold. The others' `paratrain ...` and `python -m ...` commands run in a
-# fork of the suite's warm interpreter (tests/warm_python.py): the same argv, directory and environment,
+# interpreter, importing everything cold. The others' `paratrain ...`, `python -m ...` and `python -c ...`
+# commands run in a fork of the suite's warm interpreter (tests/warm_python.py): the same argv, directory and environment,
 # without importing torch again (two CPU-seconds a command, most of a scaled-down command's cost).
 STARTED_COLD = list(RECIPES)[0]
 
@@ -96,11 +96,11 @@ def run_recipe(recipe: str, tmp_path: Path) -> None:
 
 
 def in_warm_interpreter(argv: list[str]) -> list[str] | None:
-    """``paratrain ARGS`` (the console script runs ``paratrain.cli``'s main) or ``python -m MODULE ARGS`` as
-    the warm interpreter takes them; None for any other command (torchrun, ``python -c``), run as written."""
+    """``paratrain ARGS`` (the console script runs ``paratrain.cli``'s main), ``python -m MODULE ARGS`` or
+    ``python -c CODE`` as the warm interpreter takes them; None for any other command (torchrun), run as written."""
     if argv[0] == "paratrain":
         return [sys.executable, "-m", "paratrain.cli", *argv[1:]]
-    if argv[:2] == ["python", "-m"]:
+    if argv[0] == "python" and argv[1:2] in (["-m"], ["-c"]):
         return [sys.executable, *argv[1:]]
     return None
 

@@ -1,4 +1,4 @@
-"""The warm interpreter's children (tests/warm_python.py) start as a fresh ``python -m MODULE`` would: the
+"""The warm interpreter's children (tests/warm_python.py) start as a fresh ``python -m MODULE`` (or ``-c``) would: the
 suite's launches go through them, so a difference here would be one between the suite's runs and a user's."""
 
 from __future__ import annotations
@@ -68,7 +68,24 @@ def test_a_passed_file_keeps_its_number_and_a_killed_child_reports_the_signal(tm
     os.close(read_end)
 
 
-def test_only_python_m_commands_are_taken():
+def test_python_c_runs_its_code_as_main_with_the_directory_first_on_the_path(tmp_path):
+    (tmp_path / "near.py").write_text("WHERE = 'the working directory'\n")
+    code = PROBE.replace("import json,", "import near, json,").replace('"cwd":', '"near": near.WHERE, "cwd":')
+    done = warm_python.run(
+        [sys.executable, "-c", code, "4"],
+        cwd=tmp_path,
+        env=dict(os.environ),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert (done.returncode, done.stderr) == (4, "on stderr\n")
+    seen = json.loads(done.stdout)
+    assert seen["name"] == "__main__" and seen["argv"] == ["4"]
+    assert (seen["path0"], seen["near"]) == ("", "the working directory")  # as `python -c` has it
+
+
+def test_only_python_m_and_c_commands_are_taken():
     with pytest.raises(ValueError, match="-m MODULE"):
         warm_python.WarmPopen(["echo", "hello"])
 
