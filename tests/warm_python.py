@@ -1,5 +1,6 @@
-"""``python -m MODULE ARGS`` (or ``python -c CODE``) for the suite's launches, forked from an interpreter that has imported torch and
-paratrain already, instead of a fresh one importing them again (about 2 CPU-s, and as long, per launch).
+"""``python -m MODULE ARGS`` (or ``python -c CODE``) for the suite's launches, forked from an interpreter that has
+imported torch and paratrain already, instead of a fresh one importing them again (about 2 CPU-s, and as long, per
+launch).
 
 The suite starts a CLI run or a launch a few hundred times; each fresh interpreter spent most of its life in
 imports every one of them repeats. ``WarmPopen`` is ``subprocess.Popen`` for ``[python, -m, MODULE, ...]``

@@ -1,7 +1,7 @@
 """The warm interpreter's server (``python -m tests.warm_python_server ADDRESS READY_FD``, started by
 tests/warm_python.py): imports torch and paratrain once, then forks a child per request on its Unix socket,
-sets the child up as a fresh ``python -m MODULE`` (or ``-c CODE``) would start, and sends back its pid, then its wait status
-and CPU time once it is reaped."""
+sets the child up as a fresh ``python -m MODULE`` (or ``-c CODE``) would start, and sends back its pid, then
+its wait status and CPU time once it is reaped."""
 
 from __future__ import annotations
 

@@ -67,8 +67,8 @@ def test_documented_command_runs_as_written(recipe, tmp_path):
 
 # The docs' first recipe starts each command as the user's shell does: the console script in a new
 # interpreter, importing everything cold. The others' `paratrain ...`, `python -m ...` and `python -c ...`
-# commands run in a fork of the suite's warm interpreter (tests/warm_python.py): the same argv, directory and environment,
-# without importing torch again (two CPU-seconds a command, most of a scaled-down command's cost).
+# commands run in a fork of the suite's warm interpreter (tests/warm_python.py): the same argv, directory and
+# environment, without importing torch again (two CPU-seconds a command, most of a scaled-down command's cost).
 STARTED_COLD = list(RECIPES)[0]
 
 
