@@ -75,7 +75,7 @@ def run(jobs: list[list[str]], dirs: list[Path], schedule: list[tuple[int, int]]
                 workers = worker_pids(processes[index].pid)
                 if workers:
                     os.kill(rng.choice(workers), signal.SIGKILL)
-            print(f"  kill at step {newest_step(dirs)}: job(s) {targets}", flush=True)
+            print(f"  kill at step {newest_step(dirs)} ({time.time():.2f}): job(s) {targets}", flush=True)
         time.sleep(0.05)
     for process in processes:
         process.communicate()

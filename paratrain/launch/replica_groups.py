@@ -38,8 +38,10 @@ from paratrain.launch.heal_agreement import check_every_rank_healed_alike, heal_
 from paratrain.launch.lighthouse import import_torchft
 from paratrain.launch.preemption import announce_stop
 from paratrain.launch.quorum import join_quorum
-from paratrain.launch.stuck_vote import StuckVoteWatch
+from paratrain.launch.stuck_vote import StuckVoteWatch, group_ranks_on_this_host
 from paratrain.launch.torchft_adapters import (
+    announce_restart,
+    one_lighthouse_id_per_group,
     recording_quorum_steps,
     remembering_quorum_members,
     weights_only_transport,
@@ -373,7 +375,7 @@ def build_replica_group_sync(
         rank=rank,
         local_rank=int(os.environ.get("LOCAL_RANK", 0)),
         heal_store=heal_store(timeout),
-        stuck_vote=StuckVoteWatch.start(),
+        stuck_vote=StuckVoteWatch.start(siblings=group_ranks_on_this_host()),
     )
     return sync
 
@@ -387,24 +389,27 @@ def _new_manager(
     state_dict: Callable[[], dict[str, Any]],
 ) -> Any:
     timeout = timedelta(seconds=options.timeout_s)
-    return torchft.Manager(
-        pg=pg,
-        load_state_dict=load_state_dict,
-        state_dict=state_dict,
-        min_replica_size=options.min_replica_groups,
-        # Synchronous quorum: healing is applied before the step's batch is read, so the data position
-        # a peer sent decides that batch; and every group of the quorum takes part in the step, so who
-        # computes which slice follows from the quorum alone.
-        use_async_quorum=False,
-        timeout=timeout,
-        quorum_timeout=timedelta(seconds=options.quorum_timeout_s),
-        connect_timeout=timedelta(seconds=options.connect_timeout_s),
-        lighthouse_addr=options.lighthouse,
-        replica_id=f"paratrain_{options.replica_group}",
-        checkpoint_transport=weights_only_transport(timeout),
-        # Every group builds the same initial weights from train.seed: nothing to send at step 0.
-        init_sync=False,
-    )
+    with one_lighthouse_id_per_group(torchft):
+        manager = torchft.Manager(
+            pg=pg,
+            load_state_dict=load_state_dict,
+            state_dict=state_dict,
+            min_replica_size=options.min_replica_groups,
+            # Synchronous quorum: healing is applied before the step's batch is read, so the data position
+            # a peer sent decides that batch; and every group of the quorum takes part in the step, so who
+            # computes which slice follows from the quorum alone.
+            use_async_quorum=False,
+            timeout=timeout,
+            quorum_timeout=timedelta(seconds=options.quorum_timeout_s),
+            connect_timeout=timedelta(seconds=options.connect_timeout_s),
+            lighthouse_addr=options.lighthouse,
+            replica_id=f"paratrain_{options.replica_group}",
+            checkpoint_transport=weights_only_transport(timeout),
+            # Every group builds the same initial weights from train.seed: nothing to send at step 0.
+            init_sync=False,
+        )
+    announce_restart(manager)
+    return manager
 
 
 @contextlib.contextmanager

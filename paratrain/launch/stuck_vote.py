@@ -9,7 +9,9 @@ every live group waits (about 6 s per such kill in the chaos benchmark, with ``t
 Python's C-level signal handler still writes the signal's number to the wakeup fd (``signal.set_wakeup_fd``)
 at once, so a thread reading that fd learns of the stop while the main thread is blocked. The watch ends the
 process with EXIT_GROUP_RESTART once the vote is still open GRACE_S after both the stop signal and the vote's
-start; torchrun is restarting the group anyway, and the group heals from a live peer.
+start, or at once where a rank of the group on this host is gone (exited, or a zombie nobody reaped yet): torchrun
+is restarting the group anyway, and the group heals from a live peer. The grace is for ranks on other hosts, whose
+processes this one cannot see; waiting it out cost about a second a kill where one rank of the group was.
 
 A job-wide stop (a preemption, where every group must save a checkpoint) does not meet the grace: every rank
 of the group is alive and comes to the vote straight from the cross-group all-reduce, which each leaves once
@@ -28,6 +30,8 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 
+import torch.distributed as dist
+
 from paratrain.errors import EXIT_GROUP_RESTART
 
 # How long a vote may stay open after a stop signal: far above the vote of live ranks (milliseconds), far
@@ -45,10 +49,12 @@ class StuckVoteWatch:
 
     Args:
         grace_s: How long the vote may stay open after both the signal and its start.
+        siblings: The process ids of the group's other ranks on this host.
     """
 
-    def __init__(self, grace_s: float = GRACE_S):
+    def __init__(self, grace_s: float = GRACE_S, siblings: tuple[int, ...] = ()):
         self.grace_s = grace_s
+        self.siblings = siblings
         self._stopped_at: float | None = None
         self._vote_started_at: float | None = None
         self._read_fd, self._write_fd = os.pipe()
@@ -62,11 +68,11 @@ class StuckVoteWatch:
         atexit.register(self.close)
 
     @classmethod
-    def start(cls, grace_s: float = GRACE_S) -> StuckVoteWatch | None:
+    def start(cls, grace_s: float = GRACE_S, siblings: tuple[int, ...] = ()) -> StuckVoteWatch | None:
         """The watch, or None outside the main thread (where no signal can be caught, nor the wakeup fd set)."""
         if threading.current_thread() is not threading.main_thread():
             return None
-        return cls(grace_s)
+        return cls(grace_s, siblings)
 
     @contextmanager
     def voting(self) -> Iterator[None]:
@@ -93,19 +99,60 @@ class StuckVoteWatch:
             stopped_now = readable and any(number in STOP_SIGNALS for number in os.read(self._read_fd, 64))
             if stopped_now and self._stopped_at is None:
                 self._stopped_at = time.monotonic()
-            if self._vote_is_stuck():
-                _end_process(self.grace_s)
+            why = self._why_the_vote_is_stuck()
+            if why is not None:
+                _end_process(why)
 
-    def _vote_is_stuck(self) -> bool:
+    def _why_the_vote_is_stuck(self) -> str | None:
         started, stopped = self._vote_started_at, self._stopped_at
-        return started is not None and stopped is not None and time.monotonic() - max(started, stopped) > self.grace_s
+        if started is None or stopped is None:
+            return None
+        gone = [pid for pid in self.siblings if process_is_gone(pid)]
+        if gone:
+            return f"the group's rank in process {gone[0]} is gone"
+        if time.monotonic() - max(started, stopped) > self.grace_s:
+            return f"still open {self.grace_s:g} s later (a rank of the group is gone)"
+        return None
 
 
-def _end_process(grace_s: float) -> None:
+def group_ranks_on_this_host() -> tuple[int, ...]:
+    """The process ids of this group's other ranks that run on this host, in this process id namespace (the
+    group's process group gathers every rank's; a one-process group has none)."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return ()
+    ranks: list[tuple[str, int] | None] = [None] * dist.get_world_size()
+    here = _host_and_pid_namespace()
+    dist.all_gather_object(ranks, (here, os.getpid()))
+    return tuple(pid for host, pid in ranks if host == here and pid != os.getpid())
+
+
+def _host_and_pid_namespace() -> str:
+    # The boot id tells hosts apart where names repeat; the namespace, containers whose process ids collide.
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as boot_id:
+            return f"{boot_id.read().strip()} {os.readlink('/proc/self/ns/pid')}"
+    except OSError:  # no /proc: no rank is known to share this host, and the grace decides
+        return f"pid {os.getpid()}"
+
+
+def process_is_gone(pid: int) -> bool:
+    """Whether process ``pid`` has exited: no longer in /proc, or a zombie (or dead) awaiting its parent's wait."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            fields = stat.read()
+    except FileNotFoundError:
+        return True
+    except OSError:  # no /proc to read: the grace decides
+        return False
+    state = fields.rpartition(")")[2].split()[0]  # after the command name, which may hold spaces and parentheses
+    return state in ("Z", "X", "x")
+
+
+def _end_process(why: str) -> None:
     # os.write, not logging: the main thread may hold the logging lock, and no exit hook may wait on it.
     message = (
-        f"paratrain: a stop signal found this rank in its group's commit vote, still open {grace_s:g} s later "
-        f"(a rank of the group is gone): exiting {EXIT_GROUP_RESTART} so that the group restarts and heals\n"
+        f"paratrain: a stop signal found this rank in its group's commit vote, {why}: exiting "
+        f"{EXIT_GROUP_RESTART} so that the group restarts and heals\n"
     )
     os.write(2, message.encode())
     os._exit(EXIT_GROUP_RESTART)

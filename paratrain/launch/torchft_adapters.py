@@ -4,7 +4,10 @@ transport that never unpickles a peer's bytes."""
 
 from __future__ import annotations
 
+import contextlib
+import types
 import urllib.request
+from collections.abc import Iterator
 from datetime import timedelta
 from typing import Any
 
@@ -75,6 +78,33 @@ def recording_quorum_steps(manager: Any, process_group: Any) -> None:
             return getattr(self._client, name)
 
     manager._client = QuorumStepRecorder(manager._client)
+
+
+@contextlib.contextmanager
+def one_lighthouse_id_per_group(torchft: Any) -> Iterator[None]:
+    """While it is open, a new torchft Manager registers with the lighthouse as ``REPLICA_ID:group``, the same id
+    in every incarnation of a group, where torchft appends a fresh uuid per Manager.
+
+    A uuid makes a restarted group a stranger: the lighthouse keeps counting the killed incarnation as healthy
+    until its heartbeats lapse (``--heartbeat-timeout-ms``, 5 s by default) and holds every quorum for it, though
+    the group is back within a second. Under one id the restarted group's heartbeats stand for the dead one's and
+    the quorum forms as soon as it asks. What torchft's uuid guards against, a quorum whose ids look unchanged so
+    that the live groups keep a process group wired to the dead processes, ``announce_restart`` prevents."""
+    manager_module = torchft.manager
+    real_uuid = manager_module.uuid
+    manager_module.uuid = types.SimpleNamespace(uuid4=lambda: "group")
+    try:
+        yield
+    finally:
+        manager_module.uuid = real_uuid
+
+
+def announce_restart(manager: Any) -> None:
+    """Has ``manager``'s first quorum request report a failed commit, so that the lighthouse gives the quorum a
+    new id and every group rewires its process group to this new incarnation: the lighthouse compares members by
+    id alone, and under ``one_lighthouse_id_per_group`` a restarted group has its predecessor's. (torchft counts
+    failed commits in this attribute and resets it at the first commit that succeeds.)"""
+    manager._commit_failures = max(manager._commit_failures, 1)
 
 
 def weights_only_transport(timeout: timedelta) -> Any:

@@ -8,9 +8,10 @@ import os
 import signal
 import subprocess
 import sys
+import time
 
 from paratrain.errors import EXIT_GROUP_RESTART
-from paratrain.launch.stuck_vote import StuckVoteWatch
+from paratrain.launch.stuck_vote import StuckVoteWatch, process_is_gone
 
 # A rank with a stop handler of its own (launch/preemption.py's records the signal and returns), then a vote
 # that lasts VOTE_S: the main thread blocks, as in torchft's vote, and the parent signals it meanwhile.
@@ -18,7 +19,8 @@ RANK = """
 import signal, sys, time
 from paratrain.launch.stuck_vote import StuckVoteWatch
 signal.signal(signal.SIGTERM, lambda number, frame: None)
-watch = StuckVoteWatch.start(grace_s=float(sys.argv[1]))
+siblings = tuple(int(pid) for pid in sys.argv[3:])
+watch = StuckVoteWatch.start(grace_s=float(sys.argv[1]), siblings=siblings)
 with watch.voting():
     print("voting", flush=True)
     time.sleep(float(sys.argv[2]))
@@ -28,8 +30,8 @@ print("at the step boundary", flush=True)
 """
 
 
-def start_rank(*, grace_s: float, vote_s: float) -> subprocess.Popen:
-    argv = [sys.executable, "-c", RANK, str(grace_s), str(vote_s)]
+def start_rank(*, grace_s: float, vote_s: float, siblings: tuple[int, ...] = ()) -> subprocess.Popen:
+    argv = [sys.executable, "-c", RANK, str(grace_s), str(vote_s), *map(str, siblings)]
     return subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
@@ -45,8 +47,23 @@ def test_a_stop_signal_during_a_vote_that_stays_open_ends_the_rank_with_the_grou
         rank.kill()
 
 
+def test_a_stop_signal_during_a_vote_ends_the_rank_at_once_where_a_rank_of_its_group_on_this_host_is_gone():
+    sibling = subprocess.Popen(["true"])  # exits at once; unwaited, it stays a zombie, as a killed rank does
+    while not process_is_gone(sibling.pid):
+        time.sleep(0.01)
+    rank = start_rank(grace_s=600, vote_s=600, siblings=(sibling.pid,))
+    try:
+        assert rank.stdout.readline() == "voting\n"
+        rank.send_signal(signal.SIGTERM)
+        assert rank.wait(timeout=30) == EXIT_GROUP_RESTART  # not the 600 s grace
+        assert f"the group's rank in process {sibling.pid} is gone" in rank.stderr.read()
+    finally:
+        rank.kill()
+        sibling.wait()
+
+
 def test_a_vote_that_closes_within_the_grace_after_a_stop_signal_lets_the_rank_go_on():
-    rank = start_rank(grace_s=3.0, vote_s=0.5)
+    rank = start_rank(grace_s=3.0, vote_s=0.5, siblings=(os.getpid(),))  # a live rank of the group on this host
     try:
         assert rank.stdout.readline() == "voting\n"
         rank.send_signal(signal.SIGTERM)
@@ -55,6 +72,21 @@ def test_a_vote_that_closes_within_the_grace_after_a_stop_signal_lets_the_rank_g
         assert out == "voted\nat the step boundary\n"
     finally:
         rank.kill()
+
+
+def test_a_process_is_gone_once_it_exited_whether_or_not_its_parent_reaped_it():
+    child = subprocess.Popen(["sleep", "60"])
+    try:
+        assert not process_is_gone(child.pid)
+        assert not process_is_gone(os.getpid())
+    finally:
+        child.kill()
+    deadline = time.monotonic() + 30
+    while not process_is_gone(child.pid):  # a zombie until waited for
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    child.wait()
+    assert process_is_gone(child.pid)
 
 
 def test_closing_the_watch_gives_the_wakeup_fd_back():
