@@ -311,22 +311,29 @@ def test_a_group_whose_ranks_heal_unalike_stops_and_its_restart_heals_every_rank
 
 
 def test_a_rank_that_sigterm_finds_in_a_vote_a_dead_rank_left_open_ends_at_once_and_its_group_heals(
-    tmp_path, lighthouse
+    tmp_path, steady_lighthouse
 ):
     """Groups of two processes. Group 1's rank 1 dies after the all-reduce of step 5, before its commit vote, so
     group 1's rank 0 waits in torchft's vote (where no Python signal handler runs) for a vote that never comes.
     torchrun's SIGTERM finds it there, and the stuck-vote watch, which sees rank 1's process gone, ends it (exit
     77) at once instead of after timeout_s (10 s), all that time keeping the lighthouse waiting for its group.
-    Group 1 heals from group 0 and both end with the same weights."""
+    Group 1 heals from group 0 and both end with the same weights.
+
+    The lighthouse takes a group for dead only after 60 s without heartbeats, yet group 0 steps on within
+    seconds: the restarted group registers under the dead one's id, so the quorum need not wait for the dead
+    one's heartbeats to lapse (under a fresh id per restart, group 0 would pause 60 s)."""
     steps = 20
     alone = f"{reaches_its_kill_point(5)},slow_step:6-{steps},{together(15, steps)}"
     faults = {0: alone, 1: f"before_vote:5:1,{together(2, steps)}"}  # group 1 never steps without group 0
-    _, groups = start_two_process_groups(tmp_path, lighthouse, steps=steps, faults=faults, group_1_restarts=1)
+    _, groups = start_two_process_groups(tmp_path, steady_lighthouse, steps=steps, faults=faults, group_1_restarts=1)
     _, healed_log = finish(groups)
     assert "a stop signal found this rank in its group's commit vote, the group's rank in process" in healed_log
     assert "healed from a live replica group" in healed_log
     healthy, healed = tmp_path / "ft/replica-group-0", tmp_path / "ft/replica-group-1"
-    assert [record["step"] for record in read_metrics(healthy)] == list(range(1, steps + 1))
+    records = read_metrics(healthy)
+    assert [record["step"] for record in records] == list(range(1, steps + 1))
+    longest_pause = max(after["time"] - before["time"] for before, after in zip(records, records[1:]))
+    assert longest_pause < STEADY_HEARTBEAT_TIMEOUT_S / 2
     final = f"checkpoints/step-{steps}"
     assert max_weight_difference(checkpoint_weights(healthy / final), checkpoint_weights(healed / final)) == 0.0
 
