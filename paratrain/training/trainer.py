@@ -28,9 +28,9 @@ from paratrain.debug import maybe_dump_gradients
 from paratrain.evaluation import check_evaluation
 from paratrain.gradients import clip_grad_norm
 from paratrain.launch import faults
+from paratrain.launch.joining_groups import maybe_join_replica_groups
 from paratrain.launch.preemption import StopSignals, end_on_signal
 from paratrain.launch.process_group import destroy_distributed
-from paratrain.launch.replica_groups import maybe_join_replica_groups
 from paratrain.launch.watchdog import StepWatchdog
 from paratrain.losses import LossFn
 from paratrain.nonfinite import NonFiniteWatch, step_optimizer

@@ -1,0 +1,175 @@
+"""How a rank joins its replica groups: the torchft Manager it builds (one lighthouse id per group, the address
+published to the group's other ranks), what a recovering peer receives and how a healed rank applies it, and the
+``ReplicaGroupSync`` the trainer then calls (``NoReplicaGroups`` where groups are off)."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+from collections.abc import Callable, Iterator
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from paratrain.config.schema import FaultToleranceConfig
+from paratrain.launch import faults
+from paratrain.launch.heal_agreement import heal_store
+from paratrain.launch.lighthouse import import_torchft
+from paratrain.launch.replica_groups import GroupCounts, NoReplicaGroups, ReplicaGroupSync
+from paratrain.launch.stuck_vote import StuckVoteWatch, group_ranks_on_this_host
+from paratrain.launch.torchft_adapters import (
+    announce_restart,
+    one_lighthouse_id_per_group,
+    recording_quorum_steps,
+    remembering_quorum_members,
+    weights_only_transport,
+)
+from paratrain.parallel.dims import ParallelDims
+
+logger = logging.getLogger("paratrain")
+# What a group restarting after a failure takes from a live peer is a resume's state without the RNG: each
+# rank keeps its own seeds.
+NOT_SENT_WHEN_HEALING = ("rng",)
+
+
+def maybe_join_replica_groups(
+    options: FaultToleranceConfig,
+    *,
+    dims: ParallelDims,
+    device: torch.device,
+    state: Callable[[], dict[str, Any]],
+    read_slice: Callable[[int], list[Any]],
+) -> ReplicaGroupSync | NoReplicaGroups:
+    """This rank's side of the replica groups when the run is one of several, else ``NoReplicaGroups``.
+
+    Args:
+        dims: The layout (``ft_enabled``: whether it has replica groups; where this rank reads in its group).
+        state: Every Stateful of a resume, under the names checkpoints use: a recovering peer receives it
+            (less the RNG), and a healed group loads what a live peer sent into it.
+        read_slice: Data-parallel reader r's micro-batches of the step being taken (``DataFeed.slice_batches``).
+    """
+    if not dims.ft_enabled:
+        return NoReplicaGroups()
+
+    def healing_state() -> dict[str, Any]:
+        return {name: part for name, part in state().items() if name not in NOT_SENT_WHEN_HEALING}
+
+    def heal(received: dict[str, Any]) -> None:
+        for name, part in healing_state().items():
+            part.load_state_dict(received[name])
+        logger.info("healed from a live replica group, no checkpoint read")
+
+    return build_replica_group_sync(
+        options,
+        device=device,
+        state_dict=lambda: {name: part.state_dict() for name, part in healing_state().items()},
+        load_state_dict=heal,
+        # Rank i of a live group reads what rank i of the missing group would: the same place in its group.
+        read_slice=lambda group: read_slice(group * dims.group_dp + dims.group_dp_rank),
+        counts=GroupCounts(),
+    )
+
+
+def build_replica_group_sync(
+    options: FaultToleranceConfig,
+    *,
+    device: torch.device,
+    state_dict: Callable[[], dict[str, Any]],
+    load_state_dict: Callable[[dict[str, Any]], None],
+    read_slice: Callable[[int], list[Any]],
+    counts: GroupCounts,
+) -> ReplicaGroupSync:
+    """This rank's Manager, joined to the group's torchrun store (MASTER_ADDR/MASTER_PORT, RANK/WORLD_SIZE).
+
+    Args:
+        state_dict: What a recovering peer receives (every Stateful of a resume).
+        load_state_dict: Applies what a live peer sent, when this group heals.
+        read_slice: Group h's micro-batches of the step being taken, for this rank (``batch: fixed``).
+    """
+    torchft = import_torchft("replica groups")
+    for name in ("torchft", "torchft_quorums", "torchft_commits"):  # per-step notes that drown the log
+        logging.getLogger(name).setLevel(logging.ERROR)
+    timeout = timedelta(seconds=options.timeout_s)
+    # gloo for CPU tensors; NCCL where the gradients live on GPUs (torchtitan's choice too).
+    base = torchft.ProcessGroupNCCL if device.type == "cuda" else torchft.ProcessGroupGloo
+    pg = remembering_quorum_members(base)(timeout=timeout)
+    sync: ReplicaGroupSync | None = None
+
+    def load_and_mark(state: dict[str, Any]) -> None:
+        # A peer's state is here, not yet applied: a kill now is a group dying while it heals.
+        faults.maybe_kill("mid_heal", step=manager.current_step(), rank=sync.rank)
+        load_state_dict(state)
+        sync.healed = True
+
+    rank = int(os.environ.get("RANK", 0))
+    faults.maybe_late_on_restart("late_manager_on_restart", rank=rank)
+    with manager_address_published(rank):
+        manager = _new_manager(torchft, options, pg=pg, load_state_dict=load_and_mark, state_dict=state_dict)
+    recording_quorum_steps(manager, pg)
+    sync = ReplicaGroupSync(
+        manager,
+        options=options,
+        process_group=pg,
+        read_slice=read_slice,
+        counts=counts,
+        rank=rank,
+        local_rank=int(os.environ.get("LOCAL_RANK", 0)),
+        heal_store=heal_store(timeout),
+        stuck_vote=StuckVoteWatch.start(siblings=group_ranks_on_this_host()),
+    )
+    return sync
+
+
+def _new_manager(
+    torchft: Any,
+    options: FaultToleranceConfig,
+    *,
+    pg: Any,
+    load_state_dict: Callable[[dict[str, Any]], None],
+    state_dict: Callable[[], dict[str, Any]],
+) -> Any:
+    timeout = timedelta(seconds=options.timeout_s)
+    with one_lighthouse_id_per_group(torchft):
+        manager = torchft.Manager(
+            pg=pg,
+            load_state_dict=load_state_dict,
+            state_dict=state_dict,
+            min_replica_size=options.min_replica_groups,
+            # Synchronous quorum: healing is applied before the step's batch is read, so the data position
+            # a peer sent decides that batch; and every group of the quorum takes part in the step, so who
+            # computes which slice follows from the quorum alone.
+            use_async_quorum=False,
+            timeout=timeout,
+            quorum_timeout=timedelta(seconds=options.quorum_timeout_s),
+            connect_timeout=timedelta(seconds=options.connect_timeout_s),
+            lighthouse_addr=options.lighthouse,
+            replica_id=f"paratrain_{options.replica_group}",
+            checkpoint_transport=weights_only_transport(timeout),
+            # Every group builds the same initial weights from train.seed: nothing to send at step 0.
+            init_sync=False,
+        )
+    announce_restart(manager)
+    return manager
+
+
+@contextlib.contextmanager
+def manager_address_published(rank: int) -> Iterator[None]:
+    """Holds the group's other ranks back until rank 0's Manager has written its address to the store.
+
+    torchft's Manager publishes rank 0's server address under a fixed key of the torchrun store, and
+    every other rank reads that key at once. A multi-node torchrun (static rendezvous) keeps its first
+    store across ``--max-restarts``, so a restarted rank could read the failed attempt's address and
+    never connect. The group's own process group is fresh per attempt (``init_distributed``), so its
+    barrier orders the write before the reads.
+    """
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        yield
+        return
+    if rank != 0:
+        dist.barrier()
+    yield
+    if rank == 0:
+        dist.barrier()
