@@ -321,13 +321,17 @@ def test_a_rank_that_sigterm_finds_in_a_vote_a_dead_rank_left_open_ends_at_once_
 
     The lighthouse takes a group for dead only after 60 s without heartbeats, yet group 0 steps on within
     seconds: the restarted group registers under the dead one's id, so the quorum need not wait for the dead
-    one's heartbeats to lapse (under a fresh id per restart, group 0 would pause 60 s)."""
+    one's heartbeats to lapse (under a fresh id per restart, group 0 paused 60 s). Group 0 committed step 5, so
+    only the restarted group's announcement (a failed commit) gives that quorum a new id: without it group 0 kept
+    its connections to the dead processes, failed its next step and took it again (seen), and group 1 waited
+    out timeout_s."""
     steps = 20
     alone = f"{reaches_its_kill_point(5)},slow_step:6-{steps},{together(15, steps)}"
     faults = {0: alone, 1: f"before_vote:5:1,{together(2, steps)}"}  # group 1 never steps without group 0
     _, groups = start_two_process_groups(tmp_path, steady_lighthouse, steps=steps, faults=faults, group_1_restarts=1)
-    _, healed_log = finish(groups)
+    healthy_log, healed_log = finish(groups)
     assert "a stop signal found this rank in its group's commit vote, the group's rank in process" in healed_log
+    assert "not committed" not in healthy_log
     assert "healed from a live replica group" in healed_log
     healthy, healed = tmp_path / "ft/replica-group-0", tmp_path / "ft/replica-group-1"
     records = read_metrics(healthy)
