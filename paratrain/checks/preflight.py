@@ -220,7 +220,7 @@ def _check_evaluation(config: Config, dims: ParallelDims) -> None:
 def check_compile(config: Config, dims: ParallelDims) -> None:
     """torch.compile binds the compiled forward to the original module, so nn.DataParallel's
     replicas would run the first GPU's weights on their inputs: refused rather than wrong."""
-    if config.parallel.compile and dims.strategy == "dp":
+    if config.parallel.compile and dims.dataparallel_enabled:
         raise ConfigError(
             "parallel.compile=true is not supported with parallel.strategy=dp (nn.DataParallel's replicas "
             "would run the compiled module of the first GPU); use strategy=ddp with one process per GPU, "
