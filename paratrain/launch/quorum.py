@@ -21,6 +21,8 @@ from paratrain.launch.preemption import received_stop_signal
 
 logger = logging.getLogger("paratrain")
 RETRY_PAUSE_S = 1.0
+# How often a retry's pause looks for a stop signal.
+STOP_POLL_S = 0.02
 # What torchft's quorum request raises when the lighthouse is gone: its RPC's timeout ("Timeout expired"),
 # a refused or reset connection.
 QUORUM_FAILURES = (TimeoutError, RuntimeError, ConnectionError)
@@ -30,8 +32,9 @@ def join_quorum(manager: Any, *, lighthouse: str, wait_s: float, group: int, ste
     """``manager.start_quorum()``, asked again while it fails, for up to ``wait_s`` after the first failure.
 
     Raises:
-        StoppedAwaitingQuorum: at a failure after this process received a stop signal (``launch/preemption.py``):
-            torchrun stopping the group, one of whose ranks died, waits for nothing else.
+        StoppedAwaitingQuorum: at a failure, or in the pause before asking again, once this process received a
+            stop signal (``launch/preemption.py``): torchrun stopping the group, one of whose ranks died, waits
+            for nothing else.
         LighthouseLost: once ``wait_s`` has passed without a quorum, naming the lighthouse and whether it
             answers; the caller's group stops, every step before this one committed.
     """
@@ -62,7 +65,19 @@ def join_quorum(manager: Any, *, lighthouse: str, wait_s: float, group: int, ste
                 wait_s - (now - first_failure),
             )  # fmt: skip
             manager._quorum_future = None  # torchft would raise this failure again from every later request
-            time.sleep(RETRY_PAUSE_S)
+            stop = pause_unless_stopped(RETRY_PAUSE_S)
+            if stop is not None:
+                raise StoppedAwaitingQuorum(step=step, group=group, signal_name=stop, cause=cause) from error
+
+
+def pause_unless_stopped(seconds: float) -> str | None:
+    """Sleeps ``seconds``, or until a stop signal arrives; returns the signal's name, or None. A signal handler
+    that returns does not cut ``time.sleep`` short, and torchrun stopping a group whose rank died waits for this
+    rank: a whole pause cost every live group about a second a kill (a rank whose manager's host died)."""
+    deadline = time.monotonic() + seconds
+    while (stop := received_stop_signal()) is None and time.monotonic() < deadline:
+        time.sleep(min(STOP_POLL_S, max(deadline - time.monotonic(), 0.0)))
+    return stop
 
 
 def lighthouse_answers(address: str) -> bool:
