@@ -25,7 +25,6 @@ import json
 import os
 import random
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -37,7 +36,7 @@ import yaml
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from tests.harness import tiny_config, worker_pids  # noqa: E402 - the repository's own harness, after its path
+from tests.harness import free_loopback_port, tiny_config, worker_pids  # noqa: E402 - the repository's own harness, after its path
 
 KINDS = ["replica groups", "restart-all"]
 
@@ -49,6 +48,16 @@ def cli(args: list[str], log: Path) -> subprocess.Popen:
         return subprocess.Popen(
             [sys.executable, "-m", "paratrain.cli", *args], env=env, cwd=REPO, stdout=stream, stderr=subprocess.STDOUT
         )
+
+
+def start_lighthouse(work: Path) -> tuple[subprocess.Popen, str]:
+    """A `paratrain lighthouse` on a free loopback port, at its defaults as a user starts it (a restarted group is
+    let in as soon as it asks, whatever the heartbeat timeout: it registers under the dead one's id); the process
+    and the address the groups' config names."""
+    port = free_loopback_port()
+    lighthouse = cli(["lighthouse", "--bind", f"127.0.0.1:{port}"], work / "lighthouse.log")
+    time.sleep(3)
+    return lighthouse, f"http://127.0.0.1:{port}"
 
 
 def records(output_dir: Path) -> list[dict]:
@@ -121,13 +130,7 @@ def main() -> None:
     steps = args.first + args.gap * args.kills + 2 * args.gap  # no kill near the end: a group must find a peer
     schedule = [(args.first + args.gap * k, 2 if k == args.double else 1) for k in range(args.kills)]
     work = Path(tempfile.mkdtemp(prefix="chaos-ft-"))
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    # The lighthouse's defaults, as a user starts it: a restarted group is let in as soon as it asks, whatever
-    # the heartbeat timeout (it registers under the dead one's id).
-    lighthouse = cli(["lighthouse", "--bind", f"127.0.0.1:{port}"], work / "lighthouse.log")
-    time.sleep(3)
+    lighthouse, address = start_lighthouse(work)
     groups, procs = args.groups, args.procs
     train = {"max_steps": steps, "global_batch_size": 4 * groups * procs, "micro_batch_size": 4, "seed": 0}
     results = {}
@@ -135,7 +138,7 @@ def main() -> None:
         for kills in (False, True):
             out = work / f"{kind.replace(' ', '-')}-{'kills' if kills else 'base'}"
             config = tiny_config(out, train=train, checkpoint={"every_steps": args.every, "keep_last": 2})
-            fault_tolerance = {"lighthouse": f"http://127.0.0.1:{port}", "timeout_s": 5, "batch": args.batch}
+            fault_tolerance = {"lighthouse": address, "timeout_s": 5, "batch": args.batch}
             config["parallel"] = {"fault_tolerance": fault_tolerance}
             path = work / f"{out.name}.yaml"
             path.write_text(yaml.safe_dump(config))

@@ -14,7 +14,6 @@ hsdp. Not part of the suite; results belong in docs/benchmarks.md.
 from __future__ import annotations
 
 import argparse
-import socket
 import statistics
 import sys
 import tempfile
@@ -26,7 +25,7 @@ import yaml
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from benchmarks.chaos_replica_groups import cli, records  # noqa: E402 - the sibling benchmark, after the path
+from benchmarks.chaos_replica_groups import cli, records, start_lighthouse  # noqa: E402 - the sibling benchmark, after the path
 from tests.harness import tiny_config  # noqa: E402 - the repository's own harness, after its path
 
 
@@ -83,12 +82,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     args = parser.parse_args()
     work = Path(tempfile.mkdtemp(prefix="ft-overhead-"))
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    lighthouse_process = cli(["lighthouse", "--bind", f"127.0.0.1:{port}"], work / "lighthouse.log")
-    time.sleep(3)
-    lighthouse = f"http://127.0.0.1:{port}"
+    lighthouse_process, lighthouse = start_lighthouse(work)
     step_ratios, wall_ratios = [], []
     print(f"{args.groups} x {args.procs} processes, {args.steps} steps, steady after {args.warmup} ({work})")
     print("| round | hsdp: step, wall | replica groups: step, wall | step, groups / hsdp | wall, groups / hsdp |")
