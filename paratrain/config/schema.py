@@ -200,6 +200,11 @@ class FaultToleranceConfig(Section):
     timeout_s: float = Field(10.0, gt=0)
     """Timeout of the cross-group collectives: a group that stops answering for longer is left out of the
     step (the others' step is not committed and is retried in the next quorum)."""
+    rendezvous_timeout_s: float = Field(2.0, gt=0)
+    """How long the groups of a new quorum have to connect their cross-group process group on CPU (gloo). Every
+    member connects as soon as the lighthouse answers them all at once, within milliseconds; one that has not
+    connected by then died after joining the quorum, and the live groups retake the step in a new quorum instead
+    of waiting out timeout_s. (NCCL connects at the first all-reduce, under timeout_s.)"""
     quorum_timeout_s: float = Field(120.0, gt=0)
     """How long a step waits for a quorum of min_replica_groups groups. Keep it above the lighthouse's
     --join-timeout-ms (60 s by default): the lighthouse waits that long for a live group that is slow to ask

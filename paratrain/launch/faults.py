@@ -22,10 +22,11 @@ vote, so the group's other ranks wait in the vote for it.
 after its peers (the order that once let them read the failed attempt's address).
 ``fail_first_configure:<attempt>[:<rank>]`` fails a rank's first configure of its cross-group process group in
 torchrun's attempt ``attempt`` only (its step field; 1 is the first restart), as when the peer group it was to
-heal from died in that quorum: the rank does not heal. A step may be a range ``A-B``
+heal from died in that quorum: the rank does not heal. ``kill_first_configure:<attempt>[:<rank>]`` kills the rank
+there instead, in that attempt only: its group died right after joining the quorum. A step may be a range ``A-B``
 (``slow_step:6-40``). Several faults are separated by commas
 (``sigterm_mid_async_save:20:1,slow_async_save:20``). With the variable unset, nothing happens. A fault
-other than those two and ``wait_for_groups`` fires in the first attempt only: workers that torchrun restarts
+other than those three and ``wait_for_groups`` fires in the first attempt only: workers that torchrun restarts
 (``TORCHELASTIC_RESTART_COUNT`` > 0) run through, so a restart can be shown to recover. ``wait_for_groups``
 holds in every attempt: a fixed point a restarted group reaches is one all the same.
 """
@@ -68,6 +69,13 @@ def maybe_fail(point: str, *, rank: int) -> None:
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     if _fires(point, step=attempt, rank=rank, in_restart=attempt > 0):
         raise RuntimeError(f"{ENV_VAR}: {point} in attempt {attempt} on rank {rank}")
+
+
+def maybe_kill_in_attempt(point: str, *, rank: int) -> None:
+    """SIGKILL at ``point`` (``kill_first_configure``) in the attempt the spec names as its step."""
+    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    if _fires(point, step=attempt, rank=rank, in_restart=attempt > 0):
+        os.kill(os.getpid(), signal.SIGKILL)
 
 
 def maybe_poison_gradients(point: str, model: torch.nn.Module, *, step: int, rank: int) -> None:

@@ -22,6 +22,7 @@ from paratrain.launch.replica_groups import GroupCounts, NoReplicaGroups, Replic
 from paratrain.launch.stuck_vote import StuckVoteWatch, group_ranks_on_this_host
 from paratrain.launch.torchft_adapters import (
     announce_restart,
+    connecting_within,
     one_lighthouse_id_per_group,
     recording_quorum_steps,
     remembering_quorum_members,
@@ -94,7 +95,10 @@ def build_replica_group_sync(
         logging.getLogger(name).setLevel(logging.ERROR)
     timeout = timedelta(seconds=options.timeout_s)
     # gloo for CPU tensors; NCCL where the gradients live on GPUs (torchtitan's choice too).
-    base = torchft.ProcessGroupNCCL if device.type == "cuda" else torchft.ProcessGroupGloo
+    if device.type == "cuda":
+        base = torchft.ProcessGroupNCCL
+    else:
+        base = connecting_within(torchft.ProcessGroupGloo, timedelta(seconds=options.rendezvous_timeout_s))
     pg = remembering_quorum_members(base)(timeout=timeout)
     sync: ReplicaGroupSync | None = None
 

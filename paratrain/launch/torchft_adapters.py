@@ -11,6 +11,8 @@ from collections.abc import Iterator
 from datetime import timedelta
 from typing import Any
 
+import torch
+
 from paratrain.launch import faults
 
 
@@ -45,6 +47,7 @@ def remembering_quorum_members(base: type) -> type:
             if not self.configured:  # the start-up quorum's, where a starting group heals
                 self.configured = True
                 faults.maybe_fail("fail_first_configure", rank=group_rank or 0)
+                faults.maybe_kill_in_attempt("kill_first_configure", rank=group_rank or 0)
             super().configure(
                 f"{store_addr}/step-{self.quorum_step}",
                 replica_id,
@@ -57,6 +60,37 @@ def remembering_quorum_members(base: type) -> type:
             )
 
     return QuorumMembers
+
+
+def connecting_within(base: type, rendezvous: timedelta) -> type:
+    """torchft's gloo process group ``base``, whose ranks give up connecting to each other after ``rendezvous``
+    while its collectives keep their own timeout (the one it is built with, ``timeout_s``).
+
+    torchft gives gloo one timeout for both, so a quorum member that died after joining the quorum (killed right
+    after its ranks asked for it) held the live ranks paired with its dead one in the connection set-up for all
+    of ``timeout_s`` (6.2-6.5 s a kill in the chaos benchmark, with ``timeout_s`` 5 s), though every member
+    connects within milliseconds of the lighthouse answering them all at once. Giving up fails that step's
+    configure; torchft reports the error, the step is not committed and is retaken in the next quorum, which
+    holds the dead group's restart."""
+
+    class ConnectingWithin(base):
+        def _create_pg(self, store: Any, rank: int, world_size: int) -> Any:
+            collective_timeout = self._timeout
+            self._timeout = min(rendezvous, collective_timeout)  # torchft builds gloo's backend with this one
+            try:
+                process_group = super()._create_pg(store, rank, world_size)
+            except torch.distributed.DistStoreError as error:  # a peer's address never came
+                raise RuntimeError(
+                    f"the quorum's groups did not all connect within parallel.fault_tolerance.rendezvous_timeout_s="
+                    f"{rendezvous.total_seconds():g} s (a group died after joining the quorum, or this rank was "
+                    f"starved of the CPU that long): the step is retaken in a new quorum ({error})"
+                ) from error
+            finally:
+                self._timeout = collective_timeout
+            process_group._get_backend(torch.device("cpu"))._set_default_timeout(collective_timeout)
+            return process_group
+
+    return ConnectingWithin
 
 
 def recording_quorum_steps(manager: Any, process_group: Any) -> None:

@@ -54,6 +54,9 @@ QUORUM_TIMEOUT_S = JOIN_TIMEOUT_S + 60
 # test checks), so they keep 1 s.
 HEARTBEAT_TIMEOUT_S = 1.0
 STEADY_HEARTBEAT_TIMEOUT_S = 60.0
+# Likewise a rank starved for rendezvous_timeout_s (2 s) as its quorum connects makes the groups retake that step
+# (right, and harmless), which the tests counting retaken steps do not expect: they give it as long as a join.
+STEADY_RENDEZVOUS_TIMEOUT_S = JOIN_TIMEOUT_S
 
 
 def start_lighthouse(port: int, log: Path, *, heartbeat_timeout_s: float) -> subprocess.Popen:
@@ -175,6 +178,7 @@ def test_under_shrink_a_killed_group_heals_from_its_live_peer_while_the_peer_kee
     steps, killed_after, back_by = 40, 5, 30
     # batch: shrink, the live group trains on its own slice alone while its peer is away.
     ft = {"lighthouse": lighthouse, "quorum_timeout_s": QUORUM_TIMEOUT_S, "batch": "shrink"}
+    ft["rendezvous_timeout_s"] = STEADY_RENDEZVOUS_TIMEOUT_S
     parallel = {"fault_tolerance": ft}
     config = write_config(
         tmp_path / "c.yaml", tiny_config(tmp_path / "ft", parallel=parallel, train={"max_steps": steps})
@@ -273,6 +277,7 @@ def start_two_process_groups(
     """Two groups of two processes (fsdp inside each) training ``steps`` steps, group g with the fault
     ``faults[g]``, group 1 restarted by torchrun up to ``group_1_restarts`` times; returns the config and groups."""
     ft = {"lighthouse": lighthouse, "quorum_timeout_s": QUORUM_TIMEOUT_S}
+    ft["rendezvous_timeout_s"] = STEADY_RENDEZVOUS_TIMEOUT_S
     sections = {"parallel": {"dp_shard": 2, "fault_tolerance": ft}, "train": {"max_steps": steps}}
     config = write_config(tmp_path / "c.yaml", tiny_config(tmp_path / "ft", **sections))
     two = ["--nproc-per-node", "2"]
@@ -338,6 +343,39 @@ def test_a_rank_that_sigterm_finds_in_a_vote_a_dead_rank_left_open_ends_at_once_
     assert [record["step"] for record in records] == list(range(1, steps + 1))
     longest_pause = max(after["time"] - before["time"] for before, after in zip(records, records[1:]))
     assert longest_pause < STEADY_HEARTBEAT_TIMEOUT_S / 2
+    final = f"checkpoints/step-{steps}"
+    assert max_weight_difference(checkpoint_weights(healthy / final), checkpoint_weights(healed / final)) == 0.0
+
+
+def test_a_group_killed_right_after_joining_a_quorum_holds_the_live_group_for_the_rendezvous_not_the_timeout(
+    tmp_path, steady_lighthouse
+):
+    """Groups of two processes. Group 1's rank 0 dies after step 5; in torchrun's restart of the group, rank 1 dies
+    as soon as the quorum that takes the group back in has answered, before it connects to its peers there. Group
+    0's rank 1, paired with it in that quorum's process group, gives up connecting after rendezvous_timeout_s (2 s,
+    the default) instead of timeout_s (60 s here); group 0 retakes the step in the next quorum, where group 1's
+    second restart heals, and both end with the same weights."""
+    steps = 20
+    timeout_s = 60
+    ft = {"lighthouse": steady_lighthouse, "quorum_timeout_s": QUORUM_TIMEOUT_S, "timeout_s": timeout_s}
+    sections = {"parallel": {"dp_shard": 2, "fault_tolerance": ft}, "train": {"max_steps": steps}}
+    config = write_config(tmp_path / "c.yaml", tiny_config(tmp_path / "ft", **sections))
+    two = ["--nproc-per-node", "2"]
+    alone = f"{reaches_its_kill_point(5)},slow_step:6-{steps},{together(15, steps)}"
+    dies_twice = f"after_step:5:0,kill_first_configure:1:1,{together(2, steps)}"
+    groups = start_groups(
+        config,
+        extra={0: two, 1: [*two, "--max-restarts", "2"]},
+        env={0: {"PARATRAIN_FAULT": alone}, 1: {"PARATRAIN_FAULT": dies_twice}},
+    )
+    healthy_log, healed_log = finish(groups)
+    assert healed_log.count("exitcode: -9") == 2 and "healed from a live replica group" in healed_log
+    assert "did not all connect within parallel.fault_tolerance.rendezvous_timeout_s=2 s" in healthy_log
+    healthy, healed = tmp_path / "ft/replica-group-0", tmp_path / "ft/replica-group-1"
+    records = read_metrics(healthy)
+    assert [record["step"] for record in records] == list(range(1, steps + 1))
+    longest_pause = max(after["time"] - before["time"] for before, after in zip(records, records[1:]))
+    assert longest_pause < timeout_s / 2
     final = f"checkpoints/step-{steps}"
     assert max_weight_difference(checkpoint_weights(healthy / final), checkpoint_weights(healed / final)) == 0.0
 
@@ -429,6 +467,7 @@ def test_a_group_killed_while_it_heals_costs_the_live_group_a_retaken_step_and_h
     slices: the run still trains as one process does undisturbed."""
     steps = 30
     ft = {"lighthouse": lighthouse, "quorum_timeout_s": QUORUM_TIMEOUT_S}
+    ft["rendezvous_timeout_s"] = STEADY_RENDEZVOUS_TIMEOUT_S
     config = write_config(
         tmp_path / "c.yaml", tiny_config(tmp_path / "ft", parallel={"fault_tolerance": ft}, train={"max_steps": steps})
     )
@@ -465,6 +504,7 @@ def test_every_group_restarted_from_checkpoints_of_different_steps_trains_exactl
     waiting out a failed all-reduce."""
     steps = 20
     ft = {"lighthouse": lighthouse, "quorum_timeout_s": QUORUM_TIMEOUT_S}
+    ft["rendezvous_timeout_s"] = STEADY_RENDEZVOUS_TIMEOUT_S
     sections = {"parallel": {"fault_tolerance": ft}, "train": {"max_steps": steps}, "checkpoint": {"every_steps": 5}}
     config = write_config(tmp_path / "c.yaml", tiny_config(tmp_path / "ft", **sections))
     faults = {

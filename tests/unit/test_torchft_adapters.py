@@ -15,7 +15,7 @@ from tests.harness import free_loopback_port
 
 torchft = pytest.importorskip("torchft", reason="replica groups need the ft extra: pip install 'paratrain[ft]'")
 
-from paratrain.launch.torchft_adapters import remembering_quorum_members  # noqa: E402
+from paratrain.launch.torchft_adapters import connecting_within, remembering_quorum_members  # noqa: E402
 
 
 def configure_and_sum(groups: list, store: str, quorum_id: int, quorum_step: int) -> list[float]:
@@ -49,6 +49,38 @@ def test_a_restarted_lighthouses_quorum_ids_name_fresh_rendezvous_in_the_same_st
         assert configure_and_sum(groups, f"{prefix}/2/0", quorum_id=2, quorum_step=4) == [3.0, 3.0]
         # The lighthouse restarted after step 6: its first quorum is id 1 again.
         assert configure_and_sum(groups, f"{prefix}/1/0", quorum_id=1, quorum_step=6) == [3.0, 3.0]
+    finally:
+        for group in groups:
+            group.abort(errored=False)
+        del server
+
+
+def test_ranks_give_up_connecting_after_the_rendezvous_timeout_and_keep_the_collective_timeout():
+    """A quorum member that never connects (it died after joining) fails the live rank's configure after the
+    rendezvous timeout, not the collective one; once connected, a collective waits as long as the collective
+    timeout allows (rank 1 comes to the all-reduce later than the rendezvous timeout)."""
+    port = free_loopback_port()
+    server = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False)
+    group_class = remembering_quorum_members(connecting_within(torchft.ProcessGroupGloo, timedelta(seconds=0.5)))
+    groups = [group_class(timeout=timedelta(seconds=30)) for _ in range(2)]
+    prefix = f"127.0.0.1:{port}/torchft"
+    try:
+        started = time.monotonic()
+        with pytest.raises(RuntimeError, match="did not all connect within .*rendezvous_timeout_s=0.5 s"):
+            groups[0].configure(f"{prefix}/1/0", "paratrain_0", 0, 2, 1, 0, 1, [0, 1])
+        assert time.monotonic() - started < 10
+
+        def late_rank(rank: int) -> float:
+            group = groups[rank]
+            group.quorum_step = 1
+            group.configure(f"{prefix}/2/0", f"paratrain_{rank}", rank, 2, 2, 0, 1, [0, 1])
+            time.sleep(rank * 1.5)  # three rendezvous timeouts
+            tensor = torch.tensor([rank + 1.0])
+            group.allreduce([tensor], dist.AllreduceOptions()).wait()
+            return tensor.item()
+
+        with ThreadPoolExecutor(2) as pool:
+            assert list(pool.map(late_rank, range(2))) == [3.0, 3.0]
     finally:
         for group in groups:
             group.abort(errored=False)
