@@ -14,6 +14,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from paratrain.checkpoint.state import OptimizerState, SameLayoutOptimizerState
 from paratrain.config.schema import FaultToleranceConfig
 from paratrain.launch import faults
 from paratrain.launch.heal_agreement import heal_store
@@ -56,7 +57,7 @@ def maybe_join_replica_groups(
         return NoReplicaGroups()
 
     def healing_state() -> dict[str, Any]:
-        return {name: part for name, part in state().items() if name not in NOT_SENT_WHEN_HEALING}
+        return {name: sent_to_a_peer(part) for name, part in state().items() if name not in NOT_SENT_WHEN_HEALING}
 
     def heal(received: dict[str, Any]) -> None:
         for name, part in healing_state().items():
@@ -72,6 +73,12 @@ def maybe_join_replica_groups(
         read_slice=lambda group: read_slice(group * dims.group_dp + dims.group_dp_rank),
         counts=GroupCounts(),
     )
+
+
+def sent_to_a_peer(part: Any) -> Any:
+    """What of ``part`` a recovering peer receives and loads: every group builds the same optimizer on the same inner
+    layout, so the optimizer goes as its own state dict (``SameLayoutOptimizerState``)."""
+    return SameLayoutOptimizerState(part.optimizer) if isinstance(part, OptimizerState) else part
 
 
 def build_replica_group_sync(

@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import gc
+import io
 import json
 import time
 from dataclasses import dataclass
@@ -15,7 +16,14 @@ from paratrain.checkpoint import writer as writer_module
 from paratrain.checkpoint.hashing import HashingWriter
 from paratrain.checkpoint.manifest import is_complete
 from paratrain.checkpoint.safe_reader import SafeFileSystemReader
-from paratrain.checkpoint.state import ModelState, OptimizerState, Progress, RNGState, cuda_generator_names
+from paratrain.checkpoint.state import (
+    ModelState,
+    OptimizerState,
+    Progress,
+    RNGState,
+    SameLayoutOptimizerState,
+    cuda_generator_names,
+)
 from paratrain.errors import CheckpointError
 
 
@@ -135,6 +143,34 @@ def test_an_optimizer_state_loads_whole_into_an_optimizer_whose_parameters_hold_
     OptimizerState(receiver, fresh).load_state_dict(sent)
     for mine, theirs in zip(receiver.parameters(), source.parameters()):
         assert mine.grad is None
+        for name in ("step", "exp_avg", "exp_avg_sq"):
+            torch.testing.assert_close(fresh.state[mine][name], optimizer.state[theirs][name], rtol=0, atol=0)
+
+
+def test_a_peer_on_the_same_layout_receives_the_optimizer_state_as_bytes_loaded_weights_only_and_steps_alike():
+    """A replica group heals from a live one built by the same config: the optimizer's own state dict goes through
+    bytes read with weights_only=True, into a fresh optimizer whose parameters still hold an uncommitted step's
+    gradients, and both then take the same step to the same weights."""
+    torch.manual_seed(0)
+    source = torch.nn.Linear(4, 3)
+    optimizer = torch.optim.AdamW(source.parameters(), lr=0.1)
+    source(torch.randn(2, 4)).sum().backward()
+    optimizer.step()
+    sent = io.BytesIO()
+    torch.save(SameLayoutOptimizerState(optimizer).state_dict(), sent)
+    receiver = torch.nn.Linear(4, 3)
+    receiver.load_state_dict(source.state_dict())
+    fresh = torch.optim.AdamW(receiver.parameters(), lr=0.5)
+    receiver(torch.randn(2, 4)).sum().backward()  # the uncommitted step's gradients
+    SameLayoutOptimizerState(fresh).load_state_dict(torch.load(io.BytesIO(sent.getvalue()), weights_only=True))
+    assert fresh.param_groups[0]["lr"] == 0.1  # the peer's settings, as a checkpoint's
+    batch = torch.randn(2, 4)
+    for model, its_optimizer in ((source, optimizer), (receiver, fresh)):
+        its_optimizer.zero_grad(set_to_none=True)
+        model(batch).sum().backward()
+        its_optimizer.step()
+    for mine, theirs in zip(receiver.parameters(), source.parameters(), strict=True):
+        torch.testing.assert_close(mine, theirs, rtol=0, atol=0)
         for name in ("step", "exp_avg", "exp_avg_sq"):
             torch.testing.assert_close(fresh.state[mine][name], optimizer.state[theirs][name], rtol=0, atol=0)
 
