@@ -82,26 +82,6 @@ class OptimizerState(Stateful):
 
 
 @dataclass
-class SameLayoutOptimizerState(Stateful):
-    """The optimizer's own state dict (moments keyed by parameter position), for a peer whose optimizer was built
-    by the same config on the same layout: a replica group healing from a live one.
-
-    DCP's set_optimizer_state_dict first creates the state it loads into by an optimizer step on zero gradients.
-    In a restarted process that step is cold (DTensor works out the sharding of each foreach op anew, about 0.13 s)
-    and the first real step was as cold again, while every live group waited. The optimizer's own load_state_dict
-    fills an empty optimizer directly, leaving one cold step. Only checkpoints, which a resume may read into
-    another layout, need the parameter names DCP keys the state by."""
-
-    optimizer: torch.optim.Optimizer
-
-    def state_dict(self) -> dict[str, Any]:
-        return self.optimizer.state_dict()
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self.optimizer.load_state_dict(state_dict)
-
-
-@dataclass
 class Progress(Stateful):
     """Optimizer steps completed."""
 

@@ -8,13 +8,14 @@ import contextlib
 import logging
 import os
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint.stateful import Stateful
 
-from paratrain.checkpoint.state import OptimizerState, SameLayoutOptimizerState
 from paratrain.config.schema import FaultToleranceConfig
 from paratrain.launch import faults
 from paratrain.launch.heal_agreement import heal_store
@@ -57,7 +58,7 @@ def maybe_join_replica_groups(
         return NoReplicaGroups()
 
     def healing_state() -> dict[str, Any]:
-        return {name: sent_to_a_peer(part) for name, part in state().items() if name not in NOT_SENT_WHEN_HEALING}
+        return {name: sent_to_a_peer(name, part) for name, part in state().items() if name not in NOT_SENT_WHEN_HEALING}
 
     def heal(received: dict[str, Any]) -> None:
         for name, part in healing_state().items():
@@ -75,10 +76,30 @@ def maybe_join_replica_groups(
     )
 
 
-def sent_to_a_peer(part: Any) -> Any:
-    """What of ``part`` a recovering peer receives and loads: every group builds the same optimizer on the same inner
-    layout, so the optimizer goes as its own state dict (``SameLayoutOptimizerState``)."""
-    return SameLayoutOptimizerState(part.optimizer) if isinstance(part, OptimizerState) else part
+def sent_to_a_peer(name: str, part: Any) -> Any:
+    """What of the Stateful ``part`` (a checkpoint's entry ``name``) a recovering peer receives and loads: every
+    group builds the same optimizer on the same inner layout, so the optimizer goes as its own state dict."""
+    return SameLayoutOptimizerState(part.optimizer) if name == "optimizer" else part
+
+
+@dataclass
+class SameLayoutOptimizerState(Stateful):
+    """The optimizer's own state dict (moments keyed by parameter position), for a peer whose optimizer was built
+    by the same config on the same layout: a replica group healing from a live one.
+
+    DCP's set_optimizer_state_dict first creates the state it loads into by an optimizer step on zero gradients.
+    In a restarted process that step is cold (DTensor works out the sharding of each foreach op anew, about 0.13 s)
+    and the first real step was as cold again, while every live group waited. The optimizer's own load_state_dict
+    fills an empty optimizer directly, leaving one cold step. Only checkpoints, which a resume may read into
+    another layout, need the parameter names DCP keys the state by."""
+
+    optimizer: torch.optim.Optimizer
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.optimizer.state_dict()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.optimizer.load_state_dict(state_dict)
 
 
 def build_replica_group_sync(

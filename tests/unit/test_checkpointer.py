@@ -21,10 +21,10 @@ from paratrain.checkpoint.state import (
     OptimizerState,
     Progress,
     RNGState,
-    SameLayoutOptimizerState,
     cuda_generator_names,
 )
 from paratrain.errors import CheckpointError
+from paratrain.launch.joining_groups import SameLayoutOptimizerState
 
 
 def make_checkpointer(tmp_path, keep_last=2) -> Checkpointer:
