@@ -99,7 +99,14 @@ class SameLayoutOptimizerState(Stateful):
         return self.optimizer.state_dict()
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self.optimizer.load_state_dict(state_dict)
+        # Copies: load_state_dict keeps tensors of the right dtype and device as they are, and these were read
+        # straight out of the received bytes (read-only, and not aligned as torch allocates), which every step
+        # would then update in place.
+        copied = {
+            index: {key: value.clone() if isinstance(value, torch.Tensor) else value for key, value in entry.items()}
+            for index, entry in state_dict["state"].items()
+        }
+        self.optimizer.load_state_dict({**state_dict, "state": copied})
 
 
 def build_replica_group_sync(
