@@ -315,6 +315,18 @@ def test_a_group_whose_ranks_heal_unalike_stops_and_its_restart_heals_every_rank
         assert max_weight_difference(checkpoint_weights(group / final), checkpoint_weights(single / final)) <= 1e-5
 
 
+def assert_group_0_stepped_once_each_step_and_ends_as_group_1(tmp_path: Path, steps: int, *, pause_below: float):
+    """Group 0 (alive throughout) logged each step once, never paused ``pause_below`` or longer between two steps,
+    and ends with the weights of group 1 (which healed from it)."""
+    healthy, healed = tmp_path / "ft/replica-group-0", tmp_path / "ft/replica-group-1"
+    records = read_metrics(healthy)
+    assert [record["step"] for record in records] == list(range(1, steps + 1))
+    longest_pause = max(after["time"] - before["time"] for before, after in zip(records, records[1:]))
+    assert longest_pause < pause_below
+    final = f"checkpoints/step-{steps}"
+    assert max_weight_difference(checkpoint_weights(healthy / final), checkpoint_weights(healed / final)) == 0.0
+
+
 def test_a_rank_that_sigterm_finds_in_a_vote_a_dead_rank_left_open_ends_at_once_and_its_group_heals(
     tmp_path, steady_lighthouse
 ):
@@ -338,13 +350,9 @@ def test_a_rank_that_sigterm_finds_in_a_vote_a_dead_rank_left_open_ends_at_once_
     assert "a stop signal found this rank in its group's commit vote, the group's rank in process" in healed_log
     assert "not committed" not in healthy_log
     assert "healed from a live replica group" in healed_log
-    healthy, healed = tmp_path / "ft/replica-group-0", tmp_path / "ft/replica-group-1"
-    records = read_metrics(healthy)
-    assert [record["step"] for record in records] == list(range(1, steps + 1))
-    longest_pause = max(after["time"] - before["time"] for before, after in zip(records, records[1:]))
-    assert longest_pause < STEADY_HEARTBEAT_TIMEOUT_S / 2
-    final = f"checkpoints/step-{steps}"
-    assert max_weight_difference(checkpoint_weights(healthy / final), checkpoint_weights(healed / final)) == 0.0
+    assert_group_0_stepped_once_each_step_and_ends_as_group_1(
+        tmp_path, steps, pause_below=STEADY_HEARTBEAT_TIMEOUT_S / 2
+    )
 
 
 def test_a_group_killed_right_after_joining_a_quorum_holds_the_live_group_for_the_rendezvous_not_the_timeout(
@@ -371,13 +379,7 @@ def test_a_group_killed_right_after_joining_a_quorum_holds_the_live_group_for_th
     healthy_log, healed_log = finish(groups)
     assert healed_log.count("exitcode: -9") == 2 and "healed from a live replica group" in healed_log
     assert "did not all connect within parallel.fault_tolerance.rendezvous_timeout_s=2 s" in healthy_log
-    healthy, healed = tmp_path / "ft/replica-group-0", tmp_path / "ft/replica-group-1"
-    records = read_metrics(healthy)
-    assert [record["step"] for record in records] == list(range(1, steps + 1))
-    longest_pause = max(after["time"] - before["time"] for before, after in zip(records, records[1:]))
-    assert longest_pause < timeout_s / 2
-    final = f"checkpoints/step-{steps}"
-    assert max_weight_difference(checkpoint_weights(healthy / final), checkpoint_weights(healed / final)) == 0.0
+    assert_group_0_stepped_once_each_step_and_ends_as_group_1(tmp_path, steps, pause_below=timeout_s / 2)
 
 
 def test_groups_that_a_preemption_finds_in_their_commit_votes_still_stop_together_and_save(tmp_path, steady_lighthouse):
