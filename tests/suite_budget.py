@@ -33,7 +33,10 @@ DEFAULT_LAUNCHES = 4
 # Python processes per file, as counted in a full `make test` (the session's last lines print them), with
 # about a fifth to spare: restarts after a kill land a process or two either way.
 LAUNCHES: dict[str, int] = {
+    # The files sharing the session's rank pool (tests/distributed/conftest.py): whichever runs first on its
+    # worker starts the pool, four ranks and multiprocessing's resource tracker.
     "tests/distributed/test_auto_layout.py": 6,
+    "tests/distributed/test_checkpoint_damage.py": 6,
     "tests/distributed/test_layers.py": 6,
     "tests/integration/test_bad_input.py": 8,
     "tests/integration/test_cli.py": 17,

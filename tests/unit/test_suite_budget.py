@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import ast
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 from tests import suite_budget
+from tests.distributed.conftest import POOL_WORLD_SIZE
+
+TESTS = Path(__file__).resolve().parents[1]
 
 
 def test_every_python_process_started_counts_itself_in_the_running_files_log(tmp_path):
@@ -22,3 +27,20 @@ def test_a_file_over_its_budget_is_named_with_the_fix_and_one_within_is_not(monk
     lines = suite_budget.over_budget({"tests/a.py": 10, "tests/b.py": suite_budget.DEFAULT_LAUNCHES + 1})
     assert len(lines) == 1
     assert "tests/b.py started 5 Python processes" in lines[0] and "share a launch" in lines[0]
+
+
+def test_every_file_sharing_the_rank_pool_may_start_it_with_its_resource_tracker():
+    # Which of these files starts the session's pool depends on how the files fall to the workers.
+    pool_launches = POOL_WORLD_SIZE + 1
+    for path in _files_taking_the_ranks_fixture():
+        assert suite_budget.LAUNCHES.get(path, suite_budget.DEFAULT_LAUNCHES) >= pool_launches, path
+
+
+def _files_taking_the_ranks_fixture() -> list[str]:
+    files = []
+    for path in sorted(TESTS.rglob("test_*.py")):
+        functions = [node for node in ast.walk(ast.parse(path.read_text())) if isinstance(node, ast.FunctionDef)]
+        if any(argument.arg == "ranks" for function in functions for argument in function.args.args):
+            files.append(path.relative_to(TESTS.parent).as_posix())
+    assert files, "no test takes the ranks fixture: the check below would pass on nothing"
+    return files
