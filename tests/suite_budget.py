@@ -14,6 +14,7 @@ raise its entry in ``LAUNCHES`` with the reason. The end of the session prints t
 from __future__ import annotations
 
 import collections
+import multiprocessing.resource_tracker
 import os
 import resource
 import tempfile
@@ -33,10 +34,7 @@ DEFAULT_LAUNCHES = 4
 # Python processes per file, as counted in a full `make test` (the session's last lines print them), with
 # about a fifth to spare: restarts after a kill land a process or two either way.
 LAUNCHES: dict[str, int] = {
-    # The files sharing the session's rank pool (tests/distributed/conftest.py): whichever runs first on its
-    # worker starts the pool, four ranks and multiprocessing's resource tracker.
     "tests/distributed/test_auto_layout.py": 6,
-    "tests/distributed/test_checkpoint_damage.py": 6,
     "tests/distributed/test_layers.py": 6,
     "tests/integration/test_bad_input.py": 8,
     "tests/integration/test_cli.py": 17,
@@ -72,6 +70,9 @@ def configure(config: pytest.Config) -> None:
     if not hasattr(config, "workerinput"):  # the controller (or a run without workers) sets up for all
         os.environ[DIRECTORY_ENV] = tempfile.mkdtemp(prefix="paratrain-launches-")
         os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(COUNTER), os.environ.get("PYTHONPATH")]))
+    # multiprocessing starts one tracker process per interpreter, on the first queue or lock of any test: started
+    # here it is the session's, not charged to whichever file happens to run first on this worker.
+    multiprocessing.resource_tracker.ensure_running()
     config.pluginmanager.register(SuiteBudget(), "paratrain-suite-budget")
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ast
+import multiprocessing.resource_tracker
 import os
 import subprocess
 import sys
@@ -29,11 +30,15 @@ def test_a_file_over_its_budget_is_named_with_the_fix_and_one_within_is_not(monk
     assert "tests/b.py started 5 Python processes" in lines[0] and "share a launch" in lines[0]
 
 
-def test_every_file_sharing_the_rank_pool_may_start_it_with_its_resource_tracker():
-    # Which of these files starts the session's pool depends on how the files fall to the workers.
-    pool_launches = POOL_WORLD_SIZE + 1
+def test_every_file_sharing_the_rank_pool_may_start_it():
+    # Which of these files starts the session's pool (tests/distributed/conftest.py) depends on how the files fall
+    # to the workers; multiprocessing's resource tracker is started with the session (suite_budget.configure).
     for path in _files_taking_the_ranks_fixture():
-        assert suite_budget.LAUNCHES.get(path, suite_budget.DEFAULT_LAUNCHES) >= pool_launches, path
+        assert suite_budget.LAUNCHES.get(path, suite_budget.DEFAULT_LAUNCHES) >= POOL_WORLD_SIZE, path
+
+
+def test_the_resource_tracker_runs_before_any_file_is_charged():
+    assert multiprocessing.resource_tracker._resource_tracker._check_alive()  # noqa: SLF001 - no public probe
 
 
 def _files_taking_the_ranks_fixture() -> list[str]:
