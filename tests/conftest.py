@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gc
 
+import pytest
 import torch
 
 from tests import suite_budget
@@ -82,3 +83,26 @@ def pytest_runtest_setup(item) -> None:
         _file_running[0] = path
         gc.collect()
         gc.freeze()
+
+
+@pytest.fixture(autouse=True)
+def _kernel_settings_restored():
+    """A run trained in this process under train.deterministic=true switches torch's deterministic algorithms on
+    and its flash and memory-efficient attention off for the whole process (paratrain.cuda_settings), as a
+    user's would: a later test in the same worker then computed attention another way (TRL's DPO loss moved by
+    2e-4 after the golden-loss test). Each test finds torch's settings as they were before it."""
+    backends = torch.backends.cuda
+    sdpa = (backends.flash_sdp_enabled, backends.mem_efficient_sdp_enabled, backends.cudnn_sdp_enabled)
+    saved_sdpa = [enabled() for enabled in sdpa]
+    deterministic, warn_only = (
+        torch.are_deterministic_algorithms_enabled(),
+        torch.is_deterministic_algorithms_warn_only_enabled(),
+    )
+    benchmark = torch.backends.cudnn.benchmark
+    yield
+    torch.use_deterministic_algorithms(deterministic, warn_only=warn_only)
+    torch.backends.cudnn.benchmark = benchmark
+    for enable, enabled in zip(
+        (backends.enable_flash_sdp, backends.enable_mem_efficient_sdp, backends.enable_cudnn_sdp), saved_sdpa
+    ):
+        enable(enabled)
