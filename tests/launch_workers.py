@@ -6,6 +6,11 @@ import sys
 
 from paratrain.launch.launcher import LaunchOptions, launch
 
+# A module no test worker imports itself, imported for them as replica groups' workers get torchft: a worker
+# finds it imported as it starts only where its fork server preloaded it (tests/integration/forked_worker_probe.py).
+PRELOADED_FOR_THE_WORKERS = ("wave",)
+
 if __name__ == "__main__":
     nproc, module, *worker_args = sys.argv[1:]
-    sys.exit(launch(LaunchOptions(nproc_per_node=int(nproc)), worker_args, env={}, worker_module=module))
+    options = LaunchOptions(nproc_per_node=int(nproc))
+    sys.exit(launch(options, worker_args, env={}, worker_module=module, preload=PRELOADED_FOR_THE_WORKERS))

@@ -20,7 +20,7 @@ from paratrain.config.schema import Config
 from paratrain.errors import ConfigError
 from paratrain.launch.gc_pause import collections_paused
 from paratrain.launch.launcher import LaunchOptions, launch
-from paratrain.launch.lighthouse import check_lighthouse_reachable
+from paratrain.launch.lighthouse import REPLICA_GROUP_PRELOAD, check_lighthouse_reachable, replica_group_environment
 from paratrain.launch.process_group import pick_device
 from paratrain.launch.rank_logging import configure_logging
 from paratrain.launch.run_lock import holding_run_lock
@@ -105,7 +105,9 @@ def run_or_launch(
     maybe_check_memory_before_launch(config, dims, options, config_path=args.config)
     # The layout auto chose, given explicitly: workers train it without ranking layouts again.
     chosen = layout_overrides(dims) if auto else []
-    code = launch(options, [args.config, *args.overrides, *chosen], env={PREFLIGHT_DONE_ENV: "1"})
+    env = {PREFLIGHT_DONE_ENV: "1", **(replica_group_environment() if dims.ft_enabled else {})}
+    preload = REPLICA_GROUP_PRELOAD if dims.ft_enabled else ()
+    code = launch(options, [args.config, *args.overrides, *chosen], env=env, preload=preload)
     return maybe_export_final_hf(config, node_rank=options.node_rank) if code == 0 else code
 
 

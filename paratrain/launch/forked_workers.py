@@ -49,8 +49,11 @@ def forks_workers() -> bool:
     return not torch.backends.cuda.is_built() and not torch.xpu._is_compiled()
 
 
-def run_workers(args: argparse.Namespace, worker_module: str, worker_args: list[str]) -> None:
-    """torchrun's ``run(args)``, whose script is ``-m WORKER_MODULE WORKER_ARGS``, with its workers forked."""
+def run_workers(
+    args: argparse.Namespace, worker_module: str, worker_args: list[str], *, preload: Sequence[str] = ()
+) -> None:
+    """torchrun's ``run(args)``, whose script is ``-m WORKER_MODULE WORKER_ARGS``, with its workers forked from a
+    server that imported ``PRELOADED`` and ``preload``."""
     from torch.distributed.launcher.api import elastic_launch  # lazy: torchrun's modules, as in launcher.py
     from torch.distributed.run import config_from_args
 
@@ -58,7 +61,7 @@ def run_workers(args: argparse.Namespace, worker_module: str, worker_args: list[
         args.master_port = 29500
     config, _, _ = config_from_args(args)
     config.start_method = START_METHOD
-    _start_server()
+    _start_server([*PRELOADED, *preload])
     logging.getLogger("torch.distributed.elastic.multiprocessing.api").addFilter(_without_join_traceback)
     try:
         elastic_launch(config=config, entrypoint=run_module_as_main)(worker_module, *worker_args)
@@ -66,10 +69,10 @@ def run_workers(args: argparse.Namespace, worker_module: str, worker_args: list[
         _stop_server()
 
 
-def _start_server() -> None:
-    """multiprocessing's fork server, preloaded: a fork of this process where it runs one thread, otherwise a
-    fresh interpreter (multiprocessing's way)."""
-    multiprocessing.set_forkserver_preload(PRELOADED)
+def _start_server(preload: list[str]) -> None:
+    """multiprocessing's fork server, having imported ``preload``: a fork of this process where it runs one
+    thread, otherwise a fresh interpreter (multiprocessing's way)."""
+    multiprocessing.set_forkserver_preload(preload)
     with stop_signals_blocked():
         multiprocessing.resource_tracker.ensure_running()  # a fresh interpreter of its own, as multiprocessing has it
         with _server_forked_from_this_process() if _single_threaded() else contextlib.nullcontext():

@@ -6,6 +6,7 @@ import os
 import signal
 import sys
 import uuid
+from collections.abc import Sequence
 from dataclasses import dataclass
 from types import FrameType
 
@@ -14,6 +15,9 @@ from paratrain.errors import EXIT_NONFINITE, EXIT_REQUEUE, EXIT_SAVE_FAILED, Con
 # torchrun's own handling (stop the workers with the same signal, then raise) for these; SIGTERM and
 # SIGUSR1 are paratrain's (_StopRequests), so that the workers get time to save a checkpoint.
 _TORCHRUN_SIGNALS = "SIGINT,SIGHUP,SIGQUIT"
+# How often torchrun's agent looks at its workers (torch's default 0.1 s): a worker's death, and the end of a
+# run, are seen that much sooner. Each look checks the workers' exit status and the rendezvous's cached state.
+MONITOR_INTERVAL_S = 0.02
 
 
 @dataclass(frozen=True)
@@ -57,6 +61,8 @@ def torchrun_argv(
         str(options.max_restarts),
         "--signals-to-handle",
         _TORCHRUN_SIGNALS,
+        "--monitor-interval",
+        str(MONITOR_INTERVAL_S),
     ]
     if options.nnodes == 1:
         # Like --standalone, but every store listens on loopback only (see paratrain.launch.rendezvous).
@@ -83,10 +89,16 @@ def torchrun_argv(
 
 
 def launch(
-    options: LaunchOptions, worker_args: list[str], *, env: dict[str, str], worker_module: str = "paratrain.worker"
+    options: LaunchOptions,
+    worker_args: list[str],
+    *,
+    env: dict[str, str],
+    worker_module: str = "paratrain.worker",
+    preload: Sequence[str] = (),
 ) -> int:
     """Runs the workers (``python -m WORKER_MODULE WORKER_ARGS``) under torchrun in this process; returns
-    an exit code for the CLI. Other worker modules get the same loopback-only stores (tests use them)."""
+    an exit code for the CLI. Other worker modules get the same loopback-only stores (tests use them).
+    ``preload``: modules the workers import beyond WORKER_MODULE, imported once where workers are forked."""
     # lazy: torchrun's modules load only once the launch is decided (not for a one-process run)
     from torch.distributed.elastic.multiprocessing import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -106,7 +118,7 @@ def launch(
     requests = _StopRequests.install()
     try:
         if forks_workers():
-            run_workers(args, worker_module, worker_args)
+            run_workers(args, worker_module, worker_args, preload=preload)
         else:
             run(args)
     except ChildFailedError as error:

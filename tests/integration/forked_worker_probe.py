@@ -12,6 +12,7 @@ from pathlib import Path
 
 # Before anything below imports it: imported already only where the worker is a fork of the server.
 IMPORTED_BEFORE_START = "paratrain.train" in sys.modules
+PRELOADED_BEFORE_START = "wave" in sys.modules  # tests/launch_workers.py's PRELOADED_FOR_THE_WORKERS
 
 
 def files_open() -> list[str]:
@@ -32,6 +33,7 @@ if __name__ == "__main__":
     rank = int(os.environ["RANK"])
     found = {
         "imported_before_start": IMPORTED_BEFORE_START,
+        "preloaded_before_start": PRELOADED_BEFORE_START,
         "argv": sys.argv[1:],
         "start_method": multiprocessing.get_start_method(),
         "blocked_signals": sorted(int(blocked) for blocked in signal.pthread_sigmask(signal.SIG_BLOCK, [])),

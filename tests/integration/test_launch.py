@@ -146,6 +146,7 @@ def test_a_worker_starts_as_a_fresh_interpreter_would_and_its_exit_code_is_the_l
             assert str(held) not in found.pop("files_open")
             assert found == {
                 "imported_before_start": forks_workers(),  # forked: its imports done; else a fresh interpreter
+                "preloaded_before_start": forks_workers(),  # and what the launcher was asked to preload for it
                 "argv": [str(out_dir), str(exit_code)],
                 "start_method": multiprocessing.get_start_method(),  # this interpreter's default: fork on Linux
                 "blocked_signals": [],  # the server's blocked stop signals are delivered to the worker
