@@ -183,15 +183,16 @@ class ReplicaGroupSync:
     def _join_quorum(self) -> None:
         """The step's quorum, asked again while the lighthouse is away (``launch/quorum.py``); past
         ``lighthouse_wait_s`` the group stops as a preempted one does (exit code 75), telling its launcher."""
-        options = self.options
+        options, watch = self.options, self.stuck_vote
         try:
-            join_quorum(
-                self.manager,
-                lighthouse=options.lighthouse,
-                wait_s=options.lighthouse_wait_s,
-                group=self.group,
-                step=self.manager.current_step(),
-            )
+            with watch.asking_for_quorum() if watch is not None else contextlib.nullcontext():
+                join_quorum(
+                    self.manager,
+                    lighthouse=options.lighthouse,
+                    wait_s=options.lighthouse_wait_s,
+                    group=self.group,
+                    step=self.manager.current_step(),
+                )
         except LighthouseLost as lost:
             logger.error("%s", lost)  # said before announcing: the launcher may stop this process once it knows
             announce_stop(local_rank=self.local_rank)

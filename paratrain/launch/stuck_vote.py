@@ -1,4 +1,4 @@
-"""Ending a replica group's rank that a stop signal finds stuck in its group's commit vote.
+"""Ending a replica group's rank that a stop signal finds stuck in its group's commit vote or quorum request.
 
 torchrun stops a group one of whose ranks died by sending SIGTERM to the others. A survivor inside torchft's
 commit vote (``manager.should_commit``: Rust, the GIL released) runs no Python signal handler until the vote
@@ -17,6 +17,14 @@ A job-wide stop (a preemption, where every group must save a checkpoint) does no
 of the group is alive and comes to the vote straight from the cross-group all-reduce, which each leaves once
 the slowest group is done, so the vote closes within milliseconds and the ranks stop at the step boundary
 and save, as before.
+
+The quorum request blocks the same way where a rank of the group died between two steps: the group's rank 0
+hosts its torchft manager server, which forwards the group's request to the lighthouse once every rank of the
+group asked, so the survivors wait for the dead rank until ``quorum_timeout_s`` (120 s by default), and torchrun
+ended them by force only 30 s after its SIGTERM while every live group waited (a 30.6 s pause in the chaos
+benchmark). There only a rank of the group gone from this host ends the process: a quorum may rightly stay open
+longer than any grace (a group restarting, the run's first step waiting for every group), and a preempted rank
+inside it must go on to save.
 """
 
 from __future__ import annotations
@@ -57,6 +65,7 @@ class StuckVoteWatch:
         self.siblings = siblings
         self._stopped_at: float | None = None
         self._vote_started_at: float | None = None
+        self._where, self._graced = "its group's commit vote", True  # the blocking call the main thread is in
         self._read_fd, self._write_fd = os.pipe()
         for fd in (self._read_fd, self._write_fd):
             os.set_blocking(fd, False)  # set_wakeup_fd wants it; the thread reads only what select found
@@ -76,7 +85,20 @@ class StuckVoteWatch:
 
     @contextmanager
     def voting(self) -> Iterator[None]:
-        """Marks the main thread as inside the vote for as long as the block runs."""
+        """Marks the main thread as inside the commit vote for as long as the block runs."""
+        with self._inside("its group's commit vote", graced=True):
+            yield
+
+    @contextmanager
+    def asking_for_quorum(self) -> Iterator[None]:
+        """Marks the main thread as inside the quorum request for as long as the block runs: only a rank of the
+        group gone from this host ends it (no grace)."""
+        with self._inside("its group's quorum request", graced=False):
+            yield
+
+    @contextmanager
+    def _inside(self, where: str, *, graced: bool) -> Iterator[None]:
+        self._where, self._graced = where, graced
         self._vote_started_at = time.monotonic()
         try:
             yield
@@ -101,7 +123,7 @@ class StuckVoteWatch:
                 self._stopped_at = time.monotonic()
             why = self._why_the_vote_is_stuck()
             if why is not None:
-                _end_process(why)
+                _end_process(self._where, why)
 
     def _why_the_vote_is_stuck(self) -> str | None:
         started, stopped = self._vote_started_at, self._stopped_at
@@ -110,7 +132,7 @@ class StuckVoteWatch:
         gone = [pid for pid in self.siblings if process_is_gone(pid)]
         if gone:
             return f"the group's rank in process {gone[0]} is gone"
-        if time.monotonic() - max(started, stopped) > self.grace_s:
+        if self._graced and time.monotonic() - max(started, stopped) > self.grace_s:
             return f"still open {self.grace_s:g} s later (a rank of the group is gone)"
         return None
 
@@ -148,10 +170,10 @@ def process_is_gone(pid: int) -> bool:
     return state in ("Z", "X", "x")
 
 
-def _end_process(why: str) -> None:
+def _end_process(where: str, why: str) -> None:
     # os.write, not logging: the main thread may hold the logging lock, and no exit hook may wait on it.
     message = (
-        f"paratrain: a stop signal found this rank in its group's commit vote, {why}: exiting "
+        f"paratrain: a stop signal found this rank in {where}, {why}: exiting "
         f"{EXIT_GROUP_RESTART} so that the group restarts and heals\n"
     )
     os.write(2, message.encode())

@@ -355,6 +355,25 @@ def test_a_rank_that_sigterm_finds_in_a_vote_a_dead_rank_left_open_ends_at_once_
     )
 
 
+def test_a_rank_that_sigterm_finds_in_a_quorum_request_a_dead_rank_left_open_ends_at_once_and_its_group_heals(
+    tmp_path, steady_lighthouse
+):
+    """Groups of two processes. Group 1's rank 1 dies between steps 5 and 6, so group 1's rank 0, whose torchft
+    manager server asks the lighthouse once both ranks asked it, waits in its quorum request for one that never
+    comes (until quorum_timeout_s), while its heartbeats keep group 0 waiting for the group. torchrun's SIGTERM
+    finds it there (no Python signal handler ends that wait), and the watch, which sees rank 1's process gone,
+    ends it (exit 77) at once, where torchrun's SIGKILL came 30 s later (a 30.6 s pause in the chaos benchmark).
+    Group 1 heals from group 0 and both end with the same weights."""
+    steps = 20
+    alone = f"{reaches_its_kill_point(5)},slow_step:6-{steps},{together(15, steps)}"
+    faults = {0: alone, 1: f"after_step:5:1,{together(2, steps)}"}  # group 1 never steps without group 0
+    _, groups = start_two_process_groups(tmp_path, steady_lighthouse, steps=steps, faults=faults, group_1_restarts=1)
+    _, healed_log = finish(groups)
+    assert "a stop signal found this rank in its group's quorum request, the group's rank in process" in healed_log
+    assert "healed from a live replica group" in healed_log
+    assert_group_0_stepped_once_each_step_and_ends_as_group_1(tmp_path, steps, pause_below=15.0)
+
+
 def test_a_group_killed_right_after_joining_a_quorum_holds_the_live_group_for_the_rendezvous_not_the_timeout(
     tmp_path, steady_lighthouse
 ):

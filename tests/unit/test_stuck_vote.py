@@ -19,9 +19,9 @@ RANK = """
 import signal, sys, time
 from paratrain.launch.stuck_vote import StuckVoteWatch
 signal.signal(signal.SIGTERM, lambda number, frame: None)
-siblings = tuple(int(pid) for pid in sys.argv[3:])
+siblings = tuple(int(pid) for pid in sys.argv[4:])
 watch = StuckVoteWatch.start(grace_s=float(sys.argv[1]), siblings=siblings)
-with watch.voting():
+with getattr(watch, sys.argv[3])():
     print("voting", flush=True)
     time.sleep(float(sys.argv[2]))
 print("voted", flush=True)
@@ -30,8 +30,11 @@ print("at the step boundary", flush=True)
 """
 
 
-def start_rank(*, grace_s: float, vote_s: float, siblings: tuple[int, ...] = ()) -> subprocess.Popen:
-    argv = [sys.executable, "-c", RANK, str(grace_s), str(vote_s), *map(str, siblings)]
+def start_rank(
+    *, grace_s: float, vote_s: float, siblings: tuple[int, ...] = (), inside: str = "voting"
+) -> subprocess.Popen:
+    """A rank inside the commit vote (``inside="voting"``) or the quorum request (``"asking_for_quorum"``)."""
+    argv = [sys.executable, "-c", RANK, str(grace_s), str(vote_s), inside, *map(str, siblings)]
     return subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
@@ -64,6 +67,34 @@ def test_a_stop_signal_during_a_vote_ends_the_rank_at_once_where_a_rank_of_its_g
 
 def test_a_vote_that_closes_within_the_grace_after_a_stop_signal_lets_the_rank_go_on():
     rank = start_rank(grace_s=3.0, vote_s=0.5, siblings=(os.getpid(),))  # a live rank of the group on this host
+    try:
+        assert rank.stdout.readline() == "voting\n"
+        rank.send_signal(signal.SIGTERM)
+        out, err = rank.communicate(timeout=30)
+        assert rank.returncode == 0, err
+        assert out == "voted\nat the step boundary\n"
+    finally:
+        rank.kill()
+
+
+def test_a_stop_signal_in_a_quorum_request_ends_the_rank_at_once_where_a_rank_of_its_group_on_this_host_is_gone():
+    sibling = subprocess.Popen(["true"])  # a rank killed between two steps: its request never comes
+    while not process_is_gone(sibling.pid):
+        time.sleep(0.01)
+    rank = start_rank(grace_s=600, vote_s=600, siblings=(sibling.pid,), inside="asking_for_quorum")
+    try:
+        assert rank.stdout.readline() == "voting\n"
+        rank.send_signal(signal.SIGTERM)
+        assert rank.wait(timeout=30) == EXIT_GROUP_RESTART
+        assert f"quorum request, the group's rank in process {sibling.pid} is gone" in rank.stderr.read()
+    finally:
+        rank.kill()
+        sibling.wait()
+
+
+def test_a_quorum_request_open_past_the_grace_after_a_stop_signal_lets_the_rank_go_on_while_its_group_lives():
+    # A preempted group's quorum may wait on a restarting group: its ranks must still reach the boundary and save.
+    rank = start_rank(grace_s=0.2, vote_s=1.5, siblings=(os.getpid(),), inside="asking_for_quorum")
     try:
         assert rank.stdout.readline() == "voting\n"
         rank.send_signal(signal.SIGTERM)
