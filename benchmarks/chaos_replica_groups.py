@@ -9,7 +9,8 @@ without kills (its baseline wall time) and once with ``--kills`` kills: when the
 reaches the next step of the schedule (every ``--gap`` steps from ``--first``), SIGKILL one worker of a
 random group (replica groups) or of the job (restart-all); the kill at ``--double`` hits two groups at once.
 
-Prints, per layout: wall time without and with kills, wall time lost per kill, steps recomputed (a step
+Prints, per layout: wall time without and with kills, wall time lost per kill, the time the run stood still
+per kill (``time_paused``: steadier than the wall times), steps recomputed (a step
 logged again by the same group), the longest pause between two consecutive steps of a group, and whether
 every run finished (exit 0); also the largest relative difference, over every step, between
 the loss the run with kills logged last for a step and the run without kills' (under ``--batch fixed``, the
@@ -25,6 +26,7 @@ import json
 import os
 import random
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -91,6 +93,10 @@ def run(jobs: list[list[str]], dirs: list[Path], schedule: list[tuple[int, int]]
     return time.monotonic() - started, [process.returncode for process in processes]
 
 
+# A step that took this many times the run's median step was a pause (a kill's), not an ordinary step.
+PAUSE_FACTOR = 4
+
+
 def measures(dirs: list[Path]) -> tuple[int, float]:
     """(steps logged again by the same group, longest pause in s between consecutive steps of a group)."""
     again, pause = 0, 0.0
@@ -103,6 +109,22 @@ def measures(dirs: list[Path]) -> tuple[int, float]:
             again += row["step"] in seen
             seen.add(row["step"])
     return again, pause
+
+
+def time_paused(dirs: list[Path]) -> float:
+    """Seconds the run stood still: over the steps that took more than PAUSE_FACTOR times the run's median step
+    (a step's time: when its last group logged it, a retaken step's last logging), what each took beyond that
+    median. It leaves out a drift of every ordinary step's time between two runs, which wall times keep (5-10 ms a
+    step between the two runs of a pair on 2 cores: up to 0.6 s a kill over 620 steps), and the recomputed steps
+    of restart-all (counted apart: steps logged again)."""
+    logged: dict[int, float] = {}
+    for rows in map(records, dirs):
+        for row in rows:
+            logged[row["step"]] = max(logged.get(row["step"], 0.0), row["time"])
+    times = [logged[step] for step in sorted(logged)]
+    steps = [after - before for before, after in zip(times, times[1:])]
+    median = statistics.median(steps)
+    return sum(step - median for step in steps if step > PAUSE_FACTOR * median)
 
 
 def loss_trace(dirs: list[Path]) -> dict[int, float]:
@@ -168,7 +190,7 @@ def main() -> None:
             wall, codes = run(jobs, dirs, schedule if kills else [], args.seed)
             again, pause = measures(dirs)
             skipped = max((row.get("skipped_samples", 0) for d in dirs for row in records(d)), default=0)
-            results[kind, kills] = (wall, codes, again, pause, loss_trace(dirs), skipped)
+            results[kind, kills] = (wall, codes, again, pause, loss_trace(dirs), skipped, time_paused(dirs))
             print(
                 f"  wall {wall:.1f} s, exit codes {codes}, steps logged again {again}, longest pause {pause:.1f} s",
                 flush=True,
@@ -179,16 +201,18 @@ def main() -> None:
         f"\n{steps} steps, {args.kills} kills, checkpoint every {args.every}, {groups} x {procs} processes, batch {args.batch}"
     )
     print(
-        "| layout | wall, no kills | wall, kills | lost per kill | steps logged again | longest pause | all exit 0 | loss vs no kills, max rel | samples skipped |"
+        "| layout | wall, no kills | wall, kills | lost per kill | paused per kill | steps logged again | longest pause "
+        "| all exit 0 | loss vs no kills, max rel | samples skipped |"
     )
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for kind in args.kinds:
         base, killed = results[kind, False], results[kind, True]
         lost = (killed[0] - base[0]) / args.kills
         ok = all(code == 0 for code in base[1] + killed[1])
         trace = f"{trace_difference(killed[4], base[4]):.1e}"
         print(
-            f"| {kind} | {base[0]:.1f} s | {killed[0]:.1f} s | {lost:.1f} s | {killed[2]} | {killed[3]:.1f} s | {ok} "
+            f"| {kind} | {base[0]:.1f} s | {killed[0]:.1f} s | {lost:.2f} s | {killed[6] / args.kills:.2f} s | {killed[2]} "
+            f"| {killed[3]:.1f} s | {ok} "
             f"| {trace} | {killed[5]} |"
         )
 
