@@ -35,7 +35,7 @@ from paratrain.launch import faults
 from paratrain.launch.group_shares import Coverage, coverage, plan_shares, read_coverage
 from paratrain.launch.heal_agreement import check_every_rank_healed_alike
 from paratrain.launch.preemption import announce_stop
-from paratrain.launch.quorum import join_quorum
+from paratrain.launch.quorum import RETRY_PAUSE_S, join_quorum
 from paratrain.launch.stuck_vote import StuckVoteWatch
 from paratrain.tensors import local_part
 
@@ -169,8 +169,12 @@ class ReplicaGroupSync:
         """At a run's first step every group is awaited (up to quorum_timeout_s), so that none steps alone on
         its shards while the others are still starting. A group joining a run under way (healed from a
         peer, or a quorum past step 0) waits for no one: the missing groups may be dead. (Fault injection's
-        ``wait_for_groups`` waits at a later step, for tests whose timing must not depend on the machine.)"""
-        deadline = time.monotonic() + self.options.quorum_timeout_s
+        ``wait_for_groups`` waits at a later step, for tests whose timing must not depend on the machine: long enough
+        for a peer whose request went to a lighthouse that died meanwhile to ask again, after quorum_timeout_s and a
+        pause; it stepped alone once when it waited quorum_timeout_s.)"""
+        quorum_timeout_s = self.options.quorum_timeout_s
+        patience = quorum_timeout_s if first_step else 2 * quorum_timeout_s + RETRY_PAUSE_S
+        deadline = time.monotonic() + patience
         while (
             self.manager.num_participants() < self.replica_groups
             and (self.manager.current_step() == 0 or not first_step)
