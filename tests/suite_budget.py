@@ -45,7 +45,7 @@ LAUNCHES: dict[str, int] = {
     "tests/integration/test_launch.py": 7,  # two launches of a probe of what a worker starts with
     "tests/integration/test_lm_resume.py": 8,
     "tests/integration/test_multinode.py": 32,
-    "tests/integration/test_replica_groups.py": 83,
+    "tests/integration/test_replica_groups.py": 95,
     "tests/integration/test_resume.py": 26,
     "tests/parity/test_context_parallel_matches_single.py": 12,
     "tests/parity/test_ddp_matches_single.py": 12,
@@ -61,6 +61,7 @@ LAUNCHES: dict[str, int] = {
     "tests/parity/test_tp_families_match_single.py": 6,
     "tests/slurm/test_real_slurm.py": 26,
     "tests/tools/test_plan.py": 6,
+    "tests/unit/test_stuck_vote.py": 6,  # five ranks, each its own interpreter: the watch acts on its own process
     "tests/tools/test_verify.py": 8,
 }
 
