@@ -328,6 +328,15 @@ def assert_group_0_stepped_once_each_step_and_ends_as_group_1(tmp_path: Path, st
     assert max_weight_difference(checkpoint_weights(healthy / final), checkpoint_weights(healed / final)) == 0.0
 
 
+def group_1_loses_a_rank_after_step_5(tmp_path: Path, lighthouse: str, kill_point: str, steps: int) -> list[str]:
+    """Groups of two processes; group 1's rank 1 dies at ``kill_point`` of step 5 and torchrun restarts the group
+    once, while group 0 steps on. Neither group steps without the other where both are alive. Returns both logs."""
+    alone = f"{reaches_its_kill_point(5)},slow_step:6-{steps},{together(15, steps)}"
+    faults = {0: alone, 1: f"{kill_point}:5:1,{together(2, steps)}"}  # group 1 never steps without group 0
+    _, groups = start_two_process_groups(tmp_path, lighthouse, steps=steps, faults=faults, group_1_restarts=1)
+    return finish(groups)
+
+
 def test_a_rank_that_sigterm_finds_in_a_vote_a_dead_rank_left_open_ends_at_once_and_its_group_heals(
     tmp_path, steady_lighthouse
 ):
@@ -344,10 +353,7 @@ def test_a_rank_that_sigterm_finds_in_a_vote_a_dead_rank_left_open_ends_at_once_
     its connections to the dead processes, failed its next step and took it again (seen), and group 1 waited
     out timeout_s."""
     steps = 20
-    alone = f"{reaches_its_kill_point(5)},slow_step:6-{steps},{together(15, steps)}"
-    faults = {0: alone, 1: f"before_vote:5:1,{together(2, steps)}"}  # group 1 never steps without group 0
-    _, groups = start_two_process_groups(tmp_path, steady_lighthouse, steps=steps, faults=faults, group_1_restarts=1)
-    healthy_log, healed_log = finish(groups)
+    healthy_log, healed_log = group_1_loses_a_rank_after_step_5(tmp_path, steady_lighthouse, "before_vote", steps)
     assert "a stop signal found this rank in its group's commit vote, the group's rank in process" in healed_log
     assert "not committed" not in healthy_log
     assert "healed from a live replica group" in healed_log
@@ -366,10 +372,7 @@ def test_a_rank_that_sigterm_finds_in_a_quorum_request_a_dead_rank_left_open_end
     ends it (exit 77) at once, where torchrun's SIGKILL came 30 s later (a 30.6 s pause in the chaos benchmark).
     Group 1 heals from group 0 and both end with the same weights."""
     steps = 20
-    alone = f"{reaches_its_kill_point(5)},slow_step:6-{steps},{together(15, steps)}"
-    faults = {0: alone, 1: f"after_step:5:1,{together(2, steps)}"}  # group 1 never steps without group 0
-    _, groups = start_two_process_groups(tmp_path, steady_lighthouse, steps=steps, faults=faults, group_1_restarts=1)
-    _, healed_log = finish(groups)
+    _, healed_log = group_1_loses_a_rank_after_step_5(tmp_path, steady_lighthouse, "after_step", steps)
     assert "a stop signal found this rank in its group's quorum request, the group's rank in process" in healed_log
     assert "healed from a live replica group" in healed_log
     assert_group_0_stepped_once_each_step_and_ends_as_group_1(tmp_path, steps, pause_below=15.0)

@@ -10,6 +10,8 @@ import subprocess
 import sys
 import time
 
+import pytest
+
 from paratrain.errors import EXIT_GROUP_RESTART
 from paratrain.launch.stuck_vote import StuckVoteWatch, process_is_gone
 
@@ -50,16 +52,19 @@ def test_a_stop_signal_during_a_vote_that_stays_open_ends_the_rank_with_the_grou
         rank.kill()
 
 
-def test_a_stop_signal_during_a_vote_ends_the_rank_at_once_where_a_rank_of_its_group_on_this_host_is_gone():
+@pytest.mark.parametrize(("inside", "where"), [("voting", "commit vote"), ("asking_for_quorum", "quorum request")])
+def test_a_stop_signal_ends_the_rank_at_once_where_a_rank_of_its_group_on_this_host_is_gone(inside, where):
+    """In the vote, or in the quorum request of a group whose rank was killed between two steps (its request never
+    comes)."""
     sibling = subprocess.Popen(["true"])  # exits at once; unwaited, it stays a zombie, as a killed rank does
     while not process_is_gone(sibling.pid):
         time.sleep(0.01)
-    rank = start_rank(grace_s=600, vote_s=600, siblings=(sibling.pid,))
+    rank = start_rank(grace_s=600, vote_s=600, siblings=(sibling.pid,), inside=inside)
     try:
         assert rank.stdout.readline() == "voting\n"
         rank.send_signal(signal.SIGTERM)
         assert rank.wait(timeout=30) == EXIT_GROUP_RESTART  # not the 600 s grace
-        assert f"the group's rank in process {sibling.pid} is gone" in rank.stderr.read()
+        assert f"{where}, the group's rank in process {sibling.pid} is gone" in rank.stderr.read()
     finally:
         rank.kill()
         sibling.wait()
@@ -67,34 +72,16 @@ def test_a_stop_signal_during_a_vote_ends_the_rank_at_once_where_a_rank_of_its_g
 
 def test_a_vote_that_closes_within_the_grace_after_a_stop_signal_lets_the_rank_go_on():
     rank = start_rank(grace_s=3.0, vote_s=0.5, siblings=(os.getpid(),))  # a live rank of the group on this host
-    try:
-        assert rank.stdout.readline() == "voting\n"
-        rank.send_signal(signal.SIGTERM)
-        out, err = rank.communicate(timeout=30)
-        assert rank.returncode == 0, err
-        assert out == "voted\nat the step boundary\n"
-    finally:
-        rank.kill()
-
-
-def test_a_stop_signal_in_a_quorum_request_ends_the_rank_at_once_where_a_rank_of_its_group_on_this_host_is_gone():
-    sibling = subprocess.Popen(["true"])  # a rank killed between two steps: its request never comes
-    while not process_is_gone(sibling.pid):
-        time.sleep(0.01)
-    rank = start_rank(grace_s=600, vote_s=600, siblings=(sibling.pid,), inside="asking_for_quorum")
-    try:
-        assert rank.stdout.readline() == "voting\n"
-        rank.send_signal(signal.SIGTERM)
-        assert rank.wait(timeout=30) == EXIT_GROUP_RESTART
-        assert f"quorum request, the group's rank in process {sibling.pid} is gone" in rank.stderr.read()
-    finally:
-        rank.kill()
-        sibling.wait()
+    assert_goes_on_to_the_step_boundary_after_a_stop_signal(rank)
 
 
 def test_a_quorum_request_open_past_the_grace_after_a_stop_signal_lets_the_rank_go_on_while_its_group_lives():
     # A preempted group's quorum may wait on a restarting group: its ranks must still reach the boundary and save.
     rank = start_rank(grace_s=0.2, vote_s=1.5, siblings=(os.getpid(),), inside="asking_for_quorum")
+    assert_goes_on_to_the_step_boundary_after_a_stop_signal(rank)
+
+
+def assert_goes_on_to_the_step_boundary_after_a_stop_signal(rank: subprocess.Popen) -> None:
     try:
         assert rank.stdout.readline() == "voting\n"
         rank.send_signal(signal.SIGTERM)
