@@ -18,17 +18,23 @@ def scaled_lr(options: OptimConfig, *, dp_size: int) -> float:
     return options.lr * factor
 
 
+# Where torch has fused AdamW and SGD kernels that paratrain runs: every parameter on one of these kinds.
+FUSED_DEVICE_TYPES = frozenset({"cuda", "cpu"})
+
+
 def use_fused_kernel(device_types: set[str], *, uniform: bool, setting: str = "auto") -> bool:
     """Whether the optimizer runs torch's fused kernel (``optim.fused``).
 
     Fused kernels take only parameters of one kind (all DTensor or all plain, see foreach). auto picks
-    them where every parameter is on CUDA; CPU-offloaded or CPU runs keep foreach, whose CPU path is the
-    one most tested, unless ``on`` asks for torch's fused CPU kernels.
+    them where every parameter is on CUDA, or every one on the CPU: one kernel per parameter group
+    instead of foreach's dozen, which on the CPU steps 4-9 % faster, and over DTensors (fsdp) cuts a
+    fresh process's first step, whose every distinct op pays DTensor's sharding propagation once, from
+    ~17 such ops to ~5 (a restarted replica group's first step, which the live groups wait for).
     """
     check_fused_setting(setting, uniform=uniform)
     if setting == "off" or not uniform:
         return False
-    return setting == "on" or device_types == {"cuda"}
+    return setting == "on" or (len(device_types) == 1 and device_types <= FUSED_DEVICE_TYPES)
 
 
 def check_fused_setting(setting: str, *, uniform: bool) -> None:
@@ -47,8 +53,8 @@ def build_optimizer(model: nn.Module, options: OptimConfig, *, dp_size: int) -> 
     The two parameter groups are the same in every layout, so optimizer and schedule state move
     between layouts. Tensor parallel alone leaves some parameters sharded (DTensor) and others
     plain; torch's multi-tensor kernels refuse that mix, so such a model steps one tensor at a time.
-    On CUDA the fused kernel runs (one launch per step instead of foreach's several), and it can skip
-    a step on the device (see paratrain.nonfinite).
+    On CUDA and on the CPU the fused kernel runs (one kernel per group instead of foreach's several),
+    and it can skip a step on the device (see paratrain.nonfinite).
     """
     # lazy: DTensor's import (with sympy, ~0.6 s) stays out of the launcher, whose preflight imports this module
     from torch.distributed.tensor import DTensor

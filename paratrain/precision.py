@@ -47,6 +47,25 @@ class MixedPrecision:
             optimizer.step()
 
 
+class ScalarFlagShardedGradScaler(ShardedGradScaler):
+    """torch's ShardedGradScaler with the overflow flag a fused optimizer can take.
+
+    ShardedGradScaler records an overflow in a tensor of shape [1] (GradScaler: a scalar). A fused AdamW
+    or SGD subtracts that flag from each parameter's step count, a scalar, in place, which a [1] cannot
+    broadcast into (torch 2.13: "output with shape [] doesn't match the broadcast shape [1]"), so fsdp
+    under fp16 failed at its first step with the fused kernels. The flag is kept a scalar from the start.
+    """
+
+    def _unscale_grads_(
+        self,
+        optimizer: torch.optim.Optimizer,
+        inv_scale: torch.Tensor,
+        found_inf: torch.Tensor,
+        allow_fp16: bool = True,
+    ) -> dict[torch.device, torch.Tensor]:
+        return super()._unscale_grads_(optimizer, inv_scale, found_inf.reshape(()), allow_fp16)
+
+
 def build_mixed_precision(precision: Precision, *, device: torch.device, sharded: bool) -> MixedPrecision:
     """Autocast settings and, for fp16, the loss scaler.
 
@@ -55,5 +74,5 @@ def build_mixed_precision(precision: Precision, *, device: torch.device, sharded
     """
     if precision != "fp16":
         return MixedPrecision(precision, device.type, None)
-    scaler = ShardedGradScaler(device.type) if sharded else torch.amp.GradScaler(device.type)
+    scaler = ScalarFlagShardedGradScaler(device.type) if sharded else torch.amp.GradScaler(device.type)
     return MixedPrecision(precision, device.type, scaler)

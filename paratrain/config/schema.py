@@ -107,10 +107,11 @@ class OptimConfig(Section):
     """Scale lr by the data-parallel size (linear) or its square root. Changes the training math:
     a run scaled this way no longer matches a single-process run."""
     fused: Literal["auto", "on", "off"] = "auto"
-    """torch's fused optimizer kernel. auto: fused where every parameter is on a GPU and of one kind (all
-    sharded or all plain), foreach elsewhere; on: fused on CPU too (torch has CPU kernels); off: foreach.
-    A fused optimizer also skips a step with non-finite gradients on the device (train.nonfinite), so the
-    guard never waits for the GPU; others read the gradient norm on the host each step."""
+    """torch's fused optimizer kernel. auto: fused where the parameters are of one kind (all sharded or
+    all plain) and all on GPUs or all on the CPU, foreach elsewhere; on: fused, refused where the kinds
+    mix (tensor parallel alone); off: foreach. A fused optimizer also skips a step with non-finite
+    gradients on the device (train.nonfinite), so the guard never waits for the GPU; others read the
+    gradient norm on the host each step."""
 
     @field_validator("fused", mode="before")
     @classmethod

@@ -2,8 +2,9 @@
 every kind of layout. With ``train.nonfinite=stop`` the run ends with exit code 3 before that step is
 applied or saved, every checkpoint on disk is finite, and ``resume: auto`` continues from the last
 healthy one to the end. With ``skip`` the run finishes, the skipped step is logged, and metrics.jsonl
-stays strict JSON. The stop runs use fused optimizers (``optim.fused=on``), which skip the step on the
-device and have the loop read the verdict one step late; the skip runs use foreach, read on the host.
+stays strict JSON. The stop runs use fused optimizers (the default, ``optim.fused=auto``), which skip the step on
+the device and have the loop read the verdict one step late; the skip runs use foreach (``optim.fused=off``),
+read on the host.
 The multi-process layouts train in one two-process launch."""
 
 from __future__ import annotations
@@ -36,8 +37,8 @@ def _runs(root: Path, layout: str) -> list[list]:
     overrides = LAYOUTS[layout][0]
     slug = layout.replace(" ", "_")
     fault = f"nan_grad:{NAN_STEP}"
-    stopped = write_config(root / f"{slug}-stop.yaml", tiny_config(root / f"{slug}-stop", optim={"fused": "on"}))
-    skipped = write_config(root / f"{slug}-skip.yaml", tiny_config(root / f"{slug}-skip"))
+    stopped = write_config(root / f"{slug}-stop.yaml", tiny_config(root / f"{slug}-stop"))
+    skipped = write_config(root / f"{slug}-skip.yaml", tiny_config(root / f"{slug}-skip", optim={"fused": "off"}))
     return [
         [f"{layout} stop", str(stopped), [*overrides, "train.nonfinite=stop"], fault],
         [f"{layout} resume", str(stopped), RESUME_LAYOUT.get(layout, overrides), None],
@@ -52,7 +53,7 @@ def outcomes(tmp_path_factory) -> tuple[Path, dict[str, int]]:
     shared = [f"train.max_steps={STEPS}", f"checkpoint.every_steps={EVERY}", "checkpoint.resume=auto"]
     codes: dict[str, int] = {}
     runs = {layout: [[n, c, [*o, *shared], f] for n, c, o, f in _runs(root, layout)] for layout in LAYOUTS}
-    late = write_config(root / "late.yaml", tiny_config(root / "late", optim={"fused": "on"}, log={"every_steps": 100}))
+    late = write_config(root / "late.yaml", tiny_config(root / "late", log={"every_steps": 100}))
     runs["single"].append(["late verdict", str(late), [*shared, "train.nonfinite=stop"], f"nan_grad:{NAN_STEP}"])
     codes.update(_train_in_this_process(runs["single"]))
     together = [run for layout in LAYOUTS if LAYOUTS[layout][1] == 2 for run in runs[layout]]

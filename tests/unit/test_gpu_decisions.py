@@ -40,16 +40,20 @@ def test_fsdp_reduces_in_fp32_unless_told_otherwise():
     assert (policy.param_dtype, policy.reduce_dtype) == (torch.bfloat16, torch.float32)
 
 
-def test_the_optimizer_is_fused_on_cuda_for_parameters_of_one_kind_unless_the_config_says_otherwise():
+def test_the_optimizer_is_fused_on_cuda_or_cpu_for_parameters_of_one_kind_unless_the_config_says_otherwise():
     assert use_fused_kernel({"cuda"}, uniform=True) is True
     assert use_fused_kernel({"cuda"}, uniform=False) is False  # tensor parallel alone: sharded beside plain
-    assert use_fused_kernel({"cpu"}, uniform=True) is False
-    assert use_fused_kernel({"cuda", "cpu"}, uniform=True) is False
-    assert use_fused_kernel({"cpu"}, uniform=True, setting="on") is True
+    assert use_fused_kernel({"cpu"}, uniform=True) is True
+    assert use_fused_kernel({"cpu"}, uniform=False) is False
+    assert use_fused_kernel({"cuda", "cpu"}, uniform=True) is False  # one kernel runs on one kind of device
+    assert use_fused_kernel({"meta"}, uniform=True) is False
+    assert use_fused_kernel({"cpu"}, uniform=True, setting="off") is False
     assert use_fused_kernel({"cuda"}, uniform=True, setting="off") is False
     with pytest.raises(ConfigError, match="optim.fused=on.*set optim.fused=auto"):
         use_fused_kernel({"cuda"}, uniform=False, setting="on")
     optimizer = build_optimizer(torch.nn.Linear(2, 2), OptimConfig(), dp_size=1)
+    assert optimizer.defaults["fused"] is True
+    optimizer = build_optimizer(torch.nn.Linear(2, 2), OptimConfig(fused="off"), dp_size=1)
     assert optimizer.defaults["fused"] is None and optimizer.defaults["foreach"] is True
     for name in ("adamw", "sgd"):  # both skip a non-finite step on the device when fused
         optimizer = build_optimizer(torch.nn.Linear(2, 2), OptimConfig(name=name, fused="on"), dp_size=1)
