@@ -5,8 +5,8 @@ step, schedule step, the same accounting), alternating in one run of the quickst
 
 One Trainer per rank; after a warm-up, each round times ``--steps`` steps of each variant (the order
 alternates from round to round) between barriers, on the same model and data stream. ``--fused on`` uses
-fused AdamW, which skips on the device (the path CUDA takes by default); ``auto`` is CPU's foreach, where
-the verdict is read on the host before stepping. Prints the median step time of each variant and the
+fused AdamW, which skips on the device (the default path); ``off`` is foreach, where the verdict is read on
+the host before stepping. Prints the median step time of each variant and the
 median over rounds of guarded / unguarded. It never asserts; results belong in docs/benchmarks.md.
 
     .venv/bin/python benchmarks/nonfinite_guard.py --rounds 10 --steps 10 --fused on
@@ -110,7 +110,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--rounds", type=int, default=10)
     parser.add_argument("--steps", type=int, default=10)
-    parser.add_argument("--fused", choices=["auto", "on"], default="on", help="optim.fused (on: device-side skip)")
+    parser.add_argument("--fused", choices=["on", "off"], default="on", help="optim.fused (on: device-side skip)")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--output-dir", help=argparse.SUPPRESS)
     args = parser.parse_args()
