@@ -175,8 +175,7 @@ def step_unless_nonfinite(optimizer: torch.optim.Optimizer, grad_norm: torch.Ten
     """
     finite = torch.isfinite(grad_norm)
     if getattr(optimizer, "_step_supports_amp_scaling", False):
-        # A scalar, as the fused kernels subtract it from each parameter's step count (a scalar too).
-        optimizer.grad_scale, optimizer.found_inf = None, (~finite).to(torch.float32).reshape(())
+        optimizer.grad_scale, optimizer.found_inf = None, (~finite).to(torch.float32)
         try:
             optimizer.step()
         finally:

@@ -90,9 +90,9 @@ class SameLayoutOptimizerState(Stateful):
     DCP's set_optimizer_state_dict first creates the state it loads into by an optimizer step on zero gradients.
     In a restarted process that step is cold (DTensor works out the sharding of each of the optimizer's ops anew:
     about 0.13 s with foreach, half with the fused kernel) and the first real step was as cold again, while every
-    live group waited. The optimizer's own load_state_dict
-    fills an empty optimizer directly, leaving one cold step. Only checkpoints, which a resume may read into
-    another layout, need the parameter names DCP keys the state by."""
+    live group waited. The optimizer's own load_state_dict fills an empty optimizer directly, leaving one cold
+    step. Only checkpoints, which a resume may read into another layout, need the parameter names DCP keys the
+    state by."""
 
     optimizer: torch.optim.Optimizer
 
