@@ -13,7 +13,6 @@ ratios fused / foreach. Not part of the suite; results belong in docs/benchmarks
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import subprocess
@@ -24,7 +23,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from tests.harness import tiny_config, write_config  # noqa: E402 - the repository's own harness, after its path
+from tests.harness import read_metrics, tiny_config, write_config  # noqa: E402 - after the path above
 
 LAYOUTS = {"one process": (1, []), "fsdp x 2": (2, ["parallel.dp_shard=2"])}
 KERNELS = {"foreach": "off", "fused": "on"}
@@ -38,8 +37,7 @@ def train(work: Path, name: str, *, nproc: int, overrides: list[str], fused: str
     command = [sys.executable, "-m", "paratrain.cli", "train", str(config), "--nproc-per-node", str(nproc)]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     subprocess.run([*command, *overrides], env=env, cwd=REPO, check=True, capture_output=True)
-    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
-    return [row["step_time_s"] for row in rows]
+    return [row["step_time_s"] for row in read_metrics(out)]
 
 
 def main() -> None:
@@ -68,7 +66,8 @@ def main() -> None:
             ratios["first"].append(first_b / first_a)
             print(
                 f"| {layout} | {round_index} | {step_a * 1000:.2f} ms, {first_a * 1000:.0f} ms "
-                f"| {step_b * 1000:.2f} ms, {first_b * 1000:.0f} ms | {step_b / step_a:.3f} | {first_b / first_a:.3f} |",
+                f"| {step_b * 1000:.2f} ms, {first_b * 1000:.0f} ms "
+                f"| {step_b / step_a:.3f} | {first_b / first_a:.3f} |",
                 flush=True,
             )
         print(

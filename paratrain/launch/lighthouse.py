@@ -101,7 +101,7 @@ def replica_group_environment() -> dict[str, str]:
 
 
 def import_torchft(what: str) -> Any:
-    os.environ.setdefault("RUST_LOG", RUST_LOG_DEFAULT)  # read when torchft's Rust logger starts
+    os.environ.update(replica_group_environment())  # read when torchft's Rust logger starts
     try:
         import torchft  # lazy: an optional extra, needed only when replica groups are on
     except ImportError as error:

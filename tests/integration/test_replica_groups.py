@@ -289,11 +289,11 @@ def start_two_process_groups(
 def test_a_group_whose_ranks_heal_unalike_stops_and_its_restart_heals_every_rank(tmp_path, lighthouse):
     """Groups of two processes. Group 1's rank 0, which hosts its torchft manager, dies after step 5: rank 1's
     quorum request fails, and it stops on torchrun's SIGTERM instead of asking again until torchrun's grace
-    period runs out (or the stuck-vote watch, seeing rank 0 gone, ends it first: the same exit). In torchrun's restart of the group, rank 1's first configure of its cross-group process
-    group fails (as when the peer group it was to heal from dies in that quorum), so rank 0 heals and rank 1
-    does not. Each used to wait for the other (rank 0 inside the step, rank 1 for the next quorum) until
-    lighthouse_wait_s; the group now stops at once, the next restart heals both ranks, and the run trains as
-    one process does undisturbed."""
+    period runs out (or the stuck-vote watch, seeing rank 0 gone, ends it first: the same exit). In torchrun's
+    restart of the group, rank 1's first configure of its cross-group process group fails (as when the peer group
+    it was to heal from dies in that quorum), so rank 0 heals and rank 1 does not. Each used to wait for the other
+    (rank 0 inside the step, rank 1 for the next quorum) until lighthouse_wait_s; the group now stops at once, the
+    next restart heals both ranks, and the run trains as one process does undisturbed."""
     steps = 30
     alone = f"{reaches_its_kill_point(5)},slow_step:6-{steps},wait_for_groups:25"
     faults = {0: alone, 1: "after_step:5:0,fail_first_configure:1:1"}
