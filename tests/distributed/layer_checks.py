@@ -16,14 +16,17 @@ import torch.nn.functional as F
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
+from paratrain import optim
 from paratrain.config.schema import FSDPConfig, ParallelConfig
 from paratrain.gradients import clip_grad_norm
 from paratrain.models.gpt import GPT, GPTConfig
 from paratrain.models.plan_derivation import plan_of
+from paratrain.optim import ShardLocalAdamW
 from paratrain.parallel.dims import ParallelDims
 from paratrain.parallel.fsdp import apply_fsdp
 from paratrain.parallel.parallelize import parallelize
 from paratrain.parallel.tensor import apply_tensor_parallel
+from paratrain.tensors import local_part
 
 # Sizes tp=2 divides (heads, hidden, the feed-forward's 4x) and a sequence tp=2 splits under sequence parallel.
 SMALL = GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=4, n_embd=32)
@@ -94,6 +97,49 @@ def clipped_gpt_gradients(degrees: dict[str, int], max_norm: float) -> dict[str,
         "reference_norm": expected.item(),
         **_gradient_differences(model, reference),
     }
+
+
+def adamw_on_shards_against_dtensors(degrees: dict[str, int], kernel: dict[str, bool]) -> dict[str, object]:
+    """Two copies of the small GPT through ``parallelize``, three AdamW steps on the same batches: one by torch's
+    AdamW on the DTensors, one by paratrain's ShardLocalAdamW. Returns how many of this rank's parts of the
+    parameters and moments differ at all (0: bit for bit), how many group steps ran on the shards, and whether every moment is still a
+    DTensor (what checkpoints and a healing peer read)."""
+    dims = _dims_with_mesh(**degrees)
+    models = _model_and_copy()
+    for model in models:
+        parallelize(model, dims, plan=model.parallel_plan(), options=ParallelConfig())
+    reference = torch.optim.AdamW(_decayed_or_not(models[0]), lr=0.01, **kernel)
+    on_shards = ShardLocalAdamW(_decayed_or_not(models[1]), lr=0.01, **kernel)
+    taken = []
+    original = optim.laid_out_like_their_parameters
+    optim.laid_out_like_their_parameters = lambda lists: taken.append(original(lists)) or taken[-1]
+    try:
+        for step in range(3):
+            tokens = torch.randint(0, SMALL.vocab_size, (BATCH, SEQ + 1), generator=torch.Generator().manual_seed(step))
+            for model, optimizer in zip(models, (reference, on_shards)):
+                optimizer.zero_grad()
+                _lm_loss(model, tokens).backward()
+                optimizer.step()
+    finally:
+        optim.laid_out_like_their_parameters = original
+    pairs = list(zip(models[0].parameters(), models[1].parameters()))
+    tensors = [(a, b) for a, b in pairs] + [
+        (reference.state[a][key], on_shards.state[b][key]) for a, b in pairs for key in ("exp_avg", "exp_avg_sq")
+    ]
+    return {
+        "unequal": sum(not torch.equal(local_part(a), local_part(b)) for a, b in tensors),
+        "on_shards": sum(taken),
+        "moments_are_dtensors": all(isinstance(b, DTensor) for _, b in tensors),
+    }
+
+
+def _decayed_or_not(model: torch.nn.Module) -> list[dict]:
+    """build_optimizer's two groups: matrices decayed, the rest not."""
+    params = list(model.parameters())
+    return [
+        {"params": [p for p in params if p.ndim >= 2], "weight_decay": 0.1},
+        {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0},
+    ]
 
 
 def fsdp_units_of_a_model_without_blocks() -> dict[str, object]:

@@ -78,6 +78,21 @@ def test_clipping_sharded_gradients_matches_clipping_the_unsharded_ones(ranks, d
     assert far_apart(differences) == {}
 
 
+@pytest.mark.parametrize("kernel", [{"fused": True}, {"foreach": True}], ids=["fused", "foreach"])
+@pytest.mark.parametrize(
+    "degrees",
+    [{"dp_shard": 4}, {"dp_replicate": 2, "dp_shard": 2}, {"dp_shard": 2, "tp": 2}],
+    ids=["fsdp4", "hsdp2x2", "fsdp2-tp2"],
+)
+def test_adamw_on_the_shards_steps_exactly_as_on_the_dtensors(ranks, degrees, kernel):
+    """Three steps of build_optimizer's two groups, each group step on the shards (fsdp x tp: cut on two
+    meshes, gradients and moments as their parameters), give torch's AdamW on the DTensors bit for bit."""
+    per_rank = ranks.run(layer_checks.adamw_on_shards_against_dtensors, degrees, kernel)
+    assert all(result["unequal"] == 0 for result in per_rank), per_rank
+    assert all(result["moments_are_dtensors"] for result in per_rank)
+    assert all(result["on_shards"] == 2 * 3 for result in per_rank), per_rank
+
+
 def test_fsdp_shards_a_model_without_blocks_as_one_unit(ranks):
     """What tests/integration/test_bad_input.py's warning promises: one unit, the root, all of it sharded."""
     for result in ranks.run(layer_checks.fsdp_units_of_a_model_without_blocks):
