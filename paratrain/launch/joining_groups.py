@@ -8,17 +8,16 @@ import contextlib
 import logging
 import os
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.checkpoint.stateful import Stateful
 
 from paratrain.config.schema import FaultToleranceConfig
 from paratrain.launch import faults
 from paratrain.launch.heal_agreement import heal_store
+from paratrain.launch.heal_payload import ModelShards, SameLayoutOptimizerState
 from paratrain.launch.lighthouse import import_torchft
 from paratrain.launch.replica_groups import GroupCounts, NoReplicaGroups, ReplicaGroupSync
 from paratrain.launch.stuck_vote import StuckVoteWatch, group_ranks_on_this_host
@@ -78,36 +77,11 @@ def maybe_join_replica_groups(
 
 def sent_to_a_peer(name: str, part: Any) -> Any:
     """What of the Stateful ``part`` (a checkpoint's entry ``name``) a recovering peer receives and loads: every
-    group builds the same optimizer on the same inner layout, so the optimizer goes as its own state dict."""
-    return SameLayoutOptimizerState(part.optimizer) if name == "optimizer" else part
-
-
-@dataclass
-class SameLayoutOptimizerState(Stateful):
-    """The optimizer's own state dict (moments keyed by parameter position), for a peer whose optimizer was built
-    by the same config on the same layout: a replica group healing from a live one.
-
-    DCP's set_optimizer_state_dict first creates the state it loads into by an optimizer step on zero gradients.
-    In a restarted process that step is cold (DTensor works out the sharding of each of the optimizer's ops anew:
-    about 0.13 s with foreach, half with the fused kernel) and the first real step was as cold again, while every
-    live group waited. The optimizer's own load_state_dict fills an empty optimizer directly, leaving one cold
-    step. Only checkpoints, which a resume may read into another layout, need the parameter names DCP keys the
-    state by."""
-
-    optimizer: torch.optim.Optimizer
-
-    def state_dict(self) -> dict[str, Any]:
-        return self.optimizer.state_dict()
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        # Copies: load_state_dict keeps tensors of the right dtype and device as they are, and these were read
-        # straight out of the received bytes (read-only, and not aligned as torch allocates), which every step
-        # would then update in place.
-        copied = {
-            index: {key: value.clone() if isinstance(value, torch.Tensor) else value for key, value in entry.items()}
-            for index, entry in state_dict["state"].items()
-        }
-        self.optimizer.load_state_dict({**state_dict, "state": copied})
+    group builds the same model and optimizer on the same inner layout, so they go as this rank's shards, the
+    optimizer as its own state dict (``launch/heal_payload.py``)."""
+    if name == "optimizer":
+        return SameLayoutOptimizerState(part.optimizer)
+    return ModelShards(part) if name == "model" else part
 
 
 def build_replica_group_sync(

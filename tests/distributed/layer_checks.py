@@ -9,16 +9,20 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import io
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
+from torch.utils._pytree import tree_flatten
 
 from paratrain import optim
+from paratrain.checkpoint.state import ModelState
 from paratrain.config.schema import FSDPConfig, ParallelConfig
 from paratrain.gradients import clip_grad_norm
+from paratrain.launch.heal_payload import ModelShards, SameLayoutOptimizerState
 from paratrain.models.gpt import GPT, GPTConfig
 from paratrain.models.plan_derivation import plan_of
 from paratrain.optim import ShardLocalAdamW
@@ -130,6 +134,52 @@ def adamw_on_shards_against_dtensors(degrees: dict[str, int], kernel: dict[str, 
         "unequal": sum(not torch.equal(local_part(a), local_part(b)) for a, b in tensors),
         "on_shards": sum(taken),
         "moments_are_dtensors": all(isinstance(b, DTensor) for _, b in tensors),
+    }
+
+
+def healed_from_a_peers_shards(degrees: dict[str, int]) -> dict[str, object]:
+    """A replica group's heal on one inner layout: a trained copy's model and optimizer, as sent to a healing peer
+    (``launch/heal_payload.py``), through bytes read with weights_only=True into a fresh copy whose weights
+    differ; then both take a step on the same batch. Returns how many of this rank's parts of the parameters and
+    moments differ (0: bit for bit), how many DTensors the bytes held, and whether every healed parameter and
+    moment is a DTensor again."""
+    dims = _dims_with_mesh(**degrees)
+    live, healing = _model_and_copy()
+    with torch.no_grad():
+        for parameter in healing.parameters():
+            parameter.add_(1.0)  # a heal that did not load would show
+    optimizers = []
+    for model in (live, healing):
+        parallelize(model, dims, plan=model.parallel_plan(), options=ParallelConfig())
+        optimizers.append(ShardLocalAdamW(_decayed_or_not(model), lr=0.01))
+    tokens = [
+        torch.randint(0, SMALL.vocab_size, (BATCH, SEQ + 1), generator=torch.Generator().manual_seed(s))
+        for s in range(3)
+    ]
+    for batch in tokens[:2]:
+        optimizers[0].zero_grad()
+        _lm_loss(live, batch).backward()
+        optimizers[0].step()
+    sent = {"model": ModelShards(ModelState(live)), "optimizer": SameLayoutOptimizerState(optimizers[0])}
+    stream = io.BytesIO()
+    torch.save({name: part.state_dict() for name, part in sent.items()}, stream)
+    received = torch.load(io.BytesIO(stream.getvalue()), weights_only=True)
+    ModelShards(ModelState(healing)).load_state_dict(received["model"])
+    SameLayoutOptimizerState(optimizers[1]).load_state_dict(received["optimizer"])
+    for model, optimizer in zip((live, healing), optimizers):
+        optimizer.zero_grad()
+        _lm_loss(model, tokens[2]).backward()
+        optimizer.step()
+    pairs = list(zip(live.parameters(), healing.parameters()))
+    states = [
+        (optimizers[0].state[a][key], optimizers[1].state[b][key])
+        for a, b in pairs
+        for key in ("exp_avg", "exp_avg_sq")
+    ]
+    return {
+        "unequal": sum(not torch.equal(local_part(a), local_part(b)) for a, b in pairs + states),
+        "dtensors_sent": sum(isinstance(leaf, DTensor) for leaf in tree_flatten(received)[0]),
+        "healed_are_dtensors": all(isinstance(b, DTensor) and b.placements == a.placements for a, b in pairs + states),
     }
 
 

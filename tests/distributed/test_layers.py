@@ -93,6 +93,13 @@ def test_adamw_on_the_shards_steps_exactly_as_on_the_dtensors(ranks, degrees, ke
     assert all(result["on_shards"] == 2 * 3 for result in per_rank), per_rank
 
 
+@pytest.mark.parametrize("degrees", [{"dp_shard": 4}, {"dp_shard": 2, "tp": 2}], ids=["fsdp4", "fsdp2-tp2"])
+def test_a_healing_group_receives_shards_and_steps_as_its_live_peer(ranks, degrees):
+    per_rank = ranks.run(layer_checks.healed_from_a_peers_shards, degrees)
+    assert all(result["unequal"] == 0 for result in per_rank), per_rank
+    assert all(result["dtensors_sent"] == 0 and result["healed_are_dtensors"] for result in per_rank), per_rank
+
+
 def test_fsdp_shards_a_model_without_blocks_as_one_unit(ranks):
     """What tests/integration/test_bad_input.py's warning promises: one unit, the root, all of it sharded."""
     for result in ranks.run(layer_checks.fsdp_units_of_a_model_without_blocks):

@@ -24,7 +24,7 @@ from paratrain.checkpoint.state import (
     cuda_generator_names,
 )
 from paratrain.errors import CheckpointError
-from paratrain.launch.joining_groups import SameLayoutOptimizerState
+from paratrain.launch.heal_payload import SameLayoutOptimizerState
 
 
 def make_checkpointer(tmp_path, keep_last=2) -> Checkpointer:
