@@ -65,12 +65,13 @@ def test_parallelize_gives_the_unsharded_gradients(ranks, degrees, options):
 
 @pytest.mark.parametrize(
     "degrees",
-    [{"dp_shard": 4}, {"dp_shard": 2, "tp": 2}, {"dp_replicate": 2, "tp": 2}],
-    ids=["fsdp4", "fsdp2-tp2", "ddp2-tp2"],
+    [{"dp_shard": 4}, {"dp_shard": 2, "tp": 2}, {"dp_replicate": 2, "tp": 2}, {"dp_replicate": 2, "dp_shard": 2}],
+    ids=["fsdp4", "fsdp2-tp2", "ddp2-tp2", "hsdp2x2"],
 )
 def test_clipping_sharded_gradients_matches_clipping_the_unsharded_ones(ranks, degrees):
-    """Sharded (fsdp), on two meshes (fsdp x tp) and mixed with plain ones (tp leaves norms and the
-    embedding whole): the global norm and every clipped gradient equal torch's clip on the whole model."""
+    """Sharded (fsdp), on two meshes (fsdp x tp), mixed with plain ones (tp leaves norms and the
+    embedding whole), and sharded and replicated (hsdp: the copies counted once): the global norm and
+    every clipped gradient equal torch's clip on the whole model."""
     per_rank = ranks.run(layer_checks.clipped_gpt_gradients, degrees, 0.05)
     assert min(result.pop("reference_norm") for result in per_rank) > 0.05, "the check must clip"
     differences = worst(per_rank)
