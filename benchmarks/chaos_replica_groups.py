@@ -22,6 +22,7 @@ default, a failure changes only the time: ~1e-6), and the samples skipped. Not p
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import random
@@ -70,7 +71,23 @@ def records(output_dir: Path) -> list[dict]:
 
 
 def newest_step(dirs: list[Path]) -> int:
-    return max((rows[-1]["step"] for rows in map(records, dirs) if rows), default=0)
+    """The newest step any of ``dirs`` logged, from the end of each log alone: polled every 50 ms while the run
+    trains, reading whole logs (up to 2k lines a poll) took CPU from the run with kills alone, slowing each of its
+    steps by 10-25 ms on two cores against the run without."""
+    return max((step for step in map(last_logged_step, dirs) if step is not None), default=0)
+
+
+def last_logged_step(output_dir: Path) -> int | None:
+    path = output_dir / "metrics.jsonl"
+    if not path.is_file():
+        return None
+    with path.open("rb") as stream:
+        stream.seek(max(0, path.stat().st_size - 4096))
+        lines = [line for line in stream.read().decode(errors="replace").splitlines() if line.strip().endswith("}")]
+    for line in reversed(lines):
+        with contextlib.suppress(json.JSONDecodeError, KeyError):  # the first line read may be cut
+            return json.loads(line)["step"]
+    return None
 
 
 def run(jobs: list[list[str]], dirs: list[Path], schedule: list[tuple[int, int]], seed: int) -> tuple[float, list[int]]:
