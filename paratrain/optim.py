@@ -118,7 +118,8 @@ def laid_out_like_their_parameters(lists: list[list[Any]]) -> bool:
         for entries in others:
             entry = entries[index]
             if isinstance(entry, dtensor.DTensor):
-                if entry.device_mesh != parameter.device_mesh or entry.placements != parameter.placements:
+                same_mesh = entry.device_mesh is parameter.device_mesh or entry.device_mesh == parameter.device_mesh
+                if not same_mesh or entry.placements != parameter.placements:
                     return False
             elif not (isinstance(entry, torch.Tensor) and entry.ndim == 0):
                 return False

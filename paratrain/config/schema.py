@@ -111,7 +111,8 @@ class OptimConfig(Section):
     all plain) and all on GPUs or all on the CPU, foreach elsewhere; on: fused, refused where the kinds
     mix (tensor parallel alone); off: foreach. A fused optimizer also skips a step with non-finite
     gradients on the device (train.nonfinite), so the guard never waits for the GPU; others read the
-    gradient norm on the host each step."""
+    gradient norm on the host each step. Either kernel of AdamW runs on each rank's shards where the
+    parameters are sharded alike (fsdp, hsdp): the same update, bit for bit, without DTensor's dispatch."""
 
     @field_validator("fused", mode="before")
     @classmethod
