@@ -84,7 +84,7 @@ def build_optimizer(model: nn.Module, options: OptimConfig, *, dp_size: int) -> 
 
 class ShardLocalAdamW(torch.optim.AdamW):
     """torch's AdamW, whose kernels take this rank's shards (plain tensors) where a group's parameters,
-    gradients and moments are DTensors laid out alike (fsdp, hsdp, ddp over DTensors), and the DTensors
+    gradients and moments are DTensors laid out alike (fsdp, hsdp, fsdp x tp), and the DTensors
     themselves otherwise.
 
     AdamW's update is elementwise: on a shard it is the DTensor's update, bit for bit. What it saves is
@@ -95,7 +95,7 @@ class ShardLocalAdamW(torch.optim.AdamW):
 
     def _init_group(self, group: dict, *per_parameter: Any) -> Any:
         found = super()._init_group(group, *per_parameter)
-        lists = [entries for entries in per_parameter if isinstance(entries, list)]  # torch 2.7 passes amsgrad too
+        lists = [entries for entries in per_parameter if isinstance(entries, list)]  # lists, not flags
         if laid_out_like_their_parameters(lists):
             for entries in lists:
                 entries[:] = [local_part(tensor) for tensor in entries]
