@@ -136,7 +136,10 @@ _HOLDS_STATEMENTS = (ast.stmt, ast.excepthandler, ast.match_case)
 
 
 def encode(text: str) -> torch.Tensor:
-    return torch.tensor([ord(c) if ord(c) < VOCAB_SIZE else ord("?") for c in text], dtype=torch.long)
+    """Each character's ASCII code, '?' for any other: the codec's replacement, one '?' a character (a per-
+    character loop in Python took 35 ms of a worker's start-up on the tests' 40k characters)."""
+    codes = bytearray(text.encode("ascii", errors="replace"))
+    return torch.frombuffer(codes, dtype=torch.uint8).long() if codes else torch.zeros(0, dtype=torch.long)
 
 
 class CharDataset(Dataset):

@@ -4,6 +4,7 @@ user's cache directory: the same text either way, and a cache that cannot be wri
 from __future__ import annotations
 
 import pytest
+import torch
 
 from paratrain.data import text
 
@@ -40,3 +41,12 @@ def test_an_unwritable_cache_directory_costs_a_parse_and_nothing_else(tmp_path, 
     monkeypatch.setenv("XDG_CACHE_HOME", str(blocked))  # mkdir under a file fails
     assert text.stdlib_docstrings(3000) == text.stdlib_docstrings(3000) == text._joined_docstrings(3000)
     assert parsed_only == [3000, 3000, 3000]
+
+
+def test_each_character_encodes_as_its_ascii_code_and_any_other_as_one_question_mark():
+    sample = (
+        "Az ~\n\t\x00\x7f" + "é→😀\udc80"
+    )  # four non-ASCII characters: a Latin letter, an arrow, an emoji, a surrogate
+    expected = [ord(c) for c in "Az ~\n\t\x00\x7f"] + [ord("?")] * 4
+    assert text.encode(sample).tolist() == expected and text.encode(sample).dtype == torch.long
+    assert text.encode("").shape == (0,)
