@@ -8,6 +8,10 @@ restart. Both train the same tiny GPT for ``--steps`` steps, every step logged, 
 without kills (its baseline wall time) and once with ``--kills`` kills: when the run's newest logged step
 reaches the next step of the schedule (every ``--gap`` steps from ``--first``), SIGKILL one worker of a
 random group (replica groups) or of the job (restart-all); the kill at ``--double`` hits two groups at once.
+Restart-all also loses the steps since its newest checkpoint, as many as the kill's offset in ``--every``: a
+``--gap`` that is not a multiple of ``--every`` spreads the offsets (``--gap 53``: 1-23 steps of 25, mean 11, where
+a kill at a random time loses 12), where ``--gap 50`` put every kill at the same one (5 steps from ``--first 30``,
+20 from ``--first 20`` before, and the ratio of the two layouts' losses moved with the offset).
 
 Prints, per layout: wall time without and with kills, wall time lost per kill, the time the run stood still
 per kill (``time_paused``: steadier than the wall times), steps recomputed (a step
@@ -16,7 +20,7 @@ every run finished (exit 0); also the largest relative difference, over every st
 the loss the run with kills logged last for a step and the run without kills' (under ``--batch fixed``, the
 default, a failure changes only the time: ~1e-6), and the samples skipped. Not part of the suite; results belong in docs/benchmarks.md.
 
-    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/chaos_replica_groups.py --groups 3 --procs 2 --kills 10
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/chaos_replica_groups.py --groups 3 --procs 2 --kills 10 --gap 53
 """
 
 from __future__ import annotations
@@ -132,8 +136,9 @@ def time_paused(dirs: list[Path]) -> float:
     """Seconds the run stood still: over the steps that took more than PAUSE_FACTOR times the run's median step
     (a step's time: when its last group logged it, a retaken step's last logging), what each took beyond that
     median. It leaves out a drift of every ordinary step's time between two runs, which wall times keep (5-10 ms a
-    step between the two runs of a pair on 2 cores: up to 0.6 s a kill over 620 steps), and the recomputed steps
-    of restart-all (counted apart: steps logged again)."""
+    step between the two runs of a pair on 2 cores: up to 0.6 s a kill over 620 steps). Restart-all's pause holds
+    the steps it lost (taken since its checkpoint, before the kill: their redone loggings replace them) and its
+    restart, not the redoing (counted apart: steps logged again)."""
     logged: dict[int, float] = {}
     for rows in map(records, dirs):
         for row in rows:
