@@ -26,14 +26,17 @@ def as_shards(state: Any) -> Any:
         return tree_map_only(torch.Tensor, local_part, state)
 
 
-def laid_out_as(shard: Any, template: Any) -> Any:
+def laid_out_as(shard: Any, template: Any, *, copy: bool = False) -> Any:
     """``shard`` (a peer's part) as a DTensor of ``template``'s mesh, placements and global shape, on its device,
-    where ``template`` is a DTensor and ``shard`` a plain tensor; ``shard`` as it is otherwise."""
-    dtensor = sys.modules.get("torch.distributed.tensor")  # looked up: no DTensor exists before it is imported
-    if dtensor is None or not isinstance(template, dtensor.DTensor) or not isinstance(shard, torch.Tensor):
+    where ``template`` is a DTensor and ``shard`` a plain tensor; ``shard`` as it is otherwise. ``copy``: a tensor of
+    its own either way, made in the one move (a copy before moving it to a GPU would be a second)."""
+    if not isinstance(shard, torch.Tensor):
         return shard
+    dtensor = sys.modules.get("torch.distributed.tensor")  # looked up: no DTensor exists before it is imported
+    if dtensor is None or not isinstance(template, dtensor.DTensor):
+        return shard.clone() if copy else shard
     return dtensor.DTensor.from_local(
-        shard.to(template.to_local().device),
+        shard.to(template.to_local().device, copy=copy),
         template.device_mesh,
         template.placements,
         run_check=False,  # every rank's shard came from its counterpart: no collective to check them
@@ -76,14 +79,13 @@ class SameLayoutOptimizerState(Stateful):
         return as_shards(self.optimizer.state_dict())
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        # Each moment becomes a DTensor cut as its parameter is. Copies (``to`` on the same device, then clone):
-        # load_state_dict keeps tensors of the right dtype and device as they are, and these were read straight
-        # out of the received bytes (read-only, and not aligned as torch allocates), which every step would then
-        # update in place.
+        # Each moment becomes a DTensor cut as its parameter is, a copy: load_state_dict keeps tensors of the right
+        # dtype and device as they are, and these were read straight out of the received bytes (read-only, and not
+        # aligned as torch allocates), which every step would then update in place.
         parameters = [parameter for group in self.optimizer.param_groups for parameter in group["params"]]
         copied = {
             index: {
-                key: laid_out_as(value.clone(), parameters[index]) if _is_moment(value) else value
+                key: laid_out_as(value, parameters[index], copy=True) if _is_moment(value) else value
                 for key, value in entry.items()
             }
             for index, entry in state_dict["state"].items()
