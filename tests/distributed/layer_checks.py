@@ -22,7 +22,7 @@ from paratrain import optim
 from paratrain.checkpoint.state import ModelState
 from paratrain.config.schema import FSDPConfig, ParallelConfig
 from paratrain.gradients import clip_grad_norm
-from paratrain.launch.heal_payload import ModelShards, SameLayoutOptimizerState
+from paratrain.launch.heal_payload import ModelShards, SameLayoutOptimizerState, as_one_buffer, from_one_buffer
 from paratrain.models.gpt import GPT, GPTConfig
 from paratrain.models.plan_derivation import plan_of
 from paratrain.optim import ShardLocalAdamW
@@ -161,9 +161,9 @@ def healed_from_a_peers_shards(degrees: dict[str, int]) -> dict[str, object]:
         _lm_loss(live, batch).backward()
         optimizers[0].step()
     sent = {"model": ModelShards(ModelState(live)), "optimizer": SameLayoutOptimizerState(optimizers[0])}
-    stream = io.BytesIO()
-    torch.save({name: part.state_dict() for name, part in sent.items()}, stream)
-    received = torch.load(io.BytesIO(stream.getvalue()), weights_only=True)
+    stream = io.BytesIO()  # as the transport sends it: one safetensors buffer, read with weights_only
+    torch.save(as_one_buffer({name: part.state_dict() for name, part in sent.items()}), stream)
+    received = from_one_buffer(torch.load(io.BytesIO(stream.getvalue()), weights_only=True))
     ModelShards(ModelState(healing)).load_state_dict(received["model"])
     SameLayoutOptimizerState(optimizers[1]).load_state_dict(received["optimizer"])
     for model, optimizer in zip((live, healing), optimizers):

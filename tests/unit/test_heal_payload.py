@@ -1,0 +1,53 @@
+"""The state a live replica group sends a healing one, as one safetensors buffer (launch/heal_payload.py)."""
+
+from __future__ import annotations
+
+import enum
+import io
+
+import torch
+from torch.utils import _pytree as pytree
+
+from paratrain.launch.heal_payload import ONE_BUFFER, as_one_buffer, from_one_buffer
+
+
+def through_the_wire(state):
+    """``state`` as the transport carries it: packed, pickled, read with weights_only, unpacked."""
+    stream = io.BytesIO()
+    torch.save(as_one_buffer(state), stream)
+    return from_one_buffer(torch.load(io.BytesIO(stream.getvalue()), weights_only=True))
+
+
+def test_a_state_crosses_as_one_buffer_and_comes_back_the_same():
+    tied = torch.randn(4, 3)
+    state = {
+        "model": {"embed": tied, "head": tied, "transposed": tied.t(), "empty": torch.empty(0)},
+        "optimizer": {
+            "state": {0: {"step": torch.tensor(3.0), "exp_avg": torch.ones(2, dtype=torch.bfloat16)}},
+            "param_groups": [{"lr": 0.1, "betas": (0.9, 0.95), "params": [0], "fused": None, "name": "decay"}],
+        },
+        "progress": {"step": 5, "tokens": 2**40, "loss": float("inf"), "done": False},
+    }
+    assert list(as_one_buffer(state)) == [ONE_BUFFER]
+    received = through_the_wire(state)
+    sent_leaves, sent_spec = pytree.tree_flatten(state)
+    got_leaves, got_spec = pytree.tree_flatten(received)
+    assert got_spec == sent_spec  # the same nesting, int keys still ints, tuples still tuples
+    for sent, got in zip(sent_leaves, got_leaves, strict=True):
+        assert type(got) is type(sent)
+        if isinstance(sent, torch.Tensor):
+            assert got.dtype == sent.dtype and torch.equal(got, sent)
+        else:
+            assert got == sent
+    received["model"]["embed"].add_(1.0)  # each received tensor is writable memory of its own
+    assert not torch.equal(received["model"]["head"], received["model"]["embed"])
+
+
+class Mode(enum.Enum):
+    SHRINK = "shrink"
+
+
+def test_a_state_json_cannot_hold_goes_as_it_is():
+    for state in ({"mode": Mode.SHRINK, "w": torch.ones(2)}, {"sizes": [torch.ones(1)], "name": b"bytes"}):
+        assert as_one_buffer(state) is state
+        assert from_one_buffer(state) is state
