@@ -5,6 +5,8 @@ the root config."""
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
 import time
 from collections.abc import Callable
@@ -34,6 +36,7 @@ from paratrain.data.stream import StreamedTokens, check_streaming
 from paratrain.debug import dump_weights
 from paratrain.engine import MicroBatchEngine
 from paratrain.evaluation import Evaluator, build_evaluator
+from paratrain.launch.attempt_memory import passed_in_an_earlier_attempt, record_passed
 from paratrain.launch.process_group import (
     DistContext,
     init_distributed,
@@ -54,6 +57,8 @@ from paratrain.precision import MixedPrecision, Precision, build_mixed_precision
 from paratrain.training.preference_reference import NoPreferenceReference, PreferenceReference
 
 logger = logging.getLogger("paratrain")
+# The sample check on meta, under the name a restart looks its earlier pass up by.
+FIT_CHECK = "dataset-fits-model"
 
 
 def resolve_dims(parallel: ParallelConfig) -> ParallelDims:
@@ -161,7 +166,9 @@ def build_rank_model(
     model_factory = with_lora(model_factory, sections.model.lora)
     if not isinstance(dataset, StreamedTokens):  # a stream's samples cannot be read by index
         sources = describe_sources(data=sections.data, model=sections.model, loss=sections.loss, given=given)
-        check_dataset_fits_model(dataset, maybe_build_on_meta(model_factory), loss_fn, sources=sources)
+        maybe_check_dataset_fits_model(
+            dataset, model_factory, loss_fn, sources=sources, sections=sections, given=given, output_dir=output_dir
+        )
     parallel, pretrained = sections.parallel, sections.model.pretrained
     precision = build_mixed_precision(sections.precision, device=ctx.device, sharded=dims.is_sharded)
     loss_fn = compile_loss(loss_fn, compile=parallel.compile, backend=parallel.compile_backend)
@@ -193,6 +200,30 @@ def build_rank_model(
         path = output_dir / "initial-weights.safetensors"
         dump_weights(layout.bare, path, is_main=ctx.is_main, pipeline_group=pipeline_group)
     return RankModel(layout, precision, loss_fn, devices_computed_on(layout.runnable, own=ctx.device))
+
+
+def maybe_check_dataset_fits_model(
+    dataset: Dataset,
+    model_factory: Callable[[], nn.Module],
+    loss_fn: LossFn,
+    *,
+    sources: SampleSources,
+    sections: RankSections,
+    given: tuple[bool, bool, bool],
+    output_dir: Path,
+) -> None:
+    """The sample check on meta, unless an earlier attempt of this launch passed it on the same data, model and
+    loss sections (``launch/attempt_memory.py``: a restarted replica group is what the live ones wait for). Never
+    skipped for a dataset, model or loss the caller gave, which no section describes."""
+    digest = None
+    if not any(given):
+        what = [section.model_dump(mode="json") for section in (sections.data, sections.model, sections.loss)]
+        digest = hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()
+        if passed_in_an_earlier_attempt(output_dir, check=FIT_CHECK, digest=digest):
+            return
+    check_dataset_fits_model(dataset, maybe_build_on_meta(model_factory), loss_fn, sources=sources)
+    if digest is not None:
+        record_passed(output_dir, check=FIT_CHECK, digest=digest)
 
 
 def with_lora(model_factory: Callable[[], nn.Module], lora: LoraConfig | None) -> Callable[[], nn.Module]:
