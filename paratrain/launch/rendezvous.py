@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import socket
+import sys
 from collections.abc import Iterator
 
 from torch.distributed import TCPStore
@@ -59,7 +60,7 @@ class _LoopbackRendezvousHandler(DynamicRendezvousHandler):
         # cannot connect, or waits forever (pytorch#135712, fixed there by a store per retry).
         self._shared_tcp_store_server = None
         self._bootstrap_store_info = None
-        with _without_start_jitter():
+        with _without_start_jitter(), _method_names_from_frames():
             return super().next_rendezvous()
 
     # Overrides the private hook DynamicRendezvousHandler.next_rendezvous calls to create the
@@ -85,6 +86,29 @@ def _without_start_jitter() -> Iterator[None]:
         yield
     finally:
         dynamic_rendezvous._delay = real_delay
+
+
+@contextlib.contextmanager
+def _method_names_from_frames() -> Iterator[None]:
+    """Torch's rendezvous names each event it records after the method that records it, found by
+    ``inspect.stack()`` (``dynamic_rendezvous.get_method_name``), twice an event. That builds every frame's
+    source context and looks each frame's module up through all of ``sys.modules`` (slow where torch is
+    imported: cpython#92041): 0.20 of the 0.23 s a worker group's restart spent in torchrun's agent (profiled),
+    before the restarted workers could start, while every live replica group waited. The caller's frame gives
+    the same name."""
+    real_get_method_name = dynamic_rendezvous.get_method_name
+
+    def caller_of_the_recorder(depth: int = 2) -> str:
+        try:
+            return sys._getframe(depth).f_code.co_name  # what inspect.stack()[depth] names, without building a stack
+        except ValueError:  # a stack not that deep
+            return "no_method_name"
+
+    dynamic_rendezvous.get_method_name = caller_of_the_recorder
+    try:
+        yield
+    finally:
+        dynamic_rendezvous.get_method_name = real_get_method_name
 
 
 def _create_handler(params: RendezvousParameters) -> RendezvousHandler:
