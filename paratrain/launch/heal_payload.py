@@ -8,10 +8,10 @@ as long as reading their shards (28 against 14 ms, two ranks on two cores under 
 while every live group waited. The healing rank wraps each shard in its own parameter's mesh and placements.
 
 Even as shards, torch's weights_only reader unpickles each tensor and each number of the state one by one in
-Python: 14.6 ms for that GPT's 148 tensors and 76 numbers on an idle core, three times that while the live groups
-compute beside it, and the healing rank is what every live group waits for. So the state travels as one
-safetensors buffer (``as_one_buffer``): the tensors by safetensors, the numbers and the nesting as JSON, read in
-1.9 ms; still no pickle of the peer's."""
+Python: 14.6 ms for that GPT's 148 tensors and 76 numbers on an idle core, and the healing rank, which every live group
+waits for, finished reading 30-90 ms after the peer had sent the last byte while the live groups computed beside it.
+So the state travels as one safetensors buffer (``as_one_buffer``): the tensors by safetensors, the numbers and the
+nesting as JSON, read in 1.9 ms on an idle core; still no pickle of the peer's."""
 
 from __future__ import annotations
 
@@ -120,8 +120,8 @@ class ModelShards(Stateful):
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Each shard copied into this rank's own (the state dict aliases the weights), where every entry is a
-        tensor cut as this rank's: DCP's set_model_state_dict, which it replaces, took 7 of the 11 ms a heal's
-        loading took (an idle core), most of it dispatching each DTensor's copy. Otherwise through it, as DTensors."""
+        tensor cut as this rank's: DCP's set_model_state_dict, which it replaces there, took 7 of the 11 ms a heal's
+        loading took on an idle core. Otherwise through it, as DTensors."""
         current = self.model_state.state_dict()
         if _cut_alike(current, state_dict):
             with torch.no_grad():
