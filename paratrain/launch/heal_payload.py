@@ -10,8 +10,8 @@ while every live group waited. The healing rank wraps each shard in its own para
 Even as shards, torch's weights_only reader unpickles each tensor and each number of the state one by one in
 Python: 14.6 ms for that GPT's 148 tensors and 76 numbers on an idle core, and the healing rank, which every live group
 waits for, finished reading 30-90 ms after the peer had sent the last byte while the live groups computed beside it.
-So the state travels as one safetensors buffer (``as_one_buffer``): the tensors by safetensors, the numbers and the
-nesting as JSON, read in 1.9 ms on an idle core; still no pickle of the peer's."""
+So a state of up to 256 MB of tensors travels as one safetensors buffer (``as_one_buffer``): the tensors by
+safetensors, the numbers and the nesting as JSON, read in 1.9 ms on an idle core; still no pickle of the peer's."""
 
 from __future__ import annotations
 
@@ -39,15 +39,21 @@ def as_shards(state: Any) -> Any:
 ONE_BUFFER = "paratrain_safetensors"
 # The leaves other than tensors that JSON gives back as they were.
 JSON_LEAVES = (int, float, str, bool, type(None))
+# Above this many bytes of tensors the state goes as it is: the buffer is a copy on each side (on the receiver, one more
+# while safetensors reads it), where torch's streaming writer and reader copy nothing whole; the Python cost per tensor
+# that one buffer saves matters beside the bytes only for small states (the tiny GPT's: 0.2 MB).
+ONE_BUFFER_MAX_BYTES = 256 * 2**20
 
 
 def as_one_buffer(state: Any) -> Any:
     """``state`` (nested dicts, lists and tuples of tensors, numbers, strings and None) as ``{ONE_BUFFER: bytes as a
     uint8 tensor}``: its tensors in safetensors' format, its other leaves and its nesting as JSON in the buffer's
-    metadata. A state that does not fit (a leaf JSON cannot hold, a node pytree cannot name) is returned as it is,
-    for the transport to pickle as before."""
+    metadata. A state that does not fit (over ``ONE_BUFFER_MAX_BYTES``, a leaf JSON cannot hold, a node pytree cannot
+    name) is returned as it is, for the transport to pickle as before."""
     leaves, spec = pytree.tree_flatten(state)
     is_tensor = [isinstance(leaf, torch.Tensor) for leaf in leaves]
+    if sum(leaf.nbytes for leaf, tensor in zip(leaves, is_tensor) if tensor) > ONE_BUFFER_MAX_BYTES:
+        return state
     if not all(tensor or type(leaf) in JSON_LEAVES for leaf, tensor in zip(leaves, is_tensor)):
         return state  # JSON would turn a tuple subclass into a list, an enum into its value: not the same state
     try:

@@ -8,6 +8,7 @@ import io
 import torch
 from torch.utils import _pytree as pytree
 
+from paratrain.launch import heal_payload
 from paratrain.launch.heal_payload import ONE_BUFFER, as_one_buffer, from_one_buffer
 
 
@@ -51,3 +52,12 @@ def test_a_state_json_cannot_hold_goes_as_it_is():
     for state in ({"mode": Mode.SHRINK, "w": torch.ones(2)}, {"sizes": [torch.ones(1)], "name": b"bytes"}):
         assert as_one_buffer(state) is state
         assert from_one_buffer(state) is state
+
+
+def test_a_large_state_goes_as_it_is_streamed_not_copied_whole(monkeypatch):
+    state = {"model": {"w": torch.ones(300), "b": torch.ones(100)}}  # 1,600 bytes of tensors
+    monkeypatch.setattr(heal_payload, "ONE_BUFFER_MAX_BYTES", 1_600)
+    assert list(as_one_buffer(state)) == [ONE_BUFFER]
+    monkeypatch.setattr(heal_payload, "ONE_BUFFER_MAX_BYTES", 1_599)
+    assert as_one_buffer(state) is state
+    assert torch.equal(through_the_wire(state)["model"]["w"], state["model"]["w"])
