@@ -145,8 +145,8 @@ def announce_restart(manager: Any) -> None:
 def weights_only_transport(timeout: timedelta) -> Any:
     """torchft's HTTP checkpoint transport, reading what a peer sends with ``weights_only=True``: torchft
     unpickles it (``weights_only=False``, for schedulers' non-tensor state); paratrain's state is tensors,
-    numbers and strings, and a peer's bytes are never unpickled into objects. The state goes as one safetensors
-    buffer (``launch/heal_payload.py``): read in a seventh of the time the weights_only reader takes for it."""
+    numbers and strings, and a peer's bytes are never unpickled into objects. A state of up to 256 MB of tensors goes
+    as one safetensors buffer (``launch/heal_payload.py``): read in a seventh of the time the weights_only reader took."""
     from torchft.checkpointing import _serialization, http_transport  # lazy: torchft is an optional extra
 
     class WeightsOnlyHTTPTransport(http_transport.HTTPTransport):
