@@ -20,6 +20,8 @@ from pathlib import Path
 import torch
 from torch.utils.data import Dataset
 
+from paratrain.files import write_whole
+
 VOCAB_SIZE = 128
 
 # A fixed list keeps the corpus the same run after run on one Python version.
@@ -68,7 +70,7 @@ def stdlib_docstrings(max_chars: int) -> str:
     text = _joined_docstrings(max_chars)
     if cache is not None:
         with contextlib.suppress(OSError):  # a cache that cannot be written costs the parse next time, no more
-            _write_whole(cache, text)
+            write_whole(cache, text)
     return text
 
 
@@ -93,14 +95,6 @@ def _cache_file(max_chars: int) -> Path | None:
     except RuntimeError:  # Path.home() without HOME or a password entry
         return None
     return root / "paratrain" / name
-
-
-def _write_whole(path: Path, text: str) -> None:
-    """Writes ``text`` to ``path`` whole or not at all: every worker of a launch may write it at once."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    partial = path.with_name(f"{path.name}.{os.getpid()}.partial")
-    partial.write_bytes(text.encode("utf-8"))
-    partial.replace(path)
 
 
 @functools.cache

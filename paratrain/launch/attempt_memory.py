@@ -15,6 +15,7 @@ import os
 import socket
 from pathlib import Path
 
+from paratrain.files import write_whole
 from paratrain.launch.preemption import LAUNCHER_PID_ENV
 
 RECORD_NAME = ".passed-checks"
@@ -37,12 +38,8 @@ def record_passed(output_dir: Path, *, check: str, digest: str) -> None:
     key = _launch_key(check, digest)
     if key is None:
         return
-    path = output_dir / RECORD_NAME
-    partial = path.with_name(f"{RECORD_NAME}.{os.getpid()}.partial")  # each rank its own, then one atomic rename
     try:
-        output_dir.mkdir(parents=True, exist_ok=True)
-        partial.write_text(key + "\n")
-        partial.replace(path)
+        write_whole(output_dir / RECORD_NAME, key + "\n")  # every rank writes it
     except OSError:
         pass  # no record only means that a restart checks again
 

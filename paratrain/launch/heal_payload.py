@@ -129,29 +129,31 @@ class ModelShards(Stateful):
         tensor cut as this rank's: DCP's set_model_state_dict, which it replaces there, took 7 of the 11 ms a heal's
         loading took on an idle core. Otherwise through it, as DTensors."""
         current = self.model_state.state_dict()
-        if _cut_alike(current, state_dict):
-            with torch.no_grad():
-                for name, shard in state_dict.items():
-                    local_part(current[name]).copy_(shard)
-            return
+        with torch.no_grad():  # to_local outside autograd: the shard itself, as as_shards takes it
+            own_parts = _own_parts_cut_alike(current, state_dict)
+            if own_parts is not None:
+                for mine, shard in own_parts:
+                    mine.copy_(shard)
+                return
         self.model_state.load_state_dict(
             {name: laid_out_as(value, current.get(name)) for name, value in state_dict.items()}
         )
 
 
-def _cut_alike(current: dict[str, Any], received: dict[str, Any]) -> bool:
-    """Whether ``received`` names the same entries as ``current``, each a tensor of the shape and dtype of this
-    rank's part of its entry."""
+def _own_parts_cut_alike(current: dict[str, Any], received: dict[str, Any]) -> list[tuple[Any, Any]] | None:
+    """(this rank's part of each entry of ``current``, the received one) where ``received`` names the same entries,
+    each a tensor of its part's shape and dtype; None otherwise."""
     if current.keys() != received.keys():
-        return False
+        return None
+    pairs = []
     for name, shard in received.items():
-        mine = current[name]
-        if not (isinstance(shard, torch.Tensor) and isinstance(mine, torch.Tensor)):
-            return False
-        mine = local_part(mine)
+        if not (isinstance(shard, torch.Tensor) and isinstance(current[name], torch.Tensor)):
+            return None
+        mine = local_part(current[name])
         if mine.shape != shard.shape or mine.dtype != shard.dtype:
-            return False
-    return True
+            return None
+        pairs.append((mine, shard))
+    return pairs
 
 
 @dataclass
@@ -173,8 +175,8 @@ class SameLayoutOptimizerState(Stateful):
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         # Each moment becomes a DTensor cut as its parameter is, a copy: load_state_dict keeps tensors of the right
-        # dtype and device as they are, and these were read straight out of the received bytes (read-only, and not
-        # aligned as torch allocates), which every step would then update in place.
+        # dtype and device as they are, and a state sent as it is (not one buffer) was read straight out of the
+        # received bytes (read-only, and not aligned as torch allocates), which every step would then update in place.
         parameters = [parameter for group in self.optimizer.param_groups for parameter in group["params"]]
         copied = {
             index: {

@@ -14,6 +14,7 @@ from typing import Any
 
 from paratrain.config.schema import FaultToleranceConfig
 from paratrain.errors import ConfigError
+from paratrain.files import write_whole
 
 INSTALL_HINT = "pip install 'paratrain[ft]'"
 # torchft's Rust side (the lighthouse, each group's manager server) logs every quorum and commit at INFO
@@ -77,9 +78,7 @@ def run_lighthouse(
     )
     print(f"paratrain: lighthouse serving at {server.address()} (min_replicas={min_replicas})", flush=True)
     if address_file is not None:
-        partial = address_file.with_name(address_file.name + ".partial")
-        partial.write_text(server.address() + "\n")
-        partial.replace(address_file)
+        write_whole(address_file, server.address() + "\n")
     stopped = []
     for signum in (signal.SIGINT, signal.SIGTERM):
         signal.signal(signum, lambda number, frame: stopped.append(number))

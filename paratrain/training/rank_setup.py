@@ -5,8 +5,6 @@ the root config."""
 
 from __future__ import annotations
 
-import hashlib
-import json
 import logging
 import time
 from collections.abc import Callable
@@ -32,6 +30,7 @@ from paratrain.config.schema import (
 from paratrain.cuda_settings import apply_kernel_settings
 from paratrain.data.feed import DataFeed
 from paratrain.data.model_fit import SampleSources, check_dataset_fits_model
+from paratrain.data.shared_cache import cache_key
 from paratrain.data.stream import StreamedTokens, check_streaming
 from paratrain.debug import dump_weights
 from paratrain.engine import MicroBatchEngine
@@ -217,8 +216,9 @@ def maybe_check_dataset_fits_model(
     skipped for a dataset, model or loss the caller gave, which no section describes."""
     digest = None
     if not any(given):
-        what = [section.model_dump(mode="json") for section in (sections.data, sections.model, sections.loss)]
-        digest = hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()
+        digest = cache_key(
+            {name: getattr(sections, name).model_dump(mode="json") for name in ("data", "model", "loss")}
+        )
         if passed_in_an_earlier_attempt(output_dir, check=FIT_CHECK, digest=digest):
             return
     check_dataset_fits_model(dataset, maybe_build_on_meta(model_factory), loss_fn, sources=sources)

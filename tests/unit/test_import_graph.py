@@ -19,6 +19,7 @@ TRAINING_ENTRIES = ("paratrain.train", "paratrain.training.trainer")
 LAYERS = (
     # leaves: no paratrain imports beyond errors
     "errors",
+    "files",
     "tensors",
     "losses",
     "precision",
