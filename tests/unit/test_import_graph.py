@@ -19,12 +19,12 @@ TRAINING_ENTRIES = ("paratrain.train", "paratrain.training.trainer")
 LAYERS = (
     # leaves: no paratrain imports beyond errors
     "errors",
-    "files",
     "tensors",
     "losses",
     "precision",
     "gradients",
     "cuda_settings",
+    "files",
     # the typed config tree: schema, loading, reference docs, factories
     "config",
     # models and their plans as data; then the layouts' transforms, meshes and collectives
