@@ -25,6 +25,7 @@ from paratrain.launch.torchft_adapters import (
     announce_restart,
     connecting_within,
     one_lighthouse_id_per_group,
+    quorum_requests_in_daemon_threads,
     recording_quorum_steps,
     remembering_quorum_members,
     weights_only_transport,
@@ -152,10 +153,9 @@ def _new_manager(
             load_state_dict=load_state_dict,
             state_dict=state_dict,
             min_replica_size=options.min_replica_groups,
-            # Synchronous quorum: healing is applied before the step's batch is read, so the data position
-            # a peer sent decides that batch; and every group of the quorum takes part in the step, so who
-            # computes which slice follows from the quorum alone.
-            use_async_quorum=False,
+            # The quorum forms while the group computes its own slice (ReplicaGroupSync.forward_backward); a
+            # group behind the newest step heals in it and takes no part in that step.
+            use_async_quorum=True,
             timeout=timeout,
             quorum_timeout=timedelta(seconds=options.quorum_timeout_s),
             connect_timeout=timedelta(seconds=options.connect_timeout_s),
@@ -166,6 +166,7 @@ def _new_manager(
             init_sync=False,
         )
     announce_restart(manager)
+    quorum_requests_in_daemon_threads(manager)
     return manager
 
 

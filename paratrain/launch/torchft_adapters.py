@@ -5,9 +5,11 @@ transport that never unpickles a peer's bytes."""
 from __future__ import annotations
 
 import contextlib
+import threading
 import types
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future
 from datetime import timedelta
 from typing import Any
 
@@ -140,6 +142,47 @@ def announce_restart(manager: Any) -> None:
     id alone, and under ``one_lighthouse_id_per_group`` a restarted group has its predecessor's. (torchft counts
     failed commits in this attribute and resets it at the first commit that succeeds.)"""
     manager._commit_failures = max(manager._commit_failures, 1)
+
+
+def apply_received_state_now(manager: Any) -> None:
+    """Applies a live peer's state received in the quorum that just formed, as torchft's synchronous quorum does,
+    instead of at the step's vote (its asynchronous quorum's time): after a start-up quorum the resume decision and
+    DPO's reference read the healed weights, and a group waiting for every group sees itself healed. The group still
+    takes no part in this quorum's step: torchft counts a group that was behind out of it and sends zeros for it."""
+    if manager._healing:
+        manager._apply_pending_state_dict()
+        manager._healing = False
+
+
+def quorum_requests_in_daemon_threads(manager: Any) -> None:
+    """Has ``manager`` run each quorum request (and the heal that follows it) in a daemon thread of its own, where
+    torchft keeps one thread in a ThreadPoolExecutor, which the interpreter joins at exit. The request is under way
+    while the step's own slice is computed (``ReplicaGroupSync``): a step that fails there (a peer died) ends the
+    process, which then waited for the request to time out (``quorum_timeout_s``: 360 s in a test across two
+    hosts) before torchrun could restart it. torchft waits for each request before it sends the next."""
+    manager._executor.shutdown(wait=False)
+    manager._executor = DaemonThreadPerCall()
+
+
+class DaemonThreadPerCall:
+    """The part of ``concurrent.futures.Executor`` torchft's Manager uses (``submit``, ``shutdown``), each call
+    run in a daemon thread of its own."""
+
+    def submit(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Future:
+        future: Future = Future()
+
+        def run() -> None:
+            if future.set_running_or_notify_cancel():
+                try:
+                    future.set_result(fn(*args, **kwargs))
+                except BaseException as error:  # noqa: BLE001 - handed to the caller, as an executor does
+                    future.set_exception(error)
+
+        threading.Thread(target=run, name="torchft-quorum", daemon=True).start()
+        return future
+
+    def shutdown(self, wait: bool = True) -> None:
+        """Nothing to stop: a request still under way ends with the process."""
 
 
 def weights_only_transport(timeout: timedelta) -> Any:
