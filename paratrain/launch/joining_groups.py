@@ -45,6 +45,7 @@ def maybe_join_replica_groups(
     device: torch.device,
     state: Callable[[], dict[str, Any]],
     read_slice: Callable[[int], list[Any]],
+    streaming: bool = False,
 ) -> ReplicaGroupSync | NoReplicaGroups:
     """This rank's side of the replica groups when the run is one of several, else ``NoReplicaGroups``.
 
@@ -53,6 +54,8 @@ def maybe_join_replica_groups(
         state: Every Stateful of a resume, under the names checkpoints use: a recovering peer receives it
             (less the RNG), and a healed group loads what a live peer sent into it.
         read_slice: Data-parallel reader r's micro-batches of the step being taken (``DataFeed.slice_batches``).
+        streaming: Whether the data is a stream, whose position a healing group receives past the step's batch: it
+            then takes no part in the step it healed in (``launch/taking_part.py``).
     """
     if not dims.ft_enabled:
         return NoReplicaGroups()
@@ -73,6 +76,7 @@ def maybe_join_replica_groups(
         # Rank i of a live group reads what rank i of the missing group would: the same place in its group.
         read_slice=lambda group: read_slice(group * dims.group_dp + dims.group_dp_rank),
         counts=GroupCounts(),
+        healed_takes_part=not streaming,
     )
 
 
@@ -93,6 +97,7 @@ def build_replica_group_sync(
     load_state_dict: Callable[[dict[str, Any]], None],
     read_slice: Callable[[int], list[Any]],
     counts: GroupCounts,
+    healed_takes_part: bool = True,
 ) -> ReplicaGroupSync:
     """This rank's Manager, joined to the group's torchrun store (MASTER_ADDR/MASTER_PORT, RANK/WORLD_SIZE).
 
@@ -134,6 +139,7 @@ def build_replica_group_sync(
         local_rank=int(os.environ.get("LOCAL_RANK", 0)),
         heal_store=heal_store(timeout),
         stuck_vote=StuckVoteWatch.start(siblings=group_ranks_on_this_host()),
+        healed_takes_part=healed_takes_part,
     )
     return sync
 

@@ -5,11 +5,11 @@ The lighthouse they meet through is ``launch/lighthouse.py``.
 Each replica group is its own torchrun job. Rank i of every group joins one torchft ``Manager`` per rank;
 the managers agree at every step on which groups are alive (the quorum, through the lighthouse: asked as the
 step starts, awaited once the group's own slice is computed), average rank i's gradients over the live groups
-through torchft's gloo process group, and commit the step only where every rank of a group succeeded. A group that died is left out of the quorum
-until it is back; when it rejoins, torchft sends it a live peer's state (``state_dict`` below: model,
-optimizer, scheduler, data position and step) over its checkpoint transport, so it reads no checkpoint.
-While groups are missing, the live ones also compute the missing groups' slices of the global batch under
-``batch: fixed`` (``launch/group_shares.py`` decides who computes what), or skip them under ``shrink``.
+through torchft's gloo process group, and commit the step only where every rank of a group succeeded. A group
+that died is left out of the quorum until it is back; when it rejoins, torchft sends it a live peer's state
+(model, optimizer, scheduler, data position and step) over its checkpoint transport: it reads no checkpoint.
+While groups are missing, the live ones compute the missing groups' slices too under ``batch: fixed``
+(``launch/group_shares.py`` decides who computes what), or skip them under ``shrink``.
 
 How a rank joins, building its torchft Manager, is ``launch/joining_groups.py``. torchft is an optional
 dependency (``pip install 'paratrain[ft]'``): imported only when groups are on.
@@ -36,7 +36,7 @@ from paratrain.launch.heal_agreement import check_every_rank_healed_alike
 from paratrain.launch.quorum import RETRY_PAUSE_S, join_quorum_or_stop
 from paratrain.launch.stuck_vote import StuckVoteWatch
 from paratrain.launch.taking_part import participating_groups
-from paratrain.launch.torchft_adapters import apply_received_state_now
+from paratrain.launch.torchft_adapters import apply_received_state_now, take_part_though_healed
 from paratrain.tensors import local_part
 
 logger = logging.getLogger("paratrain")
@@ -72,6 +72,7 @@ class ReplicaGroupSync:
         heal_store: The group's store for its ranks' one agreement at start-up (None for one rank).
         stuck_vote: Ends this process when a stop signal finds it in a vote that a dead rank keeps open
             (``launch/stuck_vote.py``); None where signals cannot be watched (outside the main thread).
+        healed_takes_part: Whether a group healed at start-up takes part in that quorum's step (not for a stream).
     """
 
     enabled = True
@@ -88,15 +89,15 @@ class ReplicaGroupSync:
         local_rank: int = 0,
         heal_store: dist.Store | None = None,
         stuck_vote: StuckVoteWatch | None = None,
+        healed_takes_part: bool = True,
     ):
         self.manager, self.options, self.process_group, self.read_slice = manager, options, process_group, read_slice
         self.replica_groups, self.group, self.batch = options.replica_groups, options.replica_group, options.batch
         self.counts, self.rank, self.local_rank, self.heal_store = counts, rank, local_rank, heal_store
-        self.stuck_vote = stuck_vote
+        self.stuck_vote, self.healed_takes_part = stuck_vote, healed_takes_part
         self.healed, self.started = False, False
         self.quorum_asked = False  # the step's quorum request is under way, not yet awaited
-        # Healed in the start-up quorum: the live groups take that quorum's step, so this group's first is in it.
-        self.in_quorum_for_next_step = False
+        self.in_quorum_for_next_step = False  # healed at start-up: its first step is that quorum's
         self.coverage: Coverage | None = None  # the newest step's, None when its all-reduce failed
 
     def heals_instead_of_resuming(self) -> bool:
@@ -104,9 +105,9 @@ class ReplicaGroupSync:
         checkpoint) replaces the resume, and only a group that finds none (every group died, or the run is
         new) reads its own checkpoint, if it has one; then no group steps in this quorum (every one in it is
         starting): those resuming from checkpoints of different steps meet at the next, where the ones behind
-        heal from the newest. A group that healed steps in this quorum, as the live ones do (joining another
-        would leave them waiting for its all-reduce until ``timeout_s``), though torchft counts it out of that one
-        step (``launch/taking_part.py``). Every rank of the group heals or none does (``launch/heal_agreement.py``): a split stops the group with IncompleteHeal."""
+        heal from the newest. A group that healed takes part in this quorum's step, as the live ones do: joining
+        another would leave them waiting for its all-reduce until ``timeout_s`` (``launch/taking_part.py``). Every
+        rank of the group heals or none does (``launch/heal_agreement.py``): a split stops it with IncompleteHeal."""
         healed = self.start_step()
         check_every_rank_healed_alike(healed, store=self.heal_store, rank=self.rank, group=self.group)
         self.in_quorum_for_next_step = healed
@@ -115,22 +116,22 @@ class ReplicaGroupSync:
     def forward_backward(
         self, engine: Engine, micro_batches: list[Any], parameters: Iterable[nn.Parameter]
     ) -> torch.Tensor:
-        """Accumulates the gradients of this group's slices (its own, and under ``batch: fixed`` those of the
-        missing groups it takes over), each through the engine as the missing group would have, then averages
-        them over the live groups in place: the step equals one over the whole global batch (``fixed``) or
-        over the live groups' slices (``shrink``). Returns the step's loss, averaged the same way.
-
-        The own slice is computed while the step's quorum forms (every group computes its own, whoever is
-        live); who takes over which missing slice is decided once the quorum is known."""
+        """Accumulates the gradients of this group's slices (its own, computed while the step's quorum forms, and
+        under ``batch: fixed`` those of the missing groups it takes over once the quorum is known), each through the
+        engine as the missing group would have, then averages them over the live groups in place: the step equals
+        one over the whole global batch (``fixed``) or over the live groups' slices (``shrink``). Returns the step's
+        loss, averaged the same way."""
         try:
             loss = engine.forward_backward(micro_batches).detach().clone().float()
         finally:
             self.manager.allow_state_dict_read()
         self._await_quorum()
+        pg = self.process_group
         live = participating_groups(
-            self.manager, self.process_group.quorum_members, group=self.group, replica_groups=self.replica_groups,
+            self.manager, pg.quorum_members, pg.last_quorum, group=self.group, replica_groups=self.replica_groups,
             device=loss.device, on_failure=self._close_cross_group_connections,
         )  # fmt: skip
+        self.counts.live = len(live)
         shares = plan_shares(live, group=self.group, replica_groups=self.replica_groups, batch=self.batch)
         for other in shares.slices[1:]:
             loss += engine.forward_backward(self.read_slice(other)).float()
@@ -139,9 +140,8 @@ class ReplicaGroupSync:
             for tensor in [*local, loss]:
                 tensor.mul_(shares.scale)
         counts = torch.tensor(coverage(shares.slices, replica_groups=self.replica_groups), device=loss.device)
-        self.average([*local, loss, counts])
-        participants = self.manager.num_participants()  # what the all-reduce divided the summed vectors by
-        self.coverage = None if self.manager.errored() else read_coverage((counts * participants).tolist())
+        self.average([*local, loss, counts], taking_part=len(live))
+        self.coverage = None if self.manager.errored() else read_coverage((counts * len(live)).tolist())
         return loss
 
     def checkpoint_state(self) -> dict[str, Any]:
@@ -171,10 +171,11 @@ class ReplicaGroupSync:
             self.started = True
             self._join_quorum()
             self._wait_for_every_group(first_step=True)
+            if self.healed and self.healed_takes_part:  # healed before computing anything
+                take_part_though_healed(self.manager, self.process_group.last_quorum)
             return self._healed_since_asked()
-        # A peer healing in this quorum reads this group's state from torchft's quorum thread: not before the step's
-        # batch is drawn (a stream's position moves as it is read, and the peer, counted out of this step, reads on
-        # from where it ends) nor while the forward has fully_shard's whole parameters in the modules' place.
+        # A peer healing in this quorum reads this group's state from torchft's thread: not before the step's batch
+        # is drawn (see taking_part) nor while fully_shard's whole parameters stand in the modules' own.
         self.manager.disallow_state_dict_read()
         self.manager.start_quorum()
         self.quorum_asked = True
@@ -191,7 +192,6 @@ class ReplicaGroupSync:
             self._join_quorum(asked=True)
             if faults.fires("wait_for_groups", step=self.manager.current_step() + 1, rank=self.rank):
                 self._wait_for_every_group(first_step=False)  # a test's fixed point: a restarted peer is back first
-        self.counts.live = self.manager.num_participants()
 
     def _wait_for_every_group(self, *, first_step: bool) -> None:
         """At a run's first step every group is awaited (up to quorum_timeout_s), so that none steps alone on its
@@ -221,20 +221,21 @@ class ReplicaGroupSync:
         """The step a checkpoint resumed this group at, for the quorum: groups behind the newest heal from it."""
         self.manager.load_state_dict({"step": step, "batches_committed": self.manager.batches_committed()})
 
-    def average(self, tensors: list[torch.Tensor]) -> None:
-        """Replaces each tensor (gradients, the step's loss) in place by its mean over the live groups: one
-        all-reduce per dtype over the tensors flattened, not one per tensor (each is a round trip)."""
+    def average(self, tensors: list[torch.Tensor], *, taking_part: int) -> None:
+        """Replaces each tensor (gradients, the step's loss) in place by its mean over the ``taking_part`` groups
+        (summed, then divided here: torchft's mean divides by its own count, which leaves out a group healed at
+        start-up): one all-reduce per dtype over the tensors flattened, not one per tensor (each is a round trip)."""
         by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
         for tensor in tensors:
             by_dtype.setdefault(tensor.dtype, []).append(tensor)
         flat = {dtype: torch.cat([tensor.reshape(-1) for tensor in group]) for dtype, group in by_dtype.items()}
-        for work in [self.manager.allreduce(buffer) for buffer in flat.values()]:
+        for work in [self.manager.allreduce(buffer, reduce_op=dist.ReduceOp.SUM) for buffer in flat.values()]:
             work.wait()
         if self.manager.errored() is not None:
             self._close_cross_group_connections()
         for dtype, group in by_dtype.items():
-            for tensor, averaged in zip(group, flat[dtype].split([tensor.numel() for tensor in group])):
-                tensor.copy_(averaged.view_as(tensor))
+            for tensor, summed in zip(group, flat[dtype].split([tensor.numel() for tensor in group])):
+                tensor.copy_(summed.view_as(tensor)).div_(taking_part)
 
     def _close_cross_group_connections(self) -> None:
         """A peer's death fails the all-reduce at once only for the ranks gloo connects to it; the others wait

@@ -1,10 +1,12 @@
 """Which replica groups take part in a step: the quorum's members, less those healing in it.
 
 torchft's quorum forms while the groups compute their own slices (its asynchronous quorum). A group behind the
-newest step (restarted, or one whose commit failed where the others' succeeded) heals in that quorum from a live
-peer, and torchft counts it out of that one step: it divides the all-reduce by the groups at the newest step and
-sends zeros for the healing one. Who takes over which missing slice (``launch/group_shares.py``) must follow the
-groups that take part, which torchft does not name: it gives their count alone.
+newest step (one whose commit failed where the others' succeeded) heals in that quorum from a live peer, and
+torchft counts it out of that one step, sending zeros for it: its slice was computed on its old weights. A group
+restarted and healed at start-up, before computing anything, takes part (``take_part_though_healed``), unless its
+data is a stream: a live peer's stream position is read after its batch is drawn. Who takes over which missing
+slice (``launch/group_shares.py``) and what the summed gradients are divided by must follow the groups that take
+part, which torchft does not name.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import torch.distributed as dist
 def participating_groups(
     manager: Any,
     members: tuple[int, ...],
+    quorum: Any,
     *,
     group: int,
     replica_groups: int,
@@ -27,16 +30,17 @@ def participating_groups(
 ) -> list[int]:
     """The groups of the quorum ``members`` that take part in the step, alike on every rank of every group.
 
-    Where torchft counts every member in, they are the members; otherwise (a group heals in this quorum) every
-    group all-reduces a mark per group taking part, the healing one's zeroed by torchft. That all-reduce is asked of
-    every group of the quorum alike, since whether the counts differ is the quorum's to say, not the group's.
+    Where every member is at the newest step, they are the members; otherwise (a group heals in this quorum)
+    every group all-reduces a mark per group taking part, the marks of those torchft counts out zeroed. That
+    all-reduce is asked of every group of the quorum alike: whether one heals is the quorum's to say.
 
     Args:
         manager: This rank's torchft Manager, its quorum formed.
         members: The quorum's groups (``process_group.quorum_members``).
+        quorum: The quorum torchft formed (``process_group.last_quorum``), alike on every rank of every group.
         on_failure: Called where this rank's cross-group all-reduce failed (to close its connections).
     """
-    if manager.num_participants() == len(members):
+    if quorum.max_world_size == quorum.replica_world_size:  # every member at the newest step
         return list(members)
     marks = torch.zeros(replica_groups, device=device)
     marks[group] = 1.0

@@ -32,6 +32,7 @@ def remembering_quorum_members(base: type) -> type:
     class QuorumMembers(base):
         quorum_members: tuple[int, ...] = ()
         quorum_step: int | None = None
+        last_quorum: Any = None  # torchft's QuorumResult, set by ``recording_quorum_steps``
         configured = False
 
         def configure(
@@ -109,6 +110,7 @@ def recording_quorum_steps(manager: Any, process_group: Any) -> None:
         def _quorum(self, *args: Any, **kwargs: Any) -> Any:
             quorum = self._client._quorum(*args, **kwargs)
             process_group.quorum_step = quorum.max_step
+            process_group.last_quorum = quorum  # for ``taking_part``: who is at the newest step
             return quorum
 
         def __getattr__(self, name: str) -> Any:
@@ -152,6 +154,15 @@ def apply_received_state_now(manager: Any) -> None:
     if manager._healing:
         manager._apply_pending_state_dict()
         manager._healing = False
+
+
+def take_part_though_healed(manager: Any, quorum: Any) -> None:
+    """Counts ``manager``'s group in the step of the ``quorum`` it healed in, as torchft's synchronous quorum counts
+    a group healed before its step: for a group healed at start-up, before computing anything, with the data
+    position its peer had before drawing the step's batch. torchft's asynchronous quorum counts it out (its state
+    arrives while it computes), which made a live group compute its slice too: a slice more per kill."""
+    manager._participating_replica_rank = quorum.replica_rank
+    manager._participating_replica_world_size = quorum.replica_world_size
 
 
 def quorum_requests_in_daemon_threads(manager: Any) -> None:

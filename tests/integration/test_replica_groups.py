@@ -265,6 +265,12 @@ def test_under_a_fixed_batch_losing_one_group_then_two_at_once_trains_exactly_as
     assert {(r["effective_batch"], r["skipped_samples"]) for r in records} == {(12, 0)}
     taken_over = {(r["replica_groups_live"], r["taken_over_samples"]) for r in records}
     assert {(3, 0), (2, 4), (1, 8)} <= taken_over
+    # A restarted group takes part in the step of the quorum it healed in (it healed before computing anything):
+    # group 2 beside the two live groups, without their taking over its slice; groups 0 and 1 beside group 2.
+    first_back = [next(r for r in read_metrics(dirs[group]) if r["step"] > killed) for group, killed in
+                  ((2, first_kill), (0, double_kill), (1, double_kill))]  # fmt: skip
+    assert (first_back[0]["replica_groups_live"], first_back[0]["taken_over_samples"]) == (3, 0)
+    assert all(record["replica_groups_live"] >= 2 for record in first_back[1:])
     final = f"checkpoints/step-{steps}"
     for directory in dirs:
         difference = max_weight_difference(checkpoint_weights(directory / final), checkpoint_weights(single / final))
