@@ -60,8 +60,21 @@ def maybe_join_replica_groups(
     if not dims.ft_enabled:
         return NoReplicaGroups()
 
+    sent: dict[str, Any] = {}
+
     def healing_state() -> dict[str, Any]:
-        return {name: sent_to_a_peer(name, part) for name, part in state().items() if name not in NOT_SENT_WHEN_HEALING}
+        # The same parts at every heal: the model's shards, once read, are the weights themselves (ModelShards).
+        if not sent:
+            sent.update(
+                (name, sent_to_a_peer(name, part))
+                for name, part in state().items()
+                if name not in NOT_SENT_WHEN_HEALING
+            )
+        return sent
+
+    def readable_while_computing() -> bool:
+        # A stream's position is read past the step's batch, so a peer reads it once the batch is drawn.
+        return not streaming and healing_state()["model"].reads_weights_alone()
 
     def heal(received: dict[str, Any]) -> None:
         for name, part in healing_state().items():
@@ -77,6 +90,7 @@ def maybe_join_replica_groups(
         read_slice=lambda group: read_slice(group * dims.group_dp + dims.group_dp_rank),
         counts=GroupCounts(),
         healed_takes_part=not streaming,
+        readable_while_computing=readable_while_computing,
     )
 
 
@@ -98,6 +112,7 @@ def build_replica_group_sync(
     read_slice: Callable[[int], list[Any]],
     counts: GroupCounts,
     healed_takes_part: bool = True,
+    readable_while_computing: Callable[[], bool] = lambda: False,
 ) -> ReplicaGroupSync:
     """This rank's Manager, joined to the group's torchrun store (MASTER_ADDR/MASTER_PORT, RANK/WORLD_SIZE).
 
@@ -140,6 +155,7 @@ def build_replica_group_sync(
         heal_store=heal_store(timeout),
         stuck_vote=StuckVoteWatch.start(siblings=group_ranks_on_this_host()),
         healed_takes_part=healed_takes_part,
+        readable_while_computing=readable_while_computing,
     )
     return sync
 

@@ -73,6 +73,7 @@ class ReplicaGroupSync:
         stuck_vote: Ends this process when a stop signal finds it in a vote that a dead rank keeps open
             (``launch/stuck_vote.py``); None where signals cannot be watched (outside the main thread).
         healed_takes_part: Whether a group healed at start-up takes part in that quorum's step (not for a stream).
+        readable_while_computing: Whether a peer may read this rank's state while it computes (asked at start-up).
     """
 
     enabled = True
@@ -90,14 +91,15 @@ class ReplicaGroupSync:
         heal_store: dist.Store | None = None,
         stuck_vote: StuckVoteWatch | None = None,
         healed_takes_part: bool = True,
+        readable_while_computing: Callable[[], bool] = lambda: False,
     ):
         self.manager, self.options, self.process_group, self.read_slice = manager, options, process_group, read_slice
         self.replica_groups, self.group, self.batch = options.replica_groups, options.replica_group, options.batch
         self.counts, self.rank, self.local_rank, self.heal_store = counts, rank, local_rank, heal_store
         self.stuck_vote, self.healed_takes_part = stuck_vote, healed_takes_part
-        self.healed, self.started = False, False
-        self.quorum_asked = False  # the step's quorum request is under way, not yet awaited
-        self.in_quorum_for_next_step = False  # healed at start-up: its first step is that quorum's
+        self.readable_while_computing, self.state_held_while_computing = readable_while_computing, True
+        # quorum_asked: the step's, not yet awaited; in_quorum_for_next_step: healed at start-up, in that step.
+        self.healed, self.started, self.quorum_asked, self.in_quorum_for_next_step = False, False, False, False
         self.coverage: Coverage | None = None  # the newest step's, None when its all-reduce failed
 
     def heals_instead_of_resuming(self) -> bool:
@@ -105,9 +107,10 @@ class ReplicaGroupSync:
         checkpoint) replaces the resume, and only a group that finds none (every group died, or the run is
         new) reads its own checkpoint, if it has one; then no group steps in this quorum (every one in it is
         starting): those resuming from checkpoints of different steps meet at the next, where the ones behind
-        heal from the newest. A group that healed takes part in this quorum's step, as the live ones do: joining
-        another would leave them waiting for its all-reduce until ``timeout_s`` (``launch/taking_part.py``). Every
-        rank of the group heals or none does (``launch/heal_agreement.py``): a split stops it with IncompleteHeal."""
+        heal from the newest. A group that healed takes part in this quorum's step (``launch/taking_part.py``): in
+        another the live ones would wait for its all-reduce until ``timeout_s``. Every rank of the group heals or none
+        does (``launch/heal_agreement.py``): a split stops it with IncompleteHeal."""
+        self.state_held_while_computing = not self.readable_while_computing()
         healed = self.start_step()
         check_every_rank_healed_alike(healed, store=self.heal_store, rank=self.rank, group=self.group)
         self.in_quorum_for_next_step = healed
@@ -174,9 +177,8 @@ class ReplicaGroupSync:
             if self.healed and self.healed_takes_part:  # healed before computing anything
                 take_part_though_healed(self.manager, self.process_group.last_quorum)
             return self._healed_since_asked()
-        # A peer healing in this quorum reads this group's state from torchft's thread: not before the step's batch
-        # is drawn (see taking_part) nor while fully_shard's whole parameters stand in the modules' own.
-        self.manager.disallow_state_dict_read()
+        if self.state_held_while_computing:  # a peer healing in this quorum reads it once the own slice is done
+            self.manager.disallow_state_dict_read()
         self.manager.start_quorum()
         self.quorum_asked = True
         return self._healed_since_asked()
@@ -201,8 +203,8 @@ class ReplicaGroupSync:
         quorum_timeout_s = self.options.quorum_timeout_s
         patience = quorum_timeout_s if first_step else 2 * quorum_timeout_s + RETRY_PAUSE_S
         deadline = time.monotonic() + patience
-        while (
-            len(self.process_group.quorum_members) < self.replica_groups  # a healing group is in, not yet taking part
+        while (  # the quorum's members, healing or not (torchft's count leaves a healing one out)
+            len(self.process_group.quorum_members) < self.replica_groups
             and (self.manager.current_step() == 0 or not first_step)
             and not self.healed
             and time.monotonic() < deadline
@@ -238,11 +240,9 @@ class ReplicaGroupSync:
                 tensor.copy_(summed.view_as(tensor)).div_(taking_part)
 
     def _close_cross_group_connections(self) -> None:
-        """A peer's death fails the all-reduce at once only for the ranks gloo connects to it; the others wait
-        out ``timeout_s`` for data from ranks that already failed (every live group stalled 5 s per kill in the
-        chaos benchmark). Closing this rank's connections fails theirs at once. Nothing uses the closed group
-        again: a failed commit gives the next quorum a new id (torchft's lighthouse), on which every group
-        configures a new one."""
+        """A peer's death fails the all-reduce at once only for the ranks gloo connects to it; the others waited out
+        ``timeout_s`` (5 s a kill in the chaos benchmark). Closing this rank's connections fails theirs at once; the
+        failed commit gives the next quorum a new id, for which every group configures a new process group."""
         self.process_group.abort(errored=False)
 
     def should_commit(self) -> bool:
