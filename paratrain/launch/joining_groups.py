@@ -9,7 +9,7 @@ import logging
 import os
 from collections.abc import Callable, Iterator
 from datetime import timedelta
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -38,14 +38,21 @@ logger = logging.getLogger("paratrain")
 NOT_SENT_WHEN_HEALING = ("rng",)
 
 
+class StepFeed(Protocol):
+    """What of the run's data the replica groups use (``data.feed.DataFeed`` has it)."""
+
+    streaming: bool
+
+    def slice_batches(self, dp_rank: int) -> list[Any]: ...
+
+
 def maybe_join_replica_groups(
     options: FaultToleranceConfig,
     *,
     dims: ParallelDims,
     device: torch.device,
     state: Callable[[], dict[str, Any]],
-    read_slice: Callable[[int], list[Any]],
-    streaming: bool = False,
+    feed: StepFeed,
 ) -> ReplicaGroupSync | NoReplicaGroups:
     """This rank's side of the replica groups when the run is one of several, else ``NoReplicaGroups``.
 
@@ -53,9 +60,9 @@ def maybe_join_replica_groups(
         dims: The layout (``ft_enabled``: whether it has replica groups; where this rank reads in its group).
         state: Every Stateful of a resume, under the names checkpoints use: a recovering peer receives it
             (less the RNG), and a healed group loads what a live peer sent into it.
-        read_slice: Data-parallel reader r's micro-batches of the step being taken (``DataFeed.slice_batches``).
-        streaming: Whether the data is a stream, whose position a healing group receives past the step's batch: it
-            then takes no part in the step it healed in (``launch/taking_part.py``).
+        feed: The run's data (``data.feed.DataFeed``): reader r's micro-batches of the step being taken, and whether
+            it is a stream, whose position a healing group receives past the step's batch: such a group then takes
+            no part in the step it healed in (``launch/taking_part.py``).
     """
     if not dims.ft_enabled:
         return NoReplicaGroups()
@@ -74,7 +81,7 @@ def maybe_join_replica_groups(
 
     def readable_while_computing() -> bool:
         # A stream's position is read past the step's batch, so a peer reads it once the batch is drawn.
-        return not streaming and healing_state()["model"].reads_weights_alone()
+        return not feed.streaming and healing_state()["model"].reads_weights_alone()
 
     def heal(received: dict[str, Any]) -> None:
         for name, part in healing_state().items():
@@ -87,9 +94,9 @@ def maybe_join_replica_groups(
         state_dict=lambda: {name: part.state_dict() for name, part in healing_state().items()},
         load_state_dict=heal,
         # Rank i of a live group reads what rank i of the missing group would: the same place in its group.
-        read_slice=lambda group: read_slice(group * dims.group_dp + dims.group_dp_rank),
+        read_slice=lambda group: feed.slice_batches(group * dims.group_dp + dims.group_dp_rank),
         counts=GroupCounts(),
-        healed_takes_part=not streaming,
+        healed_takes_part=not feed.streaming,
         readable_while_computing=readable_while_computing,
     )
 
