@@ -183,7 +183,7 @@ def _new_manager(
             state_dict=state_dict,
             min_replica_size=options.min_replica_groups,
             # The quorum forms while the group computes its own slice (ReplicaGroupSync.forward_backward); a
-            # group behind the newest step heals in it and takes no part in that step.
+            # group behind the newest step heals in it (who takes part in that step: launch/taking_part.py).
             use_async_quorum=True,
             timeout=timeout,
             quorum_timeout=timedelta(seconds=options.quorum_timeout_s),

@@ -1,4 +1,4 @@
-"""Which replica groups take part in a step: the quorum's members, less those healing in it.
+"""Which replica groups take part in a step: the quorum's members, less those that heal in it while they compute.
 
 torchft's quorum forms while the groups compute their own slices (its asynchronous quorum). A group behind the
 newest step (one whose commit failed where the others' succeeded) heals in that quorum from a live peer, and
