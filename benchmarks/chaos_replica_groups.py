@@ -14,7 +14,8 @@ a kill at a random time loses 12), where ``--gap 50`` put every kill at the same
 20 from ``--first 20`` before, and the ratio of the two layouts' losses moved with the offset).
 
 Prints, per layout: wall time without and with kills, wall time lost per kill, the time the run stood still
-per kill (``time_paused``: steadier than the wall times), also beyond the run without kills' (its saves), steps recomputed (a step
+per kill (``time_paused``: steadier than the wall times), also beyond the run without kills' (its saves), steps
+recomputed (a step
 logged again by the same group), the longest pause between two consecutive steps of a group, and whether
 every run finished (exit 0); also the largest relative difference, over every step, between
 the loss the run with kills logged last for a step and the run without kills' (under ``--batch fixed``, the
