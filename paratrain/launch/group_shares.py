@@ -42,14 +42,12 @@ class GroupShares:
 
 
 def plan_shares(live: Iterable[int], *, group: int, replica_groups: int, batch: ReplicaBatch) -> GroupShares:
-    """The slices ``group`` computes in a step whose quorum holds the groups ``live``.
-
-    Raises:
-        ValueError: when ``group`` is not in ``live`` (an internal error: a group computes only in a quorum it is in).
-    """
+    """The slices ``group`` computes in a step taken by the groups ``live`` (``launch/taking_part.py``). A group
+    not among them is healing in the step's quorum: torchft sends zeros for it, and it computes its own slice alone,
+    for nothing (it was computed before the quorum was known)."""
     members = sorted(set(live))
     if group not in members:
-        raise ValueError(f"replica group {group} is not in the quorum {members} it is computing for")
+        return GroupShares((group,), 1.0, len(members))
     missing = [other for other in range(replica_groups) if other not in members]
     if batch == "shrink" or not missing:
         return GroupShares((group,), 1.0, len(members))

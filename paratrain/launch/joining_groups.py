@@ -9,7 +9,7 @@ import logging
 import os
 from collections.abc import Callable, Iterator
 from datetime import timedelta
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -25,6 +25,7 @@ from paratrain.launch.torchft_adapters import (
     announce_restart,
     connecting_within,
     one_lighthouse_id_per_group,
+    quorum_requests_in_daemon_threads,
     recording_quorum_steps,
     remembering_quorum_members,
     weights_only_transport,
@@ -37,13 +38,21 @@ logger = logging.getLogger("paratrain")
 NOT_SENT_WHEN_HEALING = ("rng",)
 
 
+class StepFeed(Protocol):
+    """What of the run's data the replica groups use (``data.feed.DataFeed`` has it)."""
+
+    streaming: bool
+
+    def slice_batches(self, dp_rank: int) -> list[Any]: ...
+
+
 def maybe_join_replica_groups(
     options: FaultToleranceConfig,
     *,
     dims: ParallelDims,
     device: torch.device,
     state: Callable[[], dict[str, Any]],
-    read_slice: Callable[[int], list[Any]],
+    feed: StepFeed,
 ) -> ReplicaGroupSync | NoReplicaGroups:
     """This rank's side of the replica groups when the run is one of several, else ``NoReplicaGroups``.
 
@@ -51,13 +60,28 @@ def maybe_join_replica_groups(
         dims: The layout (``ft_enabled``: whether it has replica groups; where this rank reads in its group).
         state: Every Stateful of a resume, under the names checkpoints use: a recovering peer receives it
             (less the RNG), and a healed group loads what a live peer sent into it.
-        read_slice: Data-parallel reader r's micro-batches of the step being taken (``DataFeed.slice_batches``).
+        feed: The run's data (``data.feed.DataFeed``): reader r's micro-batches of the step being taken, and whether
+            it is a stream, whose position a healing group receives past the step's batch: such a group then takes
+            no part in the step it healed in (``launch/taking_part.py``).
     """
     if not dims.ft_enabled:
         return NoReplicaGroups()
 
+    sent: dict[str, Any] = {}
+
     def healing_state() -> dict[str, Any]:
-        return {name: sent_to_a_peer(name, part) for name, part in state().items() if name not in NOT_SENT_WHEN_HEALING}
+        # The same parts at every heal: the model's shards, once read, are the weights themselves (ModelShards).
+        if not sent:
+            sent.update(
+                (name, sent_to_a_peer(name, part))
+                for name, part in state().items()
+                if name not in NOT_SENT_WHEN_HEALING
+            )
+        return sent
+
+    def readable_while_computing() -> bool:
+        # A stream's position is read past the step's batch, so a peer reads it once the batch is drawn.
+        return not feed.streaming and healing_state()["model"].reads_weights_alone()
 
     def heal(received: dict[str, Any]) -> None:
         for name, part in healing_state().items():
@@ -70,8 +94,10 @@ def maybe_join_replica_groups(
         state_dict=lambda: {name: part.state_dict() for name, part in healing_state().items()},
         load_state_dict=heal,
         # Rank i of a live group reads what rank i of the missing group would: the same place in its group.
-        read_slice=lambda group: read_slice(group * dims.group_dp + dims.group_dp_rank),
+        read_slice=lambda group: feed.slice_batches(group * dims.group_dp + dims.group_dp_rank),
         counts=GroupCounts(),
+        healed_takes_part=not feed.streaming,
+        readable_while_computing=readable_while_computing,
     )
 
 
@@ -92,6 +118,8 @@ def build_replica_group_sync(
     load_state_dict: Callable[[dict[str, Any]], None],
     read_slice: Callable[[int], list[Any]],
     counts: GroupCounts,
+    healed_takes_part: bool = True,
+    readable_while_computing: Callable[[], bool] = lambda: False,
 ) -> ReplicaGroupSync:
     """This rank's Manager, joined to the group's torchrun store (MASTER_ADDR/MASTER_PORT, RANK/WORLD_SIZE).
 
@@ -133,6 +161,8 @@ def build_replica_group_sync(
         local_rank=int(os.environ.get("LOCAL_RANK", 0)),
         heal_store=heal_store(timeout),
         stuck_vote=StuckVoteWatch.start(siblings=group_ranks_on_this_host()),
+        healed_takes_part=healed_takes_part,
+        readable_while_computing=readable_while_computing,
     )
     return sync
 
@@ -152,10 +182,9 @@ def _new_manager(
             load_state_dict=load_state_dict,
             state_dict=state_dict,
             min_replica_size=options.min_replica_groups,
-            # Synchronous quorum: healing is applied before the step's batch is read, so the data position
-            # a peer sent decides that batch; and every group of the quorum takes part in the step, so who
-            # computes which slice follows from the quorum alone.
-            use_async_quorum=False,
+            # The quorum forms while the group computes its own slice (ReplicaGroupSync.forward_backward); a
+            # group behind the newest step heals in it (who takes part in that step: launch/taking_part.py).
+            use_async_quorum=True,
             timeout=timeout,
             quorum_timeout=timedelta(seconds=options.quorum_timeout_s),
             connect_timeout=timedelta(seconds=options.connect_timeout_s),
@@ -166,6 +195,7 @@ def _new_manager(
             init_sync=False,
         )
     announce_restart(manager)
+    quorum_requests_in_daemon_threads(manager)
     return manager
 
 

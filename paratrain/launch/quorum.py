@@ -10,14 +10,17 @@ request is dropped and asked again, up to ``lighthouse_wait_s`` after the first 
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import socket
 import time
 from typing import Any
 
+from paratrain.config.schema import FaultToleranceConfig
 from paratrain.errors import LighthouseLost, StoppedAwaitingQuorum
 from paratrain.launch.lighthouse import lighthouse_host_port
-from paratrain.launch.preemption import received_stop_signal
+from paratrain.launch.preemption import announce_stop, received_stop_signal
+from paratrain.launch.stuck_vote import StuckVoteWatch
 
 logger = logging.getLogger("paratrain")
 RETRY_PAUSE_S = 1.0
@@ -28,8 +31,38 @@ STOP_POLL_S = 0.02
 QUORUM_FAILURES = (TimeoutError, RuntimeError, ConnectionError)
 
 
-def join_quorum(manager: Any, *, lighthouse: str, wait_s: float, group: int, step: int) -> None:
-    """``manager.start_quorum()``, asked again while it fails, for up to ``wait_s`` after the first failure.
+def join_quorum_or_stop(
+    manager: Any,
+    options: FaultToleranceConfig,
+    *,
+    group: int,
+    local_rank: int,
+    watch: StuckVoteWatch | None,
+    asked: bool = False,
+) -> None:
+    """``join_quorum`` at the lighthouse and patience of ``options`` (``parallel.fault_tolerance``), marked for the
+    stuck-vote ``watch``; past ``lighthouse_wait_s`` the group stops as a preempted one does (exit code 75), telling
+    its launcher."""
+    try:
+        with watch.asking_for_quorum() if watch is not None else contextlib.nullcontext():
+            join_quorum(
+                manager,
+                lighthouse=options.lighthouse,
+                wait_s=options.lighthouse_wait_s,
+                group=group,
+                step=manager.current_step(),
+                asked=asked,
+            )
+    except LighthouseLost as lost:
+        logger.error("%s", lost)  # said before announcing: the launcher may stop this process once it knows
+        announce_stop(local_rank=local_rank)
+        raise
+
+
+def join_quorum(manager: Any, *, lighthouse: str, wait_s: float, group: int, step: int, asked: bool = False) -> None:
+    """``manager.start_quorum()`` and its wait, asked again while it fails, for up to ``wait_s`` after the first
+    failure. ``asked``: the request is already under way (started before the step's own slice, to overlap it);
+    only its wait is left.
 
     Raises:
         StoppedAwaitingQuorum: at a failure, or in the pause before asking again, once this process received a
@@ -41,7 +74,10 @@ def join_quorum(manager: Any, *, lighthouse: str, wait_s: float, group: int, ste
     first_failure = None
     while True:
         try:
-            manager.start_quorum()
+            if not asked:
+                manager.start_quorum()
+            asked = False
+            manager.wait_quorum()
             if first_failure is not None:
                 logger.warning(
                     "quorum for step %d formed again after %.0f s", step + 1, time.monotonic() - first_failure

@@ -3,13 +3,13 @@ the one object the trainer calls at a few points of its loop (``NoReplicaGroups`
 The lighthouse they meet through is ``launch/lighthouse.py``.
 
 Each replica group is its own torchrun job. Rank i of every group joins one torchft ``Manager`` per rank;
-the managers agree at the start of every step on which groups are alive (the quorum, through the
-lighthouse), average rank i's gradients over the live groups through torchft's gloo process group, and
-commit the step only where every rank of a group succeeded. A group that died is left out of the quorum
-until it is back; when it rejoins, torchft sends it a live peer's state (``state_dict`` below: model,
-optimizer, scheduler, data position and step) over its checkpoint transport, so it reads no checkpoint.
-While groups are missing, the live ones also compute the missing groups' slices of the global batch under
-``batch: fixed`` (``launch/group_shares.py`` decides who computes what), or skip them under ``shrink``.
+the managers agree at every step on which groups are alive (the quorum, through the lighthouse: asked as the
+step starts, awaited once the group's own slice is computed), average rank i's gradients over the live groups
+through torchft's gloo process group, and commit the step only where every rank of a group succeeded. A group
+that died is left out of the quorum until it is back; when it rejoins, torchft sends it a live peer's state
+(model, optimizer, scheduler, data position and step) over its checkpoint transport: it reads no checkpoint.
+While groups are missing, the live ones compute the missing groups' slices too under ``batch: fixed``
+(``launch/group_shares.py`` decides who computes what), or skip them under ``shrink``.
 
 How a rank joins, building its torchft Manager, is ``launch/joining_groups.py``. torchft is an optional
 dependency (``pip install 'paratrain[ft]'``): imported only when groups are on.
@@ -30,13 +30,13 @@ from torch import nn
 
 from paratrain.config.schema import FaultToleranceConfig
 from paratrain.engine import Engine
-from paratrain.errors import LighthouseLost
 from paratrain.launch import faults
 from paratrain.launch.group_shares import Coverage, coverage, plan_shares, read_coverage
 from paratrain.launch.heal_agreement import check_every_rank_healed_alike
-from paratrain.launch.preemption import announce_stop
-from paratrain.launch.quorum import RETRY_PAUSE_S, join_quorum
+from paratrain.launch.quorum import RETRY_PAUSE_S, join_quorum_or_stop
 from paratrain.launch.stuck_vote import StuckVoteWatch
+from paratrain.launch.taking_part import participating_groups
+from paratrain.launch.torchft_adapters import apply_received_state_now, take_part_though_healed
 from paratrain.tensors import local_part
 
 logger = logging.getLogger("paratrain")
@@ -72,6 +72,8 @@ class ReplicaGroupSync:
         heal_store: The group's store for its ranks' one agreement at start-up (None for one rank).
         stuck_vote: Ends this process when a stop signal finds it in a vote that a dead rank keeps open
             (``launch/stuck_vote.py``); None where signals cannot be watched (outside the main thread).
+        healed_takes_part: Whether a group healed at start-up takes part in that quorum's step (not for a stream).
+        readable_while_computing: Whether a peer may read this rank's state while it computes (asked at start-up).
     """
 
     enabled = True
@@ -88,14 +90,16 @@ class ReplicaGroupSync:
         local_rank: int = 0,
         heal_store: dist.Store | None = None,
         stuck_vote: StuckVoteWatch | None = None,
+        healed_takes_part: bool = True,
+        readable_while_computing: Callable[[], bool] = lambda: False,
     ):
         self.manager, self.options, self.process_group, self.read_slice = manager, options, process_group, read_slice
         self.replica_groups, self.group, self.batch = options.replica_groups, options.replica_group, options.batch
         self.counts, self.rank, self.local_rank, self.heal_store = counts, rank, local_rank, heal_store
-        self.stuck_vote = stuck_vote
-        self.healed, self.started = False, False
-        # Healed in the start-up quorum: the live groups take that quorum's step, so this group's first is in it.
-        self.in_quorum_for_next_step = False
+        self.stuck_vote, self.healed_takes_part = stuck_vote, healed_takes_part
+        self.readable_while_computing, self.state_held_while_computing = readable_while_computing, True
+        # quorum_asked: the step's, not yet awaited; in_quorum_for_next_step: healed at start-up, in that step.
+        self.healed, self.started, self.quorum_asked, self.in_quorum_for_next_step = False, False, False, False
         self.coverage: Coverage | None = None  # the newest step's, None when its all-reduce failed
 
     def heals_instead_of_resuming(self) -> bool:
@@ -103,9 +107,10 @@ class ReplicaGroupSync:
         checkpoint) replaces the resume, and only a group that finds none (every group died, or the run is
         new) reads its own checkpoint, if it has one; then no group steps in this quorum (every one in it is
         starting): those resuming from checkpoints of different steps meet at the next, where the ones behind
-        heal from the newest. A group that healed takes its first step in this quorum, as the live ones do:
-        joining another would leave them waiting for its all-reduce until ``timeout_s``. Every rank of the group
-        heals or none does (``launch/heal_agreement.py``): a split stops the group with IncompleteHeal."""
+        heal from the newest. A group that healed takes part in this quorum's step (``launch/taking_part.py``): in
+        another the live ones would wait for its all-reduce until ``timeout_s``. Every rank of the group heals or none
+        does (``launch/heal_agreement.py``): a split stops it with IncompleteHeal."""
+        self.state_held_while_computing = not self.readable_while_computing()
         healed = self.start_step()
         check_every_rank_healed_alike(healed, store=self.heal_store, rank=self.rank, group=self.group)
         self.in_quorum_for_next_step = healed
@@ -114,13 +119,23 @@ class ReplicaGroupSync:
     def forward_backward(
         self, engine: Engine, micro_batches: list[Any], parameters: Iterable[nn.Parameter]
     ) -> torch.Tensor:
-        """Accumulates the gradients of this group's slices (its own, and under ``batch: fixed`` those of the
-        missing groups it takes over), each through the engine as the missing group would have, then averages
-        them over the live groups in place: the step equals one over the whole global batch (``fixed``) or
-        over the live groups' slices (``shrink``). Returns the step's loss, averaged the same way."""
-        members = self.process_group.quorum_members  # the newest quorum's groups
-        shares = plan_shares(members, group=self.group, replica_groups=self.replica_groups, batch=self.batch)
-        loss = engine.forward_backward(micro_batches).detach().clone().float()
+        """Accumulates the gradients of this group's slices (its own, computed while the step's quorum forms, and
+        under ``batch: fixed`` those of the missing groups it takes over once the quorum is known), each through the
+        engine as the missing group would have, then averages them over the live groups in place: the step equals
+        one over the whole global batch (``fixed``) or over the live groups' slices (``shrink``). Returns the step's
+        loss, averaged the same way."""
+        try:
+            loss = engine.forward_backward(micro_batches).detach().clone().float()
+        finally:
+            self.manager.allow_state_dict_read()
+        self._await_quorum()
+        pg = self.process_group
+        live = participating_groups(
+            self.manager, pg.quorum_members, pg.last_quorum, group=self.group, replica_groups=self.replica_groups,
+            device=loss.device, on_failure=self._close_cross_group_connections,
+        )  # fmt: skip
+        self.counts.live = len(live)
+        shares = plan_shares(live, group=self.group, replica_groups=self.replica_groups, batch=self.batch)
         for other in shares.slices[1:]:
             loss += engine.forward_backward(self.read_slice(other)).float()
         local = [local_part(param.grad) for param in parameters if param.grad is not None]
@@ -128,9 +143,8 @@ class ReplicaGroupSync:
             for tensor in [*local, loss]:
                 tensor.mul_(shares.scale)
         counts = torch.tensor(coverage(shares.slices, replica_groups=self.replica_groups), device=loss.device)
-        self.average([*local, loss, counts])
-        participants = self.manager.num_participants()  # what the all-reduce divided the summed vectors by
-        self.coverage = None if self.manager.errored() else read_coverage((counts * participants).tolist())
+        self.average([*local, loss, counts], taking_part=len(live))
+        self.coverage = None if self.manager.errored() else read_coverage((counts * len(live)).tolist())
         return loss
 
     def checkpoint_state(self) -> dict[str, Any]:
@@ -150,33 +164,47 @@ class ReplicaGroupSync:
         }
 
     def start_step(self) -> bool:
-        """Joins this step's quorum; True when this group was just healed from a live peer (the caller
-        then reads data from the position it received)."""
+        """Asks for this step's quorum; True when this group was healed from a live peer since the last step
+        started (the caller then reads data from the position it received). The run's first quorum, which heals
+        a restarted group, is awaited here; later ones in ``forward_backward``, after the group's own slice."""
         if self.in_quorum_for_next_step:  # healed at start-up, in the quorum the live groups are stepping in
             self.in_quorum_for_next_step = False
             return True
-        self.healed = False
-        self._join_quorum()
         if not self.started:
             self.started = True
+            self._join_quorum()
             self._wait_for_every_group(first_step=True)
-        elif faults.fires("wait_for_groups", step=self.manager.current_step() + 1, rank=self.rank):
-            self._wait_for_every_group(first_step=False)  # a test's fixed point: a restarted peer is back first
-        self.counts.live = self.manager.num_participants()
-        return self.healed
+            if self.healed and self.healed_takes_part:  # healed before computing anything
+                take_part_though_healed(self.manager, self.process_group.last_quorum)
+            return self._healed_since_asked()
+        if self.state_held_while_computing:  # a peer healing in this quorum reads it once the own slice is done
+            self.manager.disallow_state_dict_read()
+        self.manager.start_quorum()
+        self.quorum_asked = True
+        return self._healed_since_asked()
+
+    def _healed_since_asked(self) -> bool:
+        healed, self.healed = self.healed, False
+        return healed
+
+    def _await_quorum(self) -> None:
+        """Waits for the quorum asked as the step started (asked again while the lighthouse is away)."""
+        if self.quorum_asked:
+            self.quorum_asked = False
+            self._join_quorum(asked=True)
+            if faults.fires("wait_for_groups", step=self.manager.current_step() + 1, rank=self.rank):
+                self._wait_for_every_group(first_step=False)  # a test's fixed point: a restarted peer is back first
 
     def _wait_for_every_group(self, *, first_step: bool) -> None:
-        """At a run's first step every group is awaited (up to quorum_timeout_s), so that none steps alone on
-        its shards while the others are still starting. A group joining a run under way (healed from a
-        peer, or a quorum past step 0) waits for no one: the missing groups may be dead. (Fault injection's
-        ``wait_for_groups`` waits at a later step, for tests whose timing must not depend on the machine: long enough
-        for a peer whose request went to a lighthouse that died meanwhile to ask again, after quorum_timeout_s and a
-        pause; it stepped alone once when it waited quorum_timeout_s.)"""
+        """At a run's first step every group is awaited (up to quorum_timeout_s), so that none steps alone on its
+        shards while the others are still starting; a group joining a run under way waits for no one (the missing
+        may be dead). Fault injection's ``wait_for_groups`` waits at a later step, for tests whose timing must not
+        depend on the machine, for as long as a peer whose request met a dying lighthouse takes to ask again."""
         quorum_timeout_s = self.options.quorum_timeout_s
         patience = quorum_timeout_s if first_step else 2 * quorum_timeout_s + RETRY_PAUSE_S
         deadline = time.monotonic() + patience
-        while (
-            self.manager.num_participants() < self.replica_groups
+        while (  # the quorum's members, healing or not (torchft's count leaves a healing one out)
+            len(self.process_group.quorum_members) < self.replica_groups
             and (self.manager.current_step() == 0 or not first_step)
             and not self.healed
             and time.monotonic() < deadline
@@ -184,49 +212,37 @@ class ReplicaGroupSync:
             time.sleep(0.1)
             self._join_quorum()
 
-    def _join_quorum(self) -> None:
-        """The step's quorum, asked again while the lighthouse is away (``launch/quorum.py``); past
-        ``lighthouse_wait_s`` the group stops as a preempted one does (exit code 75), telling its launcher."""
-        options, watch = self.options, self.stuck_vote
-        try:
-            with watch.asking_for_quorum() if watch is not None else contextlib.nullcontext():
-                join_quorum(
-                    self.manager,
-                    lighthouse=options.lighthouse,
-                    wait_s=options.lighthouse_wait_s,
-                    group=self.group,
-                    step=self.manager.current_step(),
-                )
-        except LighthouseLost as lost:
-            logger.error("%s", lost)  # said before announcing: the launcher may stop this process once it knows
-            announce_stop(local_rank=self.local_rank)
-            raise
+    def _join_quorum(self, *, asked: bool = False) -> None:
+        """The step's quorum (``asked``: under way, only its wait left), and a peer's state applied at once."""
+        join_quorum_or_stop(
+            self.manager, self.options, group=self.group, local_rank=self.local_rank, watch=self.stuck_vote, asked=asked
+        )
+        apply_received_state_now(self.manager)
 
     def set_step(self, step: int) -> None:
         """The step a checkpoint resumed this group at, for the quorum: groups behind the newest heal from it."""
         self.manager.load_state_dict({"step": step, "batches_committed": self.manager.batches_committed()})
 
-    def average(self, tensors: list[torch.Tensor]) -> None:
-        """Replaces each tensor (gradients, the step's loss) in place by its mean over the live groups: one
-        all-reduce per dtype over the tensors flattened, not one per tensor (each is a round trip)."""
+    def average(self, tensors: list[torch.Tensor], *, taking_part: int) -> None:
+        """Replaces each tensor (gradients, the step's loss) in place by its mean over the ``taking_part`` groups
+        (summed, then divided here: torchft's mean divides by its own count, which leaves out a group healed at
+        start-up): one all-reduce per dtype over the tensors flattened, not one per tensor (each is a round trip)."""
         by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
         for tensor in tensors:
             by_dtype.setdefault(tensor.dtype, []).append(tensor)
         flat = {dtype: torch.cat([tensor.reshape(-1) for tensor in group]) for dtype, group in by_dtype.items()}
-        for work in [self.manager.allreduce(buffer) for buffer in flat.values()]:
+        for work in [self.manager.allreduce(buffer, reduce_op=dist.ReduceOp.SUM) for buffer in flat.values()]:
             work.wait()
         if self.manager.errored() is not None:
             self._close_cross_group_connections()
         for dtype, group in by_dtype.items():
-            for tensor, averaged in zip(group, flat[dtype].split([tensor.numel() for tensor in group])):
-                tensor.copy_(averaged.view_as(tensor))
+            for tensor, summed in zip(group, flat[dtype].split([tensor.numel() for tensor in group])):
+                tensor.copy_(summed.view_as(tensor)).div_(taking_part)
 
     def _close_cross_group_connections(self) -> None:
-        """A peer's death fails the all-reduce at once only for the ranks gloo connects to it; the others wait
-        out ``timeout_s`` for data from ranks that already failed (every live group stalled 5 s per kill in the
-        chaos benchmark). Closing this rank's connections fails theirs at once. Nothing uses the closed group
-        again: a failed commit gives the next quorum a new id (torchft's lighthouse), on which every group
-        configures a new one."""
+        """A peer's death fails the all-reduce at once only for the ranks gloo connects to it; the others waited out
+        ``timeout_s`` (5 s a kill in the chaos benchmark). Closing this rank's connections fails theirs at once; the
+        failed commit gives the next quorum a new id, for which every group configures a new process group."""
         self.process_group.abort(errored=False)
 
     def should_commit(self) -> bool:

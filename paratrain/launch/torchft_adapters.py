@@ -5,9 +5,11 @@ transport that never unpickles a peer's bytes."""
 from __future__ import annotations
 
 import contextlib
+import threading
 import types
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future
 from datetime import timedelta
 from typing import Any
 
@@ -30,6 +32,7 @@ def remembering_quorum_members(base: type) -> type:
     class QuorumMembers(base):
         quorum_members: tuple[int, ...] = ()
         quorum_step: int | None = None
+        last_quorum: Any = None  # torchft's QuorumResult, set by ``recording_quorum_steps``
         configured = False
 
         def configure(
@@ -107,6 +110,7 @@ def recording_quorum_steps(manager: Any, process_group: Any) -> None:
         def _quorum(self, *args: Any, **kwargs: Any) -> Any:
             quorum = self._client._quorum(*args, **kwargs)
             process_group.quorum_step = quorum.max_step
+            process_group.last_quorum = quorum  # for ``taking_part``: who is at the newest step
             return quorum
 
         def __getattr__(self, name: str) -> Any:
@@ -140,6 +144,56 @@ def announce_restart(manager: Any) -> None:
     id alone, and under ``one_lighthouse_id_per_group`` a restarted group has its predecessor's. (torchft counts
     failed commits in this attribute and resets it at the first commit that succeeds.)"""
     manager._commit_failures = max(manager._commit_failures, 1)
+
+
+def apply_received_state_now(manager: Any) -> None:
+    """Applies a live peer's state received in the quorum that just formed, as torchft's synchronous quorum does,
+    instead of at the step's vote (its asynchronous quorum's time): after a start-up quorum the resume decision and
+    DPO's reference read the healed weights, and a group waiting for every group sees itself healed. The group still
+    takes no part in this quorum's step: torchft counts a group that was behind out of it and sends zeros for it."""
+    if manager._healing:
+        manager._apply_pending_state_dict()
+        manager._healing = False
+
+
+def take_part_though_healed(manager: Any, quorum: Any) -> None:
+    """Counts ``manager``'s group in the step of the ``quorum`` it healed in, as torchft's synchronous quorum counts
+    a group healed before its step: for a group healed at start-up, before computing anything, with the data
+    position its peer had before drawing the step's batch. torchft's asynchronous quorum counts it out (its state
+    arrives while it computes), which made a live group compute its slice too: a slice more per kill."""
+    manager._participating_replica_rank = quorum.replica_rank
+    manager._participating_replica_world_size = quorum.replica_world_size
+
+
+def quorum_requests_in_daemon_threads(manager: Any) -> None:
+    """Has ``manager`` run each quorum request (and the heal that follows it) in a daemon thread of its own, where
+    torchft keeps one thread in a ThreadPoolExecutor, which the interpreter joins at exit. The request is under way
+    while the step's own slice is computed (``ReplicaGroupSync``): a step that fails there (a peer died) ends the
+    process, which then waited for the request to time out (``quorum_timeout_s``: 360 s in a test across two
+    hosts) before torchrun could restart it. torchft waits for each request before it sends the next."""
+    manager._executor.shutdown(wait=False)
+    manager._executor = DaemonThreadPerCall()
+
+
+class DaemonThreadPerCall:
+    """The part of ``concurrent.futures.Executor`` torchft's Manager uses (``submit``, ``shutdown``), each call
+    run in a daemon thread of its own."""
+
+    def submit(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Future:
+        future: Future = Future()
+
+        def run() -> None:
+            if future.set_running_or_notify_cancel():
+                try:
+                    future.set_result(fn(*args, **kwargs))
+                except BaseException as error:  # noqa: BLE001 - handed to the caller, as an executor does
+                    future.set_exception(error)
+
+        threading.Thread(target=run, name="torchft-quorum", daemon=True).start()
+        return future
+
+    def shutdown(self, wait: bool = True) -> None:
+        """Nothing to stop: a request still under way ends with the process."""
 
 
 def weights_only_transport(timeout: timedelta) -> Any:

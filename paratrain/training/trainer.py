@@ -129,7 +129,7 @@ class Trainer:
         self._started, self._stepped = False, False  # _stepped: see _first_step_or_next
         groups = config.parallel.fault_tolerance  # fault-tolerant replica groups, when the run is one of several
         self.replicas = maybe_join_replica_groups(
-            groups, dims=self.dims, device=ctx.device, state=self.checkpoint_state, read_slice=self.feed.slice_batches
+            groups, dims=self.dims, device=ctx.device, state=self.checkpoint_state, feed=self.feed
         )
 
     def train(self) -> TrainResult:

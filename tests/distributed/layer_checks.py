@@ -140,9 +140,10 @@ def adamw_on_shards_against_dtensors(degrees: dict[str, int], kernel: dict[str, 
 def healed_from_a_peers_shards(degrees: dict[str, int]) -> dict[str, object]:
     """A replica group's heal on one inner layout: a trained copy's model and optimizer, as sent to a healing peer
     (``launch/heal_payload.py``), through bytes read with weights_only=True into a fresh copy whose weights
-    differ; then both take a step on the same batch. Returns how many of this rank's parts of the parameters and
-    moments differ (0: bit for bit), how many DTensors the bytes held, and whether every healed parameter and
-    moment is a DTensor again."""
+    differ; then both take a step on the same batch. The live model's shards are read once before it trains, as a
+    replica group reads them at start-up, and sent from the weights themselves after. Returns how many of this
+    rank's parts of the parameters and moments differ (0: bit for bit), how many DTensors the bytes held, whether
+    every healed parameter and moment is a DTensor again, and whether the shards were the weights themselves."""
     dims = _dims_with_mesh(**degrees)
     live, healing = _model_and_copy()
     with torch.no_grad():
@@ -152,6 +153,8 @@ def healed_from_a_peers_shards(degrees: dict[str, int]) -> dict[str, object]:
     for model in (live, healing):
         parallelize(model, dims, plan=model.parallel_plan(), options=ParallelConfig())
         optimizers.append(ShardLocalAdamW(_decayed_or_not(model), lr=0.01))
+    sent = {"model": ModelShards(ModelState(live)), "optimizer": SameLayoutOptimizerState(optimizers[0])}
+    weights_alone = sent["model"].reads_weights_alone()
     tokens = [
         torch.randint(0, SMALL.vocab_size, (BATCH, SEQ + 1), generator=torch.Generator().manual_seed(s))
         for s in range(3)
@@ -160,7 +163,6 @@ def healed_from_a_peers_shards(degrees: dict[str, int]) -> dict[str, object]:
         optimizers[0].zero_grad()
         _lm_loss(live, batch).backward()
         optimizers[0].step()
-    sent = {"model": ModelShards(ModelState(live)), "optimizer": SameLayoutOptimizerState(optimizers[0])}
     stream = io.BytesIO()  # as the transport sends it: one safetensors buffer, read with weights_only
     torch.save(as_one_buffer({name: part.state_dict() for name, part in sent.items()}), stream)
     received = from_one_buffer(torch.load(io.BytesIO(stream.getvalue()), weights_only=True))
@@ -180,6 +182,7 @@ def healed_from_a_peers_shards(degrees: dict[str, int]) -> dict[str, object]:
         "unequal": sum(not torch.equal(local_part(a), local_part(b)) for a, b in pairs + states),
         "dtensors_sent": sum(isinstance(leaf, DTensor) for leaf in tree_flatten(received)[0]),
         "healed_are_dtensors": all(isinstance(b, DTensor) and b.placements == a.placements for a, b in pairs + states),
+        "weights_alone": weights_alone,
     }
 
 

@@ -99,6 +99,7 @@ def test_a_healing_group_receives_shards_and_steps_as_its_live_peer(ranks, degre
     per_rank = ranks.run(layer_checks.healed_from_a_peers_shards, degrees)
     assert all(result["unequal"] == 0 for result in per_rank), per_rank
     assert all(result["dtensors_sent"] == 0 and result["healed_are_dtensors"] for result in per_rank), per_rank
+    assert all(result["weights_alone"] for result in per_rank), per_rank
 
 
 def test_fsdp_shards_a_model_without_blocks_as_one_unit(ranks):

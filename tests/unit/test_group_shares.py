@@ -7,7 +7,7 @@ import itertools
 
 import pytest
 
-from paratrain.launch.group_shares import coverage, plan_shares, read_coverage
+from paratrain.launch.group_shares import GroupShares, coverage, plan_shares, read_coverage
 
 
 def shares_of_every_live_group(live: list[int], *, replica_groups: int, batch: str = "fixed"):
@@ -47,9 +47,11 @@ def test_under_shrink_each_live_group_computes_only_its_own_slice():
     assert {group: (share.slices, share.scale) for group, share in shares.items()} == {0: ((0,), 1.0), 2: ((2,), 1.0)}
 
 
-def test_a_group_outside_the_quorum_is_an_internal_error_not_a_silent_share():
-    with pytest.raises(ValueError, match="not in the quorum"):
-        plan_shares([0, 1], group=2, replica_groups=3, batch="fixed")
+def test_a_group_healing_in_the_quorum_computes_its_own_slice_alone_and_the_others_take_it_over():
+    healing = plan_shares([0, 2], group=1, replica_groups=3, batch="fixed")
+    assert healing == GroupShares((1,), 1.0, 2)
+    takers = [plan_shares([0, 2], group=group, replica_groups=3, batch="fixed") for group in (0, 2)]
+    assert [shares.slices for shares in takers] == [(0, 1), (2,)]
 
 
 def test_coverage_lets_a_step_commit_only_when_no_slice_is_repeated_and_under_fixed_none_is_missing():

@@ -61,3 +61,29 @@ def test_a_large_state_goes_as_it_is_streamed_not_copied_whole(monkeypatch):
     monkeypatch.setattr(heal_payload, "ONE_BUFFER_MAX_BYTES", 1_599)
     assert as_one_buffer(state) is state
     assert torch.equal(through_the_wire(state)["model"]["w"], state["model"]["w"])
+
+
+class CopyingModelState:
+    """A model's Stateful whose state dict holds copies of the weights, not the weights themselves."""
+
+    def __init__(self, model: torch.nn.Module):
+        self.model = model
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return {name: value.clone() for name, value in self.model.state_dict().items()}
+
+
+def test_model_shards_are_read_once_only_where_they_are_the_weights_themselves():
+    from paratrain.checkpoint.state import ModelState
+
+    model = torch.nn.Linear(3, 2)
+    shards = heal_payload.ModelShards(ModelState(model))
+    assert shards.reads_weights_alone()
+    with torch.no_grad():
+        model.weight.add_(1.0)  # an optimizer step, in place: the shards read before show it
+    assert torch.equal(shards.state_dict()["weight"], model.weight)
+    copies = heal_payload.ModelShards(CopyingModelState(model))
+    assert not copies.reads_weights_alone()
+    with torch.no_grad():
+        model.weight.add_(1.0)
+    assert torch.equal(copies.state_dict()["weight"], model.weight)  # read again, not a stale copy

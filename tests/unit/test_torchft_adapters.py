@@ -3,9 +3,12 @@ ranks in threads of this process, on a real TCPStore and gloo."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
+from pathlib import Path
 
 import pytest
 import torch
@@ -13,6 +16,7 @@ import torch.distributed as dist
 
 from tests.harness import free_loopback_port
 
+REPO = Path(__file__).resolve().parents[2]
 torchft = pytest.importorskip("torchft", reason="replica groups need the ft extra: pip install 'paratrain[ft]'")
 
 from paratrain.launch.torchft_adapters import connecting_within, remembering_quorum_members  # noqa: E402
@@ -85,3 +89,28 @@ def test_ranks_give_up_connecting_after_the_rendezvous_timeout_and_keep_the_coll
         for group in groups:
             group.abort(errored=False)
         del server
+
+
+def test_a_quorum_request_under_way_hands_back_its_result_or_error_and_never_keeps_the_process_alive():
+    """The step's quorum request runs while the group computes its own slice; a step that fails meanwhile (a peer
+    died) ends the process, which must not wait for the request (up to quorum_timeout_s) as it waited for torchft's
+    executor thread."""
+    from paratrain.launch.torchft_adapters import DaemonThreadPerCall
+
+    calls = DaemonThreadPerCall()
+    assert calls.submit(lambda a, b: a + b, 2, b=3).result(timeout=5) == 5
+    with pytest.raises(TimeoutError, match="lighthouse"):
+        calls.submit(_raise, TimeoutError("lighthouse gone")).result(timeout=5)
+    script = (
+        "import time\n"
+        "from paratrain.launch.torchft_adapters import DaemonThreadPerCall\n"
+        "DaemonThreadPerCall().submit(time.sleep, 600)\n"
+        "raise SystemExit(3)\n"
+    )
+    started = time.monotonic()
+    ended = subprocess.run([sys.executable, "-c", script], cwd=REPO, timeout=60)
+    assert ended.returncode == 3 and time.monotonic() - started < 30
+
+
+def _raise(error: Exception) -> None:
+    raise error
