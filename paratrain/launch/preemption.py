@@ -88,6 +88,11 @@ class StopSignals:
         self._pending = True
         return agreed
 
+    def agreed_so_far(self) -> signal.Signals | None:
+        """The signal the last boundary's reduction agreed on (alike on every rank), starting no other: the next
+        boundary's ``agreed_signal`` returns the same."""
+        return self._read_previous_reduction()
+
     def _read_previous_reduction(self) -> signal.Signals | None:
         if not self._pending:
             return None
@@ -105,6 +110,24 @@ def received_stop_signal() -> str | None:
     """The stop signal this process has received (e.g. ``SIGTERM``), or None: for code waiting outside the step
     loop (a replica group asking for a quorum), which no step boundary will come to stop."""
     return _installed[0].received_name if _installed else None
+
+
+def stop_vote(device: torch.device) -> torch.Tensor:
+    """This group's vote to stop, for the step's cross-group all-reduce (``launch/replica_groups.py``): one-hot over
+    STOP_SIGNALS, the signal its ranks agreed on at the last boundary (alike on each of them), zeros for none.
+    Replica groups receive a signal at different moments; a group that stopped a step before another would resume
+    behind it and heal past the step the other took alone, a step it never trains or logs."""
+    vote = torch.zeros(len(STOP_SIGNALS), device=device)
+    agreed = _installed[0].agreed_so_far() if _installed else None
+    if agreed is not None:
+        vote[STOP_SIGNALS.index(agreed)] = 1.0
+    return vote
+
+
+def voted_stop(votes: list[float]) -> signal.Signals | None:
+    """The stop signal every replica group acts on at this boundary: the first of STOP_SIGNALS any group voted for
+    in the step's all-reduce (``stop_vote``), or None."""
+    return next((signum for signum, count in zip(STOP_SIGNALS, votes, strict=True) if count > 0), None)
 
 
 def announce_stop(*, local_rank: int) -> None:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import signal
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -33,9 +34,10 @@ from paratrain.engine import Engine
 from paratrain.launch import faults
 from paratrain.launch.group_shares import Coverage, coverage, plan_shares, read_coverage
 from paratrain.launch.heal_agreement import check_every_rank_healed_alike
+from paratrain.launch.preemption import StopSignals, stop_vote, voted_stop
 from paratrain.launch.quorum import RETRY_PAUSE_S, join_quorum_or_stop
 from paratrain.launch.stuck_vote import StuckVoteWatch
-from paratrain.launch.taking_part import participating_groups
+from paratrain.launch.taking_part import average_over_groups, participating_groups
 from paratrain.launch.torchft_adapters import apply_received_state_now, take_part_though_healed
 from paratrain.tensors import local_part
 
@@ -101,6 +103,7 @@ class ReplicaGroupSync:
         # quorum_asked: the step's, not yet awaited; in_quorum_for_next_step: healed at start-up, in that step.
         self.healed, self.started, self.quorum_asked, self.in_quorum_for_next_step = False, False, False, False
         self.coverage: Coverage | None = None  # the newest step's, None when its all-reduce failed
+        self.stop_signal: signal.Signals | None = None  # the groups' vote in the newest step's all-reduce
 
     def heals_instead_of_resuming(self) -> bool:
         """A started group first joins the quorum, checkpoint or not: a live peer's state (newer than any
@@ -143,9 +146,19 @@ class ReplicaGroupSync:
             for tensor in [*local, loss]:
                 tensor.mul_(shares.scale)
         counts = torch.tensor(coverage(shares.slices, replica_groups=self.replica_groups), device=loss.device)
-        self.average([*local, loss, counts], taking_part=len(live))
+        votes = stop_vote(loss.device)  # every group then stops at the same boundary
+        average_over_groups(self.manager, [*local, loss, counts, votes], taking_part=len(live))
+        if self.manager.errored() is not None:
+            self._close_cross_group_connections()
         self.coverage = None if self.manager.errored() else read_coverage((counts * len(live)).tolist())
+        self.stop_signal = voted_stop(votes.tolist())
         return loss
+
+    def agreed_stop(self, stop: StopSignals) -> signal.Signals | None:
+        """The stop signal every group acts on after this step: any group's vote in its all-reduce. (The group's
+        own agreement, ``stop.agreed_signal``, is still reached at every boundary: it is the next step's vote.)"""
+        stop.agreed_signal()
+        return self.stop_signal
 
     def checkpoint_state(self) -> dict[str, Any]:
         """The groups' counts, which survive the death of every group too (a plain run's resume leaves them out)."""
@@ -223,22 +236,6 @@ class ReplicaGroupSync:
         """The step a checkpoint resumed this group at, for the quorum: groups behind the newest heal from it."""
         self.manager.load_state_dict({"step": step, "batches_committed": self.manager.batches_committed()})
 
-    def average(self, tensors: list[torch.Tensor], *, taking_part: int) -> None:
-        """Replaces each tensor (gradients, the step's loss) in place by its mean over the ``taking_part`` groups
-        (summed, then divided here: torchft's mean divides by its own count, which leaves out a group healed at
-        start-up): one all-reduce per dtype over the tensors flattened, not one per tensor (each is a round trip)."""
-        by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
-        for tensor in tensors:
-            by_dtype.setdefault(tensor.dtype, []).append(tensor)
-        flat = {dtype: torch.cat([tensor.reshape(-1) for tensor in group]) for dtype, group in by_dtype.items()}
-        for work in [self.manager.allreduce(buffer, reduce_op=dist.ReduceOp.SUM) for buffer in flat.values()]:
-            work.wait()
-        if self.manager.errored() is not None:
-            self._close_cross_group_connections()
-        for dtype, group in by_dtype.items():
-            for tensor, summed in zip(group, flat[dtype].split([tensor.numel() for tensor in group])):
-                tensor.copy_(summed.view_as(tensor)).div_(taking_part)
-
     def _close_cross_group_connections(self) -> None:
         """A peer's death fails the all-reduce at once only for the ranks gloo connects to it; the others waited out
         ``timeout_s`` (5 s a kill in the chaos benchmark). Closing this rank's connections fails theirs at once; the
@@ -286,6 +283,9 @@ class NoReplicaGroups:
 
     def should_commit(self) -> bool:
         return True
+
+    def agreed_stop(self, stop: StopSignals) -> signal.Signals | None:
+        return stop.agreed_signal()
 
     def set_step(self, step: int) -> None:
         pass

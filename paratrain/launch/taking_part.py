@@ -62,3 +62,18 @@ def failed_on_any_rank_of_the_group(manager: Any, *, device: torch.device, on_fa
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         failed = flag.item() > 0
     return failed
+
+
+def average_over_groups(manager: Any, tensors: list[torch.Tensor], *, taking_part: int) -> None:
+    """Replaces each tensor (gradients, the step's loss) in place by its mean over the ``taking_part`` groups
+    (summed, then divided here: torchft's mean divides by its own count, which leaves out a group healed at
+    start-up): one all-reduce per dtype over the tensors flattened, not one per tensor (each is a round trip)."""
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    for tensor in tensors:
+        by_dtype.setdefault(tensor.dtype, []).append(tensor)
+    flat = {dtype: torch.cat([tensor.reshape(-1) for tensor in group]) for dtype, group in by_dtype.items()}
+    for work in [manager.allreduce(buffer, reduce_op=dist.ReduceOp.SUM) for buffer in flat.values()]:
+        work.wait()
+    for dtype, group in by_dtype.items():
+        for tensor, summed in zip(group, flat[dtype].split([tensor.numel() for tensor in group]), strict=True):
+            tensor.copy_(summed.view_as(tensor)).div_(taking_part)

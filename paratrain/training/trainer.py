@@ -166,7 +166,7 @@ class Trainer:
                     window = LogWindow.open(ctx.device)
                 else:
                     self.callbacks.call("on_step_end")
-                stop_signal = stop.agreed_signal() if self.progress.step < max_steps else None
+                stop_signal = self.replicas.agreed_stop(stop) if self.progress.step < max_steps else None
                 last_checkpoint = self._maybe_save(preempted=stop_signal is not None) or last_checkpoint
                 faults.maybe_kill("after_step", step=self.progress.step, rank=ctx.rank)
                 if stop_signal is not None:

@@ -420,6 +420,22 @@ def test_groups_that_a_preemption_finds_in_their_commit_votes_still_stop_togethe
     assert saved[0] == saved[1] and saved[0][-1] in ("step-6", "step-7"), saved
 
 
+def test_a_stop_signal_that_reaches_one_group_stops_every_group_at_the_same_step(tmp_path, steady_lighthouse):
+    """Signals reach replica groups at different moments (one Slurm job's groups stopped a step apart, and the one
+    behind then healed past the step the other took alone). Here only group 0 gets SIGTERM, after step 4: its
+    ranks agree on it at step 5's boundary, and its vote in step 6's all-reduce stops both groups after step 6."""
+    ft = {"lighthouse": steady_lighthouse, "quorum_timeout_s": QUORUM_TIMEOUT_S}
+    sections = {"parallel": {"fault_tolerance": ft}, "train": {"max_steps": 12}}
+    config = write_config(tmp_path / "c.yaml", tiny_config(tmp_path / "ft", **sections))
+    groups = start_groups(config, env={0: {"PARATRAIN_FAULT": "sigterm_after_step:4"}})
+    for index, group in enumerate(groups):
+        code, output = group.process.wait(timeout=400), group.log.read_text()
+        assert code == EXIT_REQUEUE, f"group {index} ended with {code}:\n{output[-4000:]}"
+        assert "stopping at step 6 on SIGTERM" in output
+    saved = [sorted(path.name for path in (tmp_path / f"ft/replica-group-{g}/checkpoints").iterdir()) for g in (0, 1)]
+    assert saved == [["step-6"], ["step-6"]]
+
+
 def wait_for_step(output_dir: Path, step: int, groups: list[Group]) -> None:
     """Returns once ``output_dir`` logged ``step`` (bounded; every group must still be running)."""
     deadline = time.monotonic() + 400

@@ -8,7 +8,7 @@ import torch
 
 from paratrain.errors import EXIT_REQUEUE, EXIT_SAVE_FAILED
 from paratrain.launch.launcher import _summarise_failure
-from paratrain.launch.preemption import StopSignals, _parent_of, _started_by
+from paratrain.launch.preemption import StopSignals, _parent_of, _started_by, stop_vote, voted_stop
 
 
 def test_a_stop_signal_is_acted_on_at_the_boundary_after_the_one_that_reduced_it():
@@ -23,6 +23,22 @@ def test_a_stop_signal_is_acted_on_at_the_boundary_after_the_one_that_reduced_it
     finally:
         stop.uninstall()
     assert signal.getsignal(signal.SIGUSR1) is previous
+
+
+def test_a_replica_group_votes_for_the_signal_its_ranks_agreed_on_and_every_group_acts_on_the_first_voted():
+    stop = StopSignals.install(torch.device("cpu"))
+    try:
+        assert stop_vote(torch.device("cpu")).tolist() == [0.0, 0.0]
+        os.kill(os.getpid(), signal.SIGUSR1)
+        assert stop_vote(torch.device("cpu")).tolist() == [0.0, 0.0]  # received, not yet reduced by the group
+        assert stop.agreed_signal() is None  # reduced at this boundary: the next step's vote carries it
+        assert stop_vote(torch.device("cpu")).tolist() == [0.0, 1.0]
+        assert stop.agreed_signal() == signal.SIGUSR1  # the vote started no reduction: the boundary reads the same
+    finally:
+        stop.uninstall()
+    assert voted_stop([0.0, 0.0]) is None
+    assert voted_stop([0.0, 0.5]) == signal.SIGUSR1  # one group of two voted (the sum is divided by the groups)
+    assert voted_stop([0.5, 0.5]) == signal.SIGTERM  # groups that voted for different signals act on one alike
 
 
 def test_launcher_exits_with_the_requeue_code_only_when_every_worker_did(capsys):
