@@ -148,15 +148,15 @@ class ReplicaGroupSync:
         counts = torch.tensor(coverage(shares.slices, replica_groups=self.replica_groups), device=loss.device)
         votes = stop_vote(loss.device)  # every group then stops at the same boundary
         average_over_groups(self.manager, [*local, loss, counts, votes], taking_part=len(live))
-        if self.manager.errored() is not None:
+        failed = self.manager.errored() is not None  # the sums are then partial: the step commits nowhere
+        if failed:
             self._close_cross_group_connections()
-        self.coverage = None if self.manager.errored() else read_coverage((counts * len(live)).tolist())
-        self.stop_signal = voted_stop(votes.tolist())
+        self.coverage = None if failed else read_coverage((counts * len(live)).tolist())
+        self.stop_signal = None if failed else voted_stop(votes.tolist())
         return loss
 
     def agreed_stop(self, stop: StopSignals) -> signal.Signals | None:
-        """The stop signal every group acts on after this step: any group's vote in its all-reduce. (The group's
-        own agreement, ``stop.agreed_signal``, is still reached at every boundary: it is the next step's vote.)"""
+        """The signal every group stops on after this step (any group's vote in it); ``stop`` agrees the next vote."""
         stop.agreed_signal()
         return self.stop_signal
 
